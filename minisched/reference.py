@@ -1,0 +1,131 @@
+"""Pure-PyTorch references for every op: the oracle the kernels are tested against.
+
+Written for clarity, one request at a time. Arithmetic runs in float32 for
+16-bit inputs and in float64 for float64 inputs; LSE is float32, natural log.
+Shapes follow DESIGN.md §2-3:
+
+    k_cache, v_cache   [num_pages, page_size, Hkv, D]   (one layer)
+    kv_cache           [num_layers, 2, num_pages, page_size, Hkv, D]
+    kv_indptr          int32[B+1], kv_indices int32[nnz], kv_last_page_len int32[B]
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_request_kv(
+    cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, b: int
+) -> torch.Tensor:
+    """Request b's tokens from one layer's K or V cache, in order: [kv_len, Hkv, D]."""
+    page_size = cache.shape[1]
+    start, end = int(kv_indptr[b]), int(kv_indptr[b + 1])
+    pages = kv_indices[start:end].long()
+    kv_len = (end - start - 1) * page_size + int(kv_last_page_len[b])
+    return cache[pages].reshape(-1, *cache.shape[2:])[:kv_len]
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of q [Lq, Hq, D] over k, v [Lk, Hkv, D] (GQA by head repeat).
+
+    Causal is bottom-right aligned: query i sees keys j <= Lk - Lq + i.
+    Returns out [Lq, Hq, D] in the accumulation dtype and lse [Lq, Hq] float32.
+    """
+    acc = _acc_dtype(q.dtype)
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    qf, kf, vf = q.to(acc), k.to(acc).repeat_interleave(group, dim=1), v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale
+    if causal:
+        lq, lk = q.shape[0], k.shape[0]
+        allowed = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, Lq]
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.einsum("hqk,khd->qhd", probs, vf)
+    return out, lse.transpose(0, 1).to(torch.float32)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write token t's K/V [N, Hkv, D] to slot slot_mapping[t] (skip when < 0)."""
+    page_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // page_size, slot % page_size] = k[t]
+        v_cache[slot // page_size, slot % page_size] = v[t]
+
+
+def copy_kv_pages(kv_cache, src_pages, dst_pages) -> None:
+    """kv_cache[:, :, dst[i]] = kv_cache[:, :, src[i]] for every i, all layers, K and V."""
+    for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
+        kv_cache[:, :, d] = kv_cache[:, :, s]
+
+
+def gather_kv_pages(kv_cache, pages, out) -> None:
+    """out[:, :, i] = kv_cache[:, :, pages[i]]; out is [L, 2, n, page_size, Hkv, D]."""
+    for i, p in enumerate(pages.tolist()):
+        out[:, :, i] = kv_cache[:, :, p].to(out.device)
+
+
+def scatter_kv_pages(src, kv_cache, pages) -> None:
+    """kv_cache[:, :, pages[i]] = src[:, :, i] (the inverse of gather_kv_pages)."""
+    for i, p in enumerate(pages.tolist()):
+        kv_cache[:, :, p] = src[:, :, i].to(kv_cache.device)
+
+
+def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, out, lse=None):
+    """One query token per request, q [B, Hq, D], against the request's whole paged KV."""
+    for b in range(q.shape[0]):
+        k = gather_request_kv(k_cache, kv_indptr, kv_indices, kv_last_page_len, b)
+        v = gather_request_kv(v_cache, kv_indptr, kv_indices, kv_last_page_len, b)
+        o, s = attend(q[b : b + 1], k, v, sm_scale, causal=False)
+        out[b] = o[0].to(out.dtype)
+        if lse is not None:
+            lse[b] = s[0]
+
+
+def paged_prefill_attention(
+    q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, out, lse=None
+):
+    """Ragged queries q [Nq, Hq, D]; request b's queries are the last qo_len_b positions of its KV."""
+    for b in range(qo_indptr.shape[0] - 1):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        if q1 == q0:
+            continue
+        k = gather_request_kv(k_cache, kv_indptr, kv_indices, kv_last_page_len, b)
+        v = gather_request_kv(v_cache, kv_indptr, kv_indices, kv_last_page_len, b)
+        o, s = attend(q[q0:q1], k, v, sm_scale, causal=causal)
+        out[q0:q1] = o.to(out.dtype)
+        if lse is not None:
+            lse[q0:q1] = s
+
+
+def shared_prefix_attention(
+    q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len, sm_scale, out, lse
+):
+    """Rows group_indptr[g]:group_indptr[g+1] of q attend (non-causally) to group g's prefix."""
+    paged_prefill_attention(
+        q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len,
+        False, sm_scale, out, lse,
+    )
+
+
+def merge_attention_states(v_a, lse_a, v_b, lse_b, v_out, lse_out) -> None:
+    """Combine two partial attentions over disjoint KV sets: v [N, H, D], lse [N, H] float32."""
+    acc = _acc_dtype(v_a.dtype)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both empty: keep weights finite
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    total = wa + wb
+    merged = (v_a.to(acc) * wa[..., None] + v_b.to(acc) * wb[..., None]) / torch.where(total > 0, total, 1)[..., None]
+    v_out.copy_(merged.to(v_out.dtype))
+    lse_out.copy_((m + torch.log(total)).to(torch.float32))

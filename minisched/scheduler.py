@@ -1,0 +1,380 @@
+"""The scheduler: request lifecycle over a paged KV pool and a radix cache (DESIGN.md §4).
+
+Engine-facing API (pure Python; no torch):
+
+    sched = Scheduler(SchedulerConfig(...), stop_checker=None)
+    req = sched.add_request(rid, prompt_ids, SamplingParams(...))  # InvalidRequest on bad input
+    while sched.has_work():
+        batch = sched.get_next_batch()            # Batch | None
+        if batch is None: continue
+        tokens = runner.forward(batch)            # one token per request, batch order
+        finished = sched.process_batch_result(batch, tokens)
+    # or simply: finished = sched.step(runner)
+    sched.abort(rid)                              # any state; False if unknown/done
+    sched.events, sched.step_stats, sched.check_invariants()
+
+`stop_checker(req) -> bool` is called after each new token (engine-side stop strings;
+finish reason STOP_STR). Request ids must be unique among live requests.
+
+One step (`get_next_batch`): prefill first — the carried chunked request, then waiting
+requests in policy order through the PrefillAdder; optionally decode requests ride
+along (MIXED); otherwise decode the running requests, retracting some first if their
+next pages do not fit even after evicting the radix cache. With
+`max_prefill_rounds_between_decodes = K`, at most K prefill-only rounds run while
+requests wait to decode. `process_batch_result` appends tokens, finishes requests and
+moves completed prefills into the running (decode) batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from minisched.batch import Batch, ForwardMode
+from minisched.events import Event, StepStats
+from minisched.kv_pool import KVPool, cdiv
+from minisched.policy import POLICIES, SchedulePolicy
+from minisched.prefill_adder import AddResult, PrefillAdder
+from minisched.radix_cache import RadixCache
+from minisched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams
+
+
+class ModelRunner(Protocol):
+    def forward(self, batch: Batch) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int = 16
+    num_pages: int = 4096
+    max_context_len: int = 4096
+    chunk_size: int | None = 512  # None: no chunked prefill
+    max_prefill_tokens: int = 8192
+    max_running_requests: int = 256
+    policy: str = "fcfs"
+    enable_radix_cache: bool = True
+    enable_mixed_chunk: bool = False
+    max_prefill_rounds_between_decodes: int | None = None
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    lpm_fallback_len: int = 128
+    aging_steps: int = 64
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"SchedulerConfig: {msg}")
+
+        for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running_requests",
+                     "new_token_ratio_decay_steps", "lpm_fallback_len", "aging_steps"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
+        need(isinstance(self.max_context_len, int) and self.max_context_len >= 2, "max_context_len must be >= 2")
+        need(self.chunk_size is None or (isinstance(self.chunk_size, int) and self.chunk_size >= 1),
+             "chunk_size must be None or >= 1")
+        need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        k = self.max_prefill_rounds_between_decodes
+        need(k is None or (isinstance(k, int) and k >= 1), "max_prefill_rounds_between_decodes must be None or >= 1")
+        need(0 <= self.min_new_token_ratio <= self.init_new_token_ratio,
+             "need 0 <= min_new_token_ratio <= init_new_token_ratio")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, stop_checker: Callable[[Req], bool] | None = None) -> None:
+        self.config = config
+        self.stop_checker = stop_checker
+        self.pool = KVPool(config.num_pages, config.page_size)
+        self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache)
+        self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_steps)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.reqs: dict[str, Req] = {}  # live requests
+        self.events: list[Event] = []
+        self.step_stats: list[StepStats] = []
+        self.new_token_ratio = config.init_new_token_ratio
+        self.step_count = 0
+        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / config.new_token_ratio_decay_steps
+        self._prefill_rounds = 0  # prefill-only rounds since the last decode
+        self._in_flight: Batch | None = None
+        self._step_hits = 0
+
+    # -- requests -------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
+        cfg = self.config
+        sampling = SamplingParams() if sampling is None else sampling
+        if isinstance(sampling, dict):
+            sampling = SamplingParams(**sampling)
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequest(f"request {rid!r}: sampling must be SamplingParams")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequest(f"request id must be a non-empty str, got {rid!r}")
+        if rid in self.reqs:
+            raise InvalidRequest(f"request {rid!r}: duplicate request id")
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise InvalidRequest(f"request {rid!r}: empty prompt")
+        if not all(isinstance(t, int) and t >= 0 for t in prompt):
+            raise InvalidRequest(f"request {rid!r}: prompt ids must be non-negative ints")
+        if len(prompt) >= cfg.max_context_len:
+            raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room "
+                                 f"to generate within max_context_len={cfg.max_context_len}")
+        if cdiv(len(prompt), cfg.page_size) > cfg.num_pages:
+            raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens exceeds the KV pool "
+                                 f"({cfg.num_pages} pages of {cfg.page_size})")
+        req = Req(rid=rid, prompt_ids=prompt, sampling=sampling, wait_since_step=self.step_count)
+        self.reqs[rid] = req
+        self.waiting.append(req)
+        self._record(req, None, ReqStatus.WAITING)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        req = self.reqs.get(rid)
+        if req is None:
+            return False
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req is self.chunked_req:
+            self.chunked_req = None
+        elif req in self.running:
+            self.running.remove(req)
+        self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req is not None)
+
+    # -- one step -------------------------------------------------------------
+    def step(self, runner: ModelRunner) -> list[Req]:
+        batch = self.get_next_batch()
+        if batch is None:
+            return []
+        return self.process_batch_result(batch, runner.forward(batch))
+
+    def get_next_batch(self) -> Batch | None:
+        if self._in_flight is not None:
+            raise RuntimeError("get_next_batch called before process_batch_result of the previous batch")
+        self.step_count += 1
+        k = self.config.max_prefill_rounds_between_decodes
+        decode_due = bool(self.running) and k is not None and self._prefill_rounds >= k
+        self._step_hits, n_retracted = 0, 0
+        batch = None if decode_due else self._prefill_batch()
+        if batch is not None and self.config.enable_mixed_chunk and self.running:
+            batch = self._mix(batch)
+        if batch is None and self.running:
+            n_retracted = self._make_room_for_decode()
+            if self.running:
+                batch = self._decode_batch(n_retracted)
+        if batch is None:
+            return None
+        self._prefill_rounds = self._prefill_rounds + 1 if batch.mode is ForwardMode.PREFILL and self.running else 0
+        self._in_flight = batch
+        self._record_step(batch, n_retracted)
+        return batch
+
+    def process_batch_result(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
+        if len(next_token_ids) != len(batch.reqs):
+            raise ValueError(f"expected {len(batch.reqs)} tokens, got {len(next_token_ids)}")
+        if batch is self._in_flight:
+            self._in_flight = None
+        finished: list[Req] = []
+        any_done = False
+        for req, p, e, sampled, tok in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
+                                           batch.sampled, next_token_ids):
+            if self.reqs.get(req.rid) is not req or req.status not in (ReqStatus.PREFILLING, ReqStatus.RUNNING):
+                continue  # aborted while in flight
+            req.kv_len = p + e
+            if not sampled:  # a chunk that does not finish the prompt: the token is ignored
+                self._cache_unfinished(req)
+                continue
+            was_prefill = req.status is ReqStatus.PREFILLING
+            req.output_ids.append(int(tok))
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            reason = self._finish_reason(req)
+            if reason is not None:
+                any_done = any_done or not was_prefill
+                self._release(req, ReqStatus.FINISHED, reason)
+                finished.append(req)
+            elif was_prefill:
+                self._cache_unfinished(req)
+                self._set_status(req, ReqStatus.RUNNING)
+                self.running.append(req)
+        if any_done:
+            self.running = [r for r in self.running if r.status is ReqStatus.RUNNING]
+        return finished
+
+    # -- batch building -------------------------------------------------------
+    def _prefill_batch(self) -> Batch | None:
+        cfg = self.config
+        if self.chunked_req is None and (not self.waiting or len(self.running) >= cfg.max_running_requests):
+            return None
+        adder = PrefillAdder(self.pool, self.tree, self.new_token_ratio, cfg.max_prefill_tokens, cfg.chunk_size,
+                             cfg.max_running_requests - len(self.running), self.running)
+        carried, self.chunked_req = self.chunked_req, None
+        if carried is not None and not adder.add_chunked_req(carried):
+            self.chunked_req = carried  # its pages do not fit yet: decode first
+            return None
+        if adder.new_chunked_req is None and self.waiting:
+            admitted = []
+            for req in self.policy.order(self.waiting, self.step_count):
+                result = adder.add_one_req(req)
+                if adder.can_run and adder.can_run[-1] is req:
+                    admitted.append(req)
+                if result is not AddResult.CONTINUE:
+                    break
+            if admitted:
+                ids = {id(r) for r in admitted}
+                self.waiting = [r for r in self.waiting if id(r) not in ids]
+                now = time.monotonic()
+                for req in admitted:
+                    if req.first_scheduled_time is None:
+                        req.first_scheduled_time = now
+                    self._set_status(req, ReqStatus.PREFILLING)
+        self.chunked_req = adder.new_chunked_req
+        self._step_hits = adder.cache_hit_tokens
+        if not adder.can_run:
+            return None
+        return Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, self.config.page_size)
+
+    def _mix(self, batch: Batch) -> Batch:
+        """Let the decode requests ride along with the prefill chunk if their pages fit."""
+        need = self.pool.decode_pages_needed(self.running)
+        if need > self.pool.num_free:
+            self.pool.free(self.tree.evict(need - self.pool.num_free))
+        if not self.pool.alloc_for_decode(self.running):
+            return batch
+        n = len(self.running)
+        return Batch(ForwardMode.MIXED, batch.reqs + self.running, batch.prefix_lens + [r.kv_len for r in self.running],
+                     batch.extend_lens + [1] * n, batch.page_size, batch.sampled + [True] * n)
+
+    def _decode_batch(self, n_retracted: int) -> Batch:
+        cfg = self.config
+        if n_retracted:
+            self.new_token_ratio = cfg.init_new_token_ratio
+        else:
+            self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
+        if not self.pool.alloc_for_decode(self.running):
+            raise RuntimeError("decode pages do not fit after retraction")  # _make_room_for_decode ensures they do
+        reqs = list(self.running)
+        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * len(reqs), cfg.page_size,
+                     [True] * len(reqs))
+
+    def _make_room_for_decode(self) -> int:
+        """Evict, then retract (fewest decoded tokens first, ties: longest prompt) until the
+        next decode step's pages fit. Returns the number of retracted requests."""
+        pool, retracted = self.pool, []
+        while True:
+            need = pool.decode_pages_needed(self.running)
+            if need > pool.num_free:
+                pool.free(self.tree.evict(need - pool.num_free))
+            if need <= pool.num_free or not self.running:
+                break
+            if len(self.running) == 1 and self.chunked_req is None:
+                # it alone outgrew the whole pool: nothing else holds pages
+                req = self.running.pop()
+                self._release(req, ReqStatus.FINISHED, FinishReason.LENGTH)
+                break
+            if len(self.running) == 1:
+                victim, self.chunked_req = self.chunked_req, None
+            else:
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+                self.running.remove(victim)
+            self._retract(victim)
+            retracted.append(victim)
+        if retracted:
+            self.waiting[:0] = retracted
+        return len(retracted)
+
+    # -- KV release -----------------------------------------------------------
+    def _retract(self, req: Req) -> None:
+        self._free_kv(req)
+        req.num_retractions += 1
+        req.wait_since_step = self.step_count
+        self._set_status(req, ReqStatus.RETRACTED)
+        self._set_status(req, ReqStatus.WAITING)
+
+    def _release(self, req: Req, status: ReqStatus, reason: FinishReason) -> None:
+        """Finish or abort: KV into the radix cache, locks dropped, slot freed."""
+        self._free_kv(req)
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self._set_status(req, status, reason.value)
+        del self.reqs[req.rid]
+
+    def _free_kv(self, req: Req) -> None:
+        self.tree.cache_finished_req(req, self.pool)
+
+    def _cache_unfinished(self, req: Req) -> None:
+        self.tree.cache_unfinished_req(req, self.pool)
+
+    def _finish_reason(self, req: Req) -> FinishReason | None:
+        sp = req.sampling
+        if not sp.ignore_eos and req.output_ids[-1] in sp.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return FinishReason.MAX_NEW_TOKENS
+        if req.seq_len >= self.config.max_context_len:
+            return FinishReason.LENGTH
+        if self.stop_checker is not None and self.stop_checker(req):
+            return FinishReason.STOP_STR
+        return None
+
+    # -- events and stats -----------------------------------------------------
+    def _record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:
+        self.events.append(Event(time.monotonic(), self.step_count, req.rid, src, dst, req.prompt_len,
+                                 len(req.output_ids), req.kv_len, req.cache_hit_tokens, note))
+
+    def _set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
+        self._record(req, req.status, dst, note)
+        req.status = dst
+
+    def _record_step(self, batch: Batch, n_retracted: int) -> None:
+        pool, tree = self.pool, self.tree
+        decode = sum(1 for r in batch.reqs if r.status is ReqStatus.RUNNING)
+        self.step_stats.append(StepStats(
+            self.step_count, time.monotonic(), batch.mode.value, batch.batch_size, batch.num_tokens - decode, decode,
+            len(self.running), len(self.waiting), pool.num_free, tree.total_pages, tree.evictable_pages,
+            1 - (pool.num_free + tree.evictable_pages) / pool.num_pages, self._step_hits, n_retracted,
+            self.new_token_ratio))
+
+    # -- invariants -----------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless: free + cached + held pages == total, each page owned
+        once; lock refs == live requests locking each node; per-request token counts agree
+        with their state. Call between steps (with no batch in flight)."""
+        ps, live = self.config.page_size, list(self.reqs.values())
+        assert self._in_flight is None, "check_invariants called with a batch in flight"
+        queued = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        assert sorted(id(r) for r in queued) == sorted(id(r) for r in live), "live requests != waiting+running+chunked"
+        locks: dict[int, int] = {}
+        held: list[int] = []
+        for r in live:
+            where = ReqStatus.PREFILLING if r is self.chunked_req else r.status
+            assert r.status is where, f"{r.rid}: status {r.status} but queued as {where}"
+            assert len(r.output_ids) <= r.sampling.max_new_tokens and r.seq_len <= self.config.max_context_len, \
+                f"{r.rid}: too many tokens ({len(r.output_ids)} out, {r.seq_len} total)"
+            assert len(r.page_ids) == cdiv(r.kv_len, ps), f"{r.rid}: {len(r.page_ids)} pages for kv_len {r.kv_len}"
+            if r.status is ReqStatus.WAITING:
+                assert r.kv_len == 0 and r.last_node is None, f"{r.rid}: waiting request holds KV"
+            elif r.status is ReqStatus.RUNNING:
+                assert r.kv_len == r.seq_len - 1, f"{r.rid}: running with kv_len {r.kv_len}, seq_len {r.seq_len}"
+            else:
+                assert 0 < r.kv_len < r.seq_len, f"{r.rid}: chunked with kv_len {r.kv_len}, seq_len {r.seq_len}"
+            assert r.n_cached_pages <= r.kv_len // ps, f"{r.rid}: shares a partly filled page"
+            if r.last_node is None:
+                assert r.n_cached_pages == 0, f"{r.rid}: shared pages without a lock"
+            else:
+                assert self.tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree path"
+                node = r.last_node
+                while node is not self.tree.root:
+                    locks[id(node)] = locks.get(id(node), 0) + 1
+                    node = node.parent
+            held.extend(r.page_ids[r.n_cached_pages:])
+        self.tree.check(locks)
+        cached = self.tree.all_pages()
+        free = self.pool.free_pages
+        owned = free + cached + held
+        assert len(free) + len(cached) + len(held) == self.pool.num_pages, \
+            f"free {len(free)} + cached {len(cached)} + held {len(held)} != total {self.pool.num_pages}"
+        assert sorted(owned) == list(range(self.pool.num_pages)), "a page is owned twice or lost"

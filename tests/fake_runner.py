@@ -1,0 +1,103 @@
+"""A deterministic fake model runner and helpers for the scheduler tests (no torch).
+
+`FakeRunner` behaves like the engine: it stores each new token (and its position) in a
+fake KV pool at `batch.out_slots()`, then reads every request's whole history back
+through `batch.page_table()` and checks it against the request's tokens. Its "greedy"
+next token is a hash of the history it read, so any page-table, sharing or eviction bug
+either trips an assertion or changes the outputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minisched.batch import Batch
+from minisched.events import Event
+from minisched.req import ReqStatus
+from minisched.scheduler import Scheduler
+
+
+def next_token(history: list[int] | np.ndarray, vocab: int) -> int:
+    h = np.asarray(history, dtype=np.int64)
+    return int((int(h.sum()) * 7 + int(h[-1]) * 13 + len(h) * 5) % vocab)
+
+
+def greedy_reference(prompt: list[int], max_new: int, vocab: int, stop_ids=(), max_len: int | None = None) -> list[int]:
+    """What an unconstrained run must produce for one request."""
+    seq, out = list(prompt), []
+    while True:
+        t = next_token(seq, vocab)
+        out.append(t)
+        seq.append(t)
+        if t in stop_ids or len(out) >= max_new or (max_len is not None and len(seq) >= max_len):
+            return out
+
+
+class FakeRunner:
+    def __init__(self, num_pages: int, page_size: int, vocab: int = 50) -> None:
+        self.ps, self.vocab = page_size, vocab
+        self.tok = np.full(num_pages * page_size, -1, dtype=np.int64)
+        self.pos = np.full(num_pages * page_size, -1, dtype=np.int64)
+        self.num_forward = 0
+
+    def forward(self, batch: Batch) -> list[int]:
+        self.num_forward += 1
+        ps, n = self.ps, batch.num_tokens
+        ids, pos, slots = batch.input_ids(), batch.positions(), batch.out_slots()
+        assert len(ids) == len(pos) == len(slots) == n and n > 0
+        assert ids.dtype == pos.dtype == slots.dtype == np.int32
+        assert len(np.unique(slots)) == n, "two new tokens share a slot"
+        self.tok[slots], self.pos[slots] = ids, pos
+        indptr, indices, last = batch.page_table()
+        qo, li = batch.qo_indptr(), batch.logits_indices()
+        assert qo[-1] == n and np.array_equal(li, qo[1:] - 1)
+        assert ((last >= 1) & (last <= ps)).all()
+        out = []
+        for b, req in enumerate(batch.reqs):
+            pages = indices[indptr[b]:indptr[b + 1]].astype(np.int64)
+            kv_len = (len(pages) - 1) * ps + int(last[b])
+            assert kv_len == batch.prefix_lens[b] + batch.extend_lens[b]
+            kv_slots = (pages[:, None] * ps + np.arange(ps)).ravel()[:kv_len]
+            assert np.array_equal(self.pos[kv_slots], np.arange(kv_len)), f"{req.rid}: KV positions wrong"
+            hist = self.tok[kv_slots]
+            want = [req.token_at(i) for i in range(kv_len)]
+            assert hist.tolist() == want, f"{req.rid}: KV content differs from the request's tokens"
+            out.append(next_token(hist, self.vocab))
+        return out
+
+
+def run(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, check: bool = True) -> dict:
+    """Step until no work is left, checking invariants after every step; rid -> Req."""
+    done = {}
+    for _ in range(max_steps):
+        if not sched.has_work():
+            break
+        for req in sched.step(runner):
+            assert req.rid not in done, f"{req.rid} finished twice"
+            done[req.rid] = req
+        if check:
+            sched.check_invariants()
+    else:
+        raise AssertionError(f"no progress after {max_steps} steps")
+    return done
+
+
+def check_lifecycles(events: list[Event]) -> None:
+    """Every request's event chain is a legal path ending at most once in a final state."""
+    legal = {
+        (None, ReqStatus.WAITING), (ReqStatus.WAITING, ReqStatus.PREFILLING),
+        (ReqStatus.PREFILLING, ReqStatus.RUNNING), (ReqStatus.PREFILLING, ReqStatus.FINISHED),
+        (ReqStatus.RUNNING, ReqStatus.FINISHED), (ReqStatus.RUNNING, ReqStatus.RETRACTED),
+        (ReqStatus.PREFILLING, ReqStatus.RETRACTED), (ReqStatus.RETRACTED, ReqStatus.WAITING),
+        (ReqStatus.WAITING, ReqStatus.ABORTED), (ReqStatus.PREFILLING, ReqStatus.ABORTED),
+        (ReqStatus.RUNNING, ReqStatus.ABORTED),
+    }
+    state: dict[int, ReqStatus | None] = {}
+    rid_gen: dict[str, int] = {}
+    for e in events:
+        if e.src is None:  # a (possibly reused) rid starts a new life
+            rid_gen[e.rid] = rid_gen.get(e.rid, 0) + 1
+        key = hash((e.rid, rid_gen[e.rid]))
+        assert (e.src, e.dst) in legal, f"{e.rid}: illegal {e.src} -> {e.dst}"
+        assert state.get(key) == e.src, f"{e.rid}: event from {e.src} but was {state.get(key)}"
+        assert state.get(key) not in (ReqStatus.FINISHED, ReqStatus.ABORTED)
+        state[key] = e.dst
