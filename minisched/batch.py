@@ -37,6 +37,7 @@ class Batch:
     extend_lens: list[int]
     page_size: int
     sampled: list[bool] = field(default_factory=list)  # does row b produce a kept token?
+    num_decode: int = 0  # decode requests (the last rows of a MIXED batch; all of a DECODE one)
 
     def __post_init__(self) -> None:
         if not self.sampled:
@@ -55,16 +56,21 @@ class Batch:
         return self.mode is ForwardMode.DECODE
 
     def input_ids(self) -> np.ndarray:
-        out = []
+        out: list[int] = []
         for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            out.extend(r.token_at(i) for i in range(p, p + e))
+            if e == 1:
+                out.append(r.token_at(p))
+            elif p + e <= len(r.prompt_ids):
+                out.extend(r.prompt_ids[p:p + e])
+            else:
+                out.extend(r.fill_ids[p:p + e])
         return np.asarray(out, dtype=np.int32)
 
     def positions(self) -> np.ndarray:
-        if not self.reqs:
-            return np.zeros(0, dtype=np.int32)
-        return np.concatenate([np.arange(p, p + e, dtype=np.int32)
-                               for p, e in zip(self.prefix_lens, self.extend_lens)])
+        ext = np.asarray(self.extend_lens, dtype=np.int64)
+        qo = self.qo_indptr()
+        shift = np.asarray(self.prefix_lens, dtype=np.int64) - qo[:-1]
+        return (np.arange(int(qo[-1]), dtype=np.int64) + np.repeat(shift, ext)).astype(np.int32)
 
     def qo_indptr(self) -> np.ndarray:
         out = np.zeros(len(self.reqs) + 1, dtype=np.int32)
@@ -75,11 +81,20 @@ class Batch:
         return np.asarray([p + e for p, e in zip(self.prefix_lens, self.extend_lens)], dtype=np.int32)
 
     def out_slots(self) -> np.ndarray:
-        ps, out = self.page_size, []
+        ps, parts, single = self.page_size, [], []
         for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            pages = r.page_ids
-            out.extend(pages[i // ps] * ps + i % ps for i in range(p, p + e))
-        return np.asarray(out, dtype=np.int32)
+            if e == 1:
+                single.append(r.page_ids[p // ps] * ps + p % ps)
+                continue
+            if single:
+                parts.append(np.asarray(single, dtype=np.int64))
+                single = []
+            first = p // ps
+            pages = np.asarray(r.page_ids[first:(p + e - 1) // ps + 1], dtype=np.int64)
+            pos = np.arange(p, p + e, dtype=np.int64)
+            parts.append(pages[pos // ps - first] * ps + pos % ps)
+        parts.append(np.asarray(single, dtype=np.int64))
+        return np.concatenate(parts).astype(np.int32)
 
     def page_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kv_indptr, kv_indices, kv_last_page_len) over prefix + new tokens."""

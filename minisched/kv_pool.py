@@ -16,6 +16,7 @@ Pure Python + numpy; no torch.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -104,7 +105,7 @@ def build_page_table(page_lists: Sequence[Sequence[int]], kv_lens: Sequence[int]
     npages = [cdiv(n, page_size) for n in kv_lens]
     indptr = np.zeros(len(npages) + 1, dtype=np.int32)
     np.cumsum(npages, out=indptr[1:])
-    indices = np.fromiter((p for pl, n in zip(page_lists, npages) for p in pl[:n]),
+    indices = np.fromiter(chain.from_iterable(pl[:n] for pl, n in zip(page_lists, npages)),
                           dtype=np.int32, count=int(indptr[-1]))
     last = np.fromiter(((n - 1) % page_size + 1 for n in kv_lens), dtype=np.int32, count=len(npages))
     return indptr, indices, last

@@ -27,10 +27,15 @@ PageTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_indptr, kv_ind
 
 @dataclass
 class CascadeMeta:
-    """Decode with shared prefixes: q rows group_indptr[g]:group_indptr[g+1] share group g's prefix."""
-    group_indptr: torch.Tensor  # int32 [G+1]
+    """Decode with shared prefixes. The batch rows `rows` (grouped: rows group_indptr[g]:group_indptr[g+1]
+    of q[rows] share group g's prefix pages) run cascade attention; the rows `plain_rows` run plain paged
+    decode with `plain_table`."""
+    rows: torch.Tensor  # int64 [R]
+    group_indptr: torch.Tensor  # int32 [G+1] over q[rows]
     prefix_table: PageTable  # one entry per group
-    suffix_table: PageTable  # one entry per request (each suffix >= 1 token: the new one)
+    suffix_table: PageTable  # one entry per row of q[rows] (each suffix >= 1 token: the new one)
+    plain_rows: torch.Tensor  # int64 [B - R]
+    plain_table: PageTable  # one entry per plain row
 
 
 @dataclass
@@ -141,8 +146,13 @@ class LlamaModel(nn.Module):
         k_cache, v_cache = kv_layer[0], kv_layer[1]
         if meta.cascade is not None:
             c = meta.cascade
-            return ops.cascade_decode_attention(q, c.group_indptr, k_cache, v_cache, c.prefix_table, c.suffix_table,
-                                                backend=backend, check=check)
+            out = torch.empty_like(q)
+            out[c.rows] = ops.cascade_decode_attention(q[c.rows], c.group_indptr, k_cache, v_cache, c.prefix_table,
+                                                       c.suffix_table, backend=backend, check=check)
+            if c.plain_rows.numel():
+                out[c.plain_rows] = ops.paged_decode_attention(q[c.plain_rows], k_cache, v_cache, *c.plain_table,
+                                                               backend=backend, check=check)
+            return out
         if meta.is_decode:
             return ops.paged_decode_attention(q, k_cache, v_cache, *meta.page_table, backend=backend, check=check)
         return ops.paged_prefill_attention(q, meta.qo_indptr, k_cache, v_cache, *meta.page_table, causal=True,

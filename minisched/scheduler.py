@@ -98,6 +98,8 @@ class Scheduler:
         self._prefill_rounds = 0  # prefill-only rounds since the last decode
         self._in_flight: Batch | None = None
         self._step_hits = 0
+        self._abort_pending: set[int] = set()  # id(req) of in-flight requests to abort
+        self._finished_early: list[Req] = []  # finished inside get_next_batch (pool outgrown)
 
     # -- requests -------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
@@ -129,17 +131,26 @@ class Scheduler:
         return req
 
     def abort(self, rid: str) -> bool:
+        """Abort in any state; False if `rid` is unknown or already done. A request in the
+        batch in flight is released when that batch's result arrives (its pages stay valid
+        while the forward pass writes them)."""
         req = self.reqs.get(rid)
         if req is None:
             return False
+        if self._in_flight is not None and any(r is req for r in self._in_flight.reqs):
+            self._abort_pending.add(id(req))
+            return True
+        self._unlink(req)
+        self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
+        return True
+
+    def _unlink(self, req: Req) -> None:
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         elif req is self.chunked_req:
             self.chunked_req = None
-        elif req in self.running:
+        elif req.status is ReqStatus.RUNNING:
             self.running.remove(req)
-        self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
-        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req is not None)
@@ -148,7 +159,8 @@ class Scheduler:
     def step(self, runner: ModelRunner) -> list[Req]:
         batch = self.get_next_batch()
         if batch is None:
-            return []
+            done, self._finished_early = self._finished_early, []
+            return done
         return self.process_batch_result(batch, runner.forward(batch))
 
     def get_next_batch(self) -> Batch | None:
@@ -173,35 +185,50 @@ class Scheduler:
         return batch
 
     def process_batch_result(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
+        """Apply one step's sampled tokens (batch order); returns the requests that finished
+        (including any finished while the batch was built, e.g. by outgrowing the pool)."""
+        if batch is not self._in_flight:
+            raise RuntimeError("process_batch_result: not the batch returned by the last get_next_batch")
         if len(next_token_ids) != len(batch.reqs):
             raise ValueError(f"expected {len(batch.reqs)} tokens, got {len(next_token_ids)}")
-        if batch is self._in_flight:
-            self._in_flight = None
-        finished: list[Req] = []
+        self._in_flight = None
+        finished, self._finished_early = self._finished_early, []
+        running, prefilling = ReqStatus.RUNNING, ReqStatus.PREFILLING
+        pending, max_ctx, checker = self._abort_pending, self.config.max_context_len, self.stop_checker
         any_done = False
         for req, p, e, sampled, tok in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
                                            batch.sampled, next_token_ids):
-            if self.reqs.get(req.rid) is not req or req.status not in (ReqStatus.PREFILLING, ReqStatus.RUNNING):
-                continue  # aborted while in flight
+            status = req.status
+            if status is not running and status is not prefilling:
+                continue
             req.kv_len = p + e
+            if pending and id(req) in pending:
+                self._unlink(req)
+                self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
+                continue
             if not sampled:  # a chunk that does not finish the prompt: the token is ignored
                 self._cache_unfinished(req)
                 continue
-            was_prefill = req.status is ReqStatus.PREFILLING
-            req.output_ids.append(int(tok))
+            tok = int(tok)
+            req.output_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            reason = self._finish_reason(req)
-            if reason is not None:
-                any_done = any_done or not was_prefill
-                self._release(req, ReqStatus.FINISHED, reason)
-                finished.append(req)
-            elif was_prefill:
+            sp = req.sampling
+            if (len(req.output_ids) >= sp.max_new_tokens or p + e + 1 >= max_ctx or checker is not None
+                    or tok in sp.stop_token_ids):
+                reason = self._finish_reason(req)
+                if reason is not None:
+                    any_done = any_done or status is running
+                    self._release(req, ReqStatus.FINISHED, reason)
+                    finished.append(req)
+                    continue
+            if status is prefilling:
                 self._cache_unfinished(req)
-                self._set_status(req, ReqStatus.RUNNING)
+                self._set_status(req, running)
                 self.running.append(req)
+        pending.clear()
         if any_done:
-            self.running = [r for r in self.running if r.status is ReqStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running]
         return finished
 
     # -- batch building -------------------------------------------------------
@@ -246,7 +273,7 @@ class Scheduler:
             return batch
         n = len(self.running)
         return Batch(ForwardMode.MIXED, batch.reqs + self.running, batch.prefix_lens + [r.kv_len for r in self.running],
-                     batch.extend_lens + [1] * n, batch.page_size, batch.sampled + [True] * n)
+                     batch.extend_lens + [1] * n, batch.page_size, batch.sampled + [True] * n, n)
 
     def _decode_batch(self, n_retracted: int) -> Batch:
         cfg = self.config
@@ -257,8 +284,8 @@ class Scheduler:
         if not self.pool.alloc_for_decode(self.running):
             raise RuntimeError("decode pages do not fit after retraction")  # _make_room_for_decode ensures they do
         reqs = list(self.running)
-        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * len(reqs), cfg.page_size,
-                     [True] * len(reqs))
+        n = len(reqs)
+        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
 
     def _make_room_for_decode(self) -> int:
         """Evict, then retract (fewest decoded tokens first, ties: longest prompt) until the
@@ -274,6 +301,7 @@ class Scheduler:
                 # it alone outgrew the whole pool: nothing else holds pages
                 req = self.running.pop()
                 self._release(req, ReqStatus.FINISHED, FinishReason.LENGTH)
+                self._finished_early.append(req)
                 break
             if len(self.running) == 1:
                 victim, self.chunked_req = self.chunked_req, None
@@ -331,7 +359,7 @@ class Scheduler:
 
     def _record_step(self, batch: Batch, n_retracted: int) -> None:
         pool, tree = self.pool, self.tree
-        decode = sum(1 for r in batch.reqs if r.status is ReqStatus.RUNNING)
+        decode = batch.num_decode
         self.step_stats.append(StepStats(
             self.step_count, time.monotonic(), batch.mode.value, batch.batch_size, batch.num_tokens - decode, decode,
             len(self.running), len(self.waiting), pool.num_free, tree.total_pages, tree.evictable_pages,

@@ -86,17 +86,6 @@ def load(spec: str | None = None, *, dtype: torch.dtype = torch.float32, device=
 
 # -- GGUF ------------------------------------------------------------------------------------------
 
-def gguf_metadata(reader) -> dict:
-    """Scalar/string/array fields of a GGUFReader as Python values (token lists included)."""
-    out = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception:  # noqa: BLE001 -- exotic field types we do not need
-            continue
-    return out
-
-
 def config_from_gguf(meta: dict) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
@@ -129,16 +118,15 @@ _GGUF_NAMES = {
 
 
 def load_gguf(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    import gguf
     from dataclasses import replace
 
-    reader = gguf.GGUFReader(path)
-    cfg = config_from_gguf(gguf_metadata(reader))
+    from minisched.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    cfg = config_from_gguf(gf.metadata)
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(tuple(reversed(t.shape.tolist())))
-        name = t.name
+    for name, t in gf.tensors.items():
+        w = torch.from_numpy(np.array(t.dequantize(), dtype=np.float32))  # a writable copy
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
         elif name == "output_norm.weight":

@@ -1,0 +1,255 @@
+// The CPU attention inner loop shared by paged_decode_attention, paged_prefill_attention and
+// shared_prefix_attention: ragged queries against a FlashInfer-style paged KV cache, read in
+// place through the page table.
+//
+// Work item = (request b, kv head h, tile of query tokens). A tile holds up to kMaxRows query
+// rows: Tq tokens x the G = Hq / Hkv query heads that share kv head h (GQA), so every K/V row
+// is loaded once per tile and reused by all its rows. KV is streamed in blocks of kBlock
+// tokens (crossing page boundaries, so page_size 1 costs the same as 16) with an online
+// softmax per row: running max m, running sum l, fp32 accumulator acc rescaled by
+// exp(m_old - m_new). Scores use q pre-scaled by sm_scale; lse = m + log(l) (natural log).
+// Causal masking is bottom-right aligned: query token t of a request with qo_len queries over
+// kv_len keys sees positions <= kv_len - qo_len + t. Items are pulled from an atomic counter
+// by at::get_num_threads() workers (dynamic scheduling; causal tiles differ in cost).
+// Inputs are fp32 / bf16 / fp16; 16-bit K/V blocks are widened to fp32 once per block.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace minisched::cpu {
+
+// Calls f(scalar_t{}) for the native float dtypes (the checks already rejected the rest).
+template <typename F>
+void dispatch_float(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK_TYPE(false, "minisched: unsupported dtype ", t);
+  }
+}
+
+// expf (Cephes polynomial, relative error ~2e-7) written so that GCC vectorizes loops over it.
+// Returns exactly 0 for x < -87.3 (so -inf gives 0) and NaN for NaN.
+inline float exp_approx(float x) {
+  const float xc = std::min(std::max(x, -87.3f), 88.3f);
+  const float fx = std::floor(std::fma(xc, 1.44269504088896341f, 0.5f));
+  float r = std::fma(fx, -0.693359375f, xc);
+  r = std::fma(fx, 2.12194440e-4f, r);
+  float y = 1.9875691500e-4f;
+  y = std::fma(y, r, 1.3981999507e-3f);
+  y = std::fma(y, r, 8.3334519073e-3f);
+  y = std::fma(y, r, 4.1665795894e-2f);
+  y = std::fma(y, r, 1.6666665459e-1f);
+  y = std::fma(y, r, 5.0000001201e-1f);
+  y = std::fma(y, r * r, r + 1.f);
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(fx) + 127) << 23);
+  const float res = y * scale;
+  return x != x ? x : (x < -87.3f ? 0.f : res);
+}
+
+struct AttnParams {
+  const void* q;             // [N, Hq, D]
+  void* out;                 // [N, Hq, D]
+  float* lse;                // [N, Hq] or nullptr
+  const void* k_cache;       // [num_pages, page_size, Hkv, D]
+  const void* v_cache;
+  const int32_t* qo_indptr;  // [B+1]; nullptr: one query per request (decode, row b)
+  const int32_t* kv_indptr;  // [B+1]
+  const int32_t* kv_indices;
+  const int32_t* kv_last_page_len;  // [B]
+  int64_t batch, hq, hkv, d, page_size;
+  float sm_scale;
+  bool causal;
+};
+
+namespace detail {
+
+constexpr int64_t kBlock = 32;    // KV tokens per online-softmax step
+constexpr int64_t kMaxRows = 32;  // query rows per tile (at least G)
+
+// s[j] = <q, k_j> for j < n, four keys at a time (four independent FMA chains).
+inline void scores(const float* __restrict q, const float* const* k, int64_t n, int64_t d, float* __restrict s) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < d; ++i) {
+      s0 = std::fma(q[i], k0[i], s0);
+      s1 = std::fma(q[i], k1[i], s1);
+      s2 = std::fma(q[i], k2[i], s2);
+      s3 = std::fma(q[i], k3[i], s3);
+    }
+    s[j] = s0, s[j + 1] = s1, s[j + 2] = s2, s[j + 3] = s3;
+  }
+  for (; j < n; ++j) {
+    const float* k0 = k[j];
+    float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t i = 0; i < d; ++i) s0 = std::fma(q[i], k0[i], s0);
+    s[j] = s0;
+  }
+}
+
+// acc += sum_j p[j] * v_j for j < n, four rows of V per pass over acc.
+inline void accumulate(float* __restrict acc, const float* p, const float* const* v, int64_t n, int64_t d) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float *v0 = v[j], *v1 = v[j + 1], *v2 = v[j + 2], *v3 = v[j + 3];
+    const float p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i)
+      acc[i] = std::fma(p3, v3[i], std::fma(p2, v2[i], std::fma(p1, v1[i], std::fma(p0, v0[i], acc[i]))));
+  }
+  for (; j < n; ++j) {
+    const float* v0 = v[j];
+    const float p0 = p[j];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p0, v0[i], acc[i]);
+  }
+}
+
+template <typename scalar_t>
+inline void widen(const scalar_t* __restrict src, float* __restrict dst, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+struct Item {
+  int32_t b, t0, h;
+};
+
+// Per-worker buffers, sized once per call.
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, kbuf, vbuf;
+  std::vector<int64_t> lim;
+  std::vector<const float*> kp, vp;
+  Scratch(int64_t rows, int64_t d)
+      : q(rows * d), acc(rows * d), s(kBlock), m(rows), l(rows), kbuf(kBlock * d), vbuf(kBlock * d), lim(rows),
+        kp(kBlock), vp(kBlock) {}
+};
+
+template <typename scalar_t>
+void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
+  const int64_t d = p.d, g = p.hq / p.hkv, ps = p.page_size;
+  const int64_t q0 = p.qo_indptr ? p.qo_indptr[it.b] : it.b;
+  const int64_t qo_len = p.qo_indptr ? p.qo_indptr[it.b + 1] - q0 : 1;
+  const int64_t t0 = it.t0, t1 = std::min<int64_t>(qo_len, t0 + tq);
+  const int64_t rows = (t1 - t0) * g;
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.b];
+  const int64_t kv_len = int64_t(p.kv_indptr[it.b + 1] - p.kv_indptr[it.b] - 1) * ps + p.kv_last_page_len[it.b];
+  const auto* q = static_cast<const scalar_t*>(p.q);
+  const auto* kc = static_cast<const scalar_t*>(p.k_cache);
+  const auto* vc = static_cast<const scalar_t*>(p.v_cache);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  // -- load the tile's query rows (row r = token (t0 + r / g), head h * g + r % g), pre-scaled --
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / g;
+    const scalar_t* src = q + ((q0 + t) * p.hq + it.h * g + r % g) * d;
+    float* dst = w.q.data() + r * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * p.sm_scale;
+    w.lim[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;  // last visible KV position
+    w.m[r] = kNegInf;
+    w.l[r] = 0.f;
+    std::fill_n(w.acc.data() + r * d, d, 0.f);
+  }
+  const int64_t kv_end = std::min(kv_len, w.lim[rows - 1] + 1);
+
+  // -- stream KV blocks through the page table ----------------------------------------------
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, kv_end - j0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = j0 + j;
+      const int64_t off = ((int64_t(pages[pos / ps]) * ps + pos % ps) * p.hkv + it.h) * d;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        w.kp[j] = kc + off;
+        w.vp[j] = vc + off;
+      } else {
+        widen(kc + off, w.kbuf.data() + j * d, d);
+        widen(vc + off, w.vbuf.data() + j * d, d);
+        w.kp[j] = w.kbuf.data() + j * d;
+        w.vp[j] = w.vbuf.data() + j * d;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t valid = std::min(n, w.lim[r] - j0 + 1);  // causal: keys past lim are masked
+      if (valid <= 0) continue;
+      float* s = w.s.data();
+      scores(w.q.data() + r * d, w.kp.data(), valid, d, s);
+      float mb = kNegInf;
+      for (int64_t j = 0; j < valid; ++j) mb = s[j] > mb ? s[j] : mb;
+      const float m_new = std::max(w.m[r], mb);
+      float* acc = w.acc.data() + r * d;
+      if (m_new > w.m[r] && w.m[r] != kNegInf) {  // rescale what was accumulated so far
+        const float corr = std::exp(w.m[r] - m_new);
+        w.l[r] *= corr;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) acc[i] *= corr;
+      }
+      w.m[r] = m_new;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < valid; ++j) {
+        const float e = exp_approx(s[j] - m_new);
+        s[j] = e;
+        sum += e;
+      }
+      w.l[r] += sum;
+      accumulate(acc, s, w.vp.data(), valid, d);
+    }
+  }
+
+  // -- normalize and write out ---------------------------------------------------------------
+  auto* out = static_cast<scalar_t*>(p.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = (q0 + t0 + r / g) * p.hq + it.h * g + r % g;
+    const float l = w.l[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float* acc = w.acc.data() + r * d;
+    scalar_t* dst = out + row * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(acc[i] * inv);
+    if (p.lse) p.lse[row] = l > 0.f ? w.m[r] + std::log(l) : kNegInf;
+  }
+}
+
+}  // namespace detail
+
+// Runs attention for every (request, kv head, query tile) of p; index values must be valid.
+template <typename scalar_t>
+void paged_attention(const AttnParams& p) {
+  using namespace detail;
+  const int64_t g = p.hq / p.hkv;
+  const int64_t tq = std::max<int64_t>(1, kMaxRows / g);
+  std::vector<Item> items;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t qo_len = p.qo_indptr ? p.qo_indptr[b + 1] - p.qo_indptr[b] : 1;
+    for (int64_t t0 = 0; t0 < qo_len; t0 += tq)
+      for (int64_t h = 0; h < p.hkv; ++h) items.push_back({int32_t(b), int32_t(t0), int32_t(h)});
+  }
+  if (items.empty()) return;
+  const int64_t rows = tq * g;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch w(rows, p.d);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) run_item<scalar_t>(p, items[i], tq, w);
+  });
+}
+
+}  // namespace minisched::cpu

@@ -1,0 +1,434 @@
+// The one paged attention kernel behind paged_decode_attention, paged_prefill_attention and
+// shared_prefix_attention: FlashAttention-2 style tiles on mma.sync m16n8k16 (bf16/fp16 in,
+// fp32 accumulate), online softmax in the log2 domain, K/V pages gathered by the page table
+// into shared memory with 16-byte cp.async (two stages), split-KV with a merge pass.
+//
+// Rows of a query tile are (query token, q head in the kv head's GQA group) pairs, so one CTA
+// reads a request's K/V pages for one kv head ONCE for the whole group (decode: all `group`
+// heads of the one query; prefill: 16 * warps / group tokens x group heads; shared prefix:
+// the group's requests x heads). Each warp owns 16 rows and the whole 64-token KV tile.
+//
+// Instantiations: {bf16, fp16} x head_dim {64, 128}.
+#include "cuda/attention_utils.cuh"
+
+#include <algorithm>
+#include <cmath>
+
+namespace minisched::cuda {
+namespace {
+
+constexpr int kBlockN = 64;   // KV tokens per tile
+constexpr int kStages = 2;    // cp.async pipeline depth
+constexpr int kMaxWarps = 4;  // 16 query rows per warp
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -INFINITY;
+
+__device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }
+
+template <int D>
+constexpr int pitch() {  // smem row pitch in elements: +16 bytes so ldmatrix rows hit distinct banks
+  return D + 8;
+}
+
+template <int D>
+size_t smem_bytes(int warps) {
+  return size_t(16 * warps + 2 * kStages * kBlockN) * pitch<D>() * 2;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const AttentionParams p) {
+  constexpr int SP = pitch<D>();
+  constexpr int CH = D / 8;     // 16-byte chunks per row
+  constexpr int KS = D / 16;    // k-steps of QK^T
+  constexpr int NT = kBlockN / 8;  // n8 tiles of S
+  constexpr int DT = D / 8;     // n8 tiles of O
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  const int nthreads = blockDim.x;
+  const int warps = nthreads / 32;
+  const int rows_tile = 16 * warps;
+  T* sK = sQ + rows_tile * SP;
+  T* sV = sK + kStages * kBlockN * SP;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int g = p.group;
+
+  // -- which request and which tile of its rows -------------------------------------------------
+  int b, tile, q_start, qo_len;
+  if (p.qo_indptr == nullptr) {
+    b = blockIdx.x / p.tiles_per_request;
+    tile = blockIdx.x % p.tiles_per_request;
+    q_start = b;
+    qo_len = 1;
+  } else {
+    const int x = blockIdx.x;
+    if (x >= p.tile_offsets[p.batch]) return;
+    int lo = 0, hi = p.batch - 1;  // largest b with tile_offsets[b] <= x
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (p.tile_offsets[mid] <= x) lo = mid; else hi = mid - 1;
+    }
+    b = lo;
+    const int ntiles = p.tile_offsets[b + 1] - p.tile_offsets[b];
+    tile = ntiles - 1 - (x - p.tile_offsets[b]);  // the last (heaviest when causal) tiles first
+    q_start = p.qo_indptr[b];
+    qo_len = p.qo_indptr[b + 1] - q_start;  // the tile map gave 0 tiles to invalid ranges
+  }
+  const int rows_total = qo_len * g;
+  const int row_beg = tile * rows_tile;
+  const int rows_valid = min(rows_tile, rows_total - row_beg);
+
+  // -- request validity (never dereference a bad page table) -------------------------------------
+  const int kv_beg = p.kv_indptr[b], kv_endp = p.kv_indptr[b + 1], last = p.kv_last_page_len[b];
+  bool bad = !(kv_beg >= 0 && kv_beg < kv_endp && kv_endp <= p.nnz && last >= 1 && last <= p.page_size);
+  const long long kv_len_ll = (long long)(kv_endp - kv_beg - 1) * p.page_size + last;
+  bad = bad || kv_len_ll > 0x7fffffffLL || (p.causal && kv_len_ll < qo_len);  // causal rows need >= 1 key
+  const int kv_len = bad ? 0 : int(kv_len_ll);
+
+  const bool split_mode = p.num_splits > 1;
+  T* out = reinterpret_cast<T*>(p.out);
+
+  // -- KV range of this split (tile aligned), cut by the causal limit of the tile's last row -----
+  int chunk = (kv_len + p.num_splits - 1) / p.num_splits;
+  chunk = (chunk + kBlockN - 1) / kBlockN * kBlockN;
+  const int s_beg = split * chunk;
+  int s_end = min(kv_len, s_beg + chunk);
+  if (p.causal && rows_valid > 0) {
+    const int qi_last = (row_beg + rows_valid - 1) / g;
+    s_end = min(s_end, kv_len - qo_len + qi_last + 1);
+  }
+  const int n_tiles = (bad || s_end <= s_beg) ? 0 : (s_end - s_beg + kBlockN - 1) / kBlockN;
+
+  // -- loaders --------------------------------------------------------------------------------
+  const T* qg = reinterpret_cast<const T*>(p.q);
+  const T* kg = reinterpret_cast<const T*>(p.k_cache);
+  const T* vg = reinterpret_cast<const T*>(p.v_cache);
+  for (int idx = tid; idx < rows_tile * CH; idx += nthreads) {
+    const int r = idx / CH, c = idx % CH;
+    const int pr = row_beg + r;
+    const bool valid = !bad && r < rows_valid;
+    const T* src = qg;
+    if (valid) src = qg + ((long long)(q_start + pr / g) * p.num_heads + kvh * g + pr % g) * D + c * 8;
+    cp_async_16(sQ + r * SP + c * 8, src, valid);
+  }
+  bool bad_page = false;
+  auto load_kv = [&](int t, int stage) {
+    const int tok0 = s_beg + t * kBlockN;
+    T* k_dst = sK + stage * kBlockN * SP;
+    T* v_dst = sV + stage * kBlockN * SP;
+    const int c = tid % CH;
+    for (int r = tid / CH; r < kBlockN; r += nthreads / CH) {
+      const int tok = tok0 + r;
+      bool valid = tok < s_end;
+      long long off = 0;
+      if (valid) {
+        const int page = p.kv_indices[kv_beg + tok / p.page_size];
+        if ((unsigned)page >= (unsigned)p.num_pages) {
+          bad_page = true;
+          valid = false;
+        } else {
+          off = ((long long)page * p.page_size + tok % p.page_size) * p.num_kv_heads * D + (long long)kvh * D + c * 8;
+        }
+      }
+      cp_async_16(k_dst + r * SP + c * 8, kg + off, valid);
+      cp_async_16(v_dst + r * SP + c * 8, vg + off, valid);
+    }
+  };
+  if (n_tiles > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  // -- per-thread state: rows lane/4 and lane/4 + 8 of the warp's 16 ------------------------------
+  const int wrow0 = warp * 16 + (lane >> 2);
+  int limit[2];  // last KV position each of the thread's rows may see (causal); else kv_len - 1
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int pr = row_beg + wrow0 + 8 * i;
+    limit[i] = p.causal ? kv_len - qo_len + pr / g : kv_len - 1;
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  uint32_t qa[KS][4];
+
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (t == 0) {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        ldmatrix_x4(qa[ks], sQ + (warp * 16 + (lane & 15)) * SP + ks * 16 + (lane >> 4) * 8);
+    }
+    const T* k_s = sK + (t & 1) * kBlockN * SP;
+    const T* v_s = sV + (t & 1) * kBlockN * SP;
+    const int tok0 = s_beg + t * kBlockN;
+
+    // -- S = Q K^T ------------------------------------------------------------------------------
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int nb = 0; nb < NT / 2; ++nb) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, k_s + (nb * 16 + (lane & 7) + (lane >> 4) * 8) * SP + ks * 16 + ((lane >> 3) & 1) * 8);
+        mma_16816<T>(s[2 * nb], qa[ks], kb[0], kb[1]);
+        mma_16816<T>(s[2 * nb + 1], qa[ks], kb[2], kb[3]);
+      }
+    }
+    // -- scale + mask ---------------------------------------------------------------------------
+    const bool need_mask = tok0 + kBlockN > s_end || (p.causal && tok0 + kBlockN - 1 > min(limit[0], limit[1]));
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[j][e] * p.scale_log2;
+        if (need_mask) {
+          const int tok = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
+          if (tok >= s_end || tok > limit[e >> 1]) v = kNegInf;
+        }
+        s[j][e] = v;
+      }
+    }
+    // -- online softmax -------------------------------------------------------------------------
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = kNegInf;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[i], mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = fast_exp2(m[i] - m_use);
+      m[i] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        s[j][2 * i] = fast_exp2(s[j][2 * i] - m_use);
+        s[j][2 * i + 1] = fast_exp2(s[j][2 * i + 1] - m_use);
+        sum += s[j][2 * i] + s[j][2 * i + 1];
+      }
+      l[i] = l[i] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][2 * i] *= alpha;
+        o[j][2 * i + 1] *= alpha;
+      }
+    }
+    // -- O += P V ---------------------------------------------------------------------------------
+#pragma unroll
+    for (int kb = 0; kb < NT / 2; ++kb) {
+      uint32_t pa[4];
+      pa[0] = pack2<T>(s[2 * kb][0], s[2 * kb][1]);
+      pa[1] = pack2<T>(s[2 * kb][2], s[2 * kb][3]);
+      pa[2] = pack2<T>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
+      pa[3] = pack2<T>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, v_s + (kb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP + dp * 16 + (lane >> 4) * 8);
+        mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+        mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // the stage just read is the one the next iteration's load overwrites
+  }
+  cp_async_wait<0>();
+  bad = __syncthreads_or(bad || bad_page);
+
+  // -- epilogue: rows lane/4 (+8) of this warp; row -> (query token, head) ----------------------
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+  const int c2 = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = wrow0 + 8 * i;
+    if (r >= rows_valid) continue;
+    const int pr = row_beg + r;
+    const long long rh = (long long)(q_start + pr / g) * p.num_heads + kvh * g + pr % g;  // (row, head)
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    float lse_v = l[i] > 0.f ? (m[i] + __log2f(l[i])) * kLn2 : kNegInf;
+    if (bad) lse_v = nan_f();
+    if (!split_mode) {
+      T* dst = out + rh * D + c2;
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        const float a = bad ? nan_f() : o[j][2 * i] * inv, bb = bad ? nan_f() : o[j][2 * i + 1] * inv;
+        *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(a, bb);
+      }
+      if ((lane & 3) == 0 && p.lse != nullptr) p.lse[rh] = lse_v;
+    } else {
+      const long long prh = (long long)split * p.num_qo * p.num_heads + rh;
+      float* dst = p.part_out + prh * D + c2;
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        const float a = bad ? nan_f() : o[j][2 * i] * inv, bb = bad ? nan_f() : o[j][2 * i + 1] * inv;
+        *reinterpret_cast<float2*>(dst + j * 8) = make_float2(a, bb);
+      }
+      if ((lane & 3) == 0) p.part_lse[prh] = lse_v;
+    }
+  }
+}
+
+// Merge the splits' partial (out, lse) by log-sum-exp: one thread per 4 output elements.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) merge_splits_kernel(const AttentionParams p) {
+  const long long rows = (long long)p.num_qo * p.num_heads;
+  const long long total = rows * (D / 4);
+  const long long split_stride = rows;
+  T* out = reinterpret_cast<T*>(p.out);
+  for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+       idx += (long long)gridDim.x * blockDim.x) {
+    const long long rh = idx / (D / 4);
+    const int d = int(idx % (D / 4)) * 4;
+    float m = kNegInf;
+    for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.part_lse[s * split_stride + rh]);
+    const float m_use = m == kNegInf ? 0.f : m;
+    float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float w = __expf(p.part_lse[s * split_stride + rh] - m_use);
+      const float4 v = *reinterpret_cast<const float4*>(p.part_out + (s * split_stride + rh) * D + d);
+      sum += w;
+      acc[0] += w * v.x;
+      acc[1] += w * v.y;
+      acc[2] += w * v.z;
+      acc[3] += w * v.w;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : (sum == 0.f ? 0.f : sum);  // NaN sum stays NaN
+    uint2 packed;
+    packed.x = pack2<T>(acc[0] * inv, acc[1] * inv);
+    packed.y = pack2<T>(acc[2] * inv, acc[3] * inv);
+    *reinterpret_cast<uint2*>(out + rh * D + d) = packed;
+    if (d == 0 && p.lse != nullptr) p.lse[rh] = m_use + __logf(sum);
+  }
+}
+
+// tile_offsets[b] = sum over b' < b of ceil(qo_len_b' * group / rows_tile); invalid ranges get 0
+// tiles. One block; each thread scans a contiguous run of requests.
+__global__ void __launch_bounds__(1024) tile_map_kernel(const int32_t* qo_indptr, int batch, int num_qo, int group,
+                                                        int rows_tile, int32_t* tile_offsets) {
+  __shared__ int sums[1024];
+  const int t = threadIdx.x, n = blockDim.x;
+  const int per = (batch + n - 1) / n;
+  const int b0 = min(batch, t * per), b1 = min(batch, b0 + per);
+  auto tiles_of = [&](int b) {
+    const int q0 = qo_indptr[b], q1 = qo_indptr[b + 1];
+    if (q0 < 0 || q1 < q0 || q1 > num_qo) return 0;
+    return int(((long long)(q1 - q0) * group + rows_tile - 1) / rows_tile);
+  };
+  int local = 0;
+  for (int b = b0; b < b1; ++b) local += tiles_of(b);
+  sums[t] = local;
+  __syncthreads();
+  for (int off = 1; off < n; off <<= 1) {
+    const int v = t >= off ? sums[t - off] : 0;
+    __syncthreads();
+    sums[t] += v;
+    __syncthreads();
+  }
+  int run = sums[t] - local;
+  for (int b = b0; b < b1; ++b) {
+    tile_offsets[b] = run;
+    run += tiles_of(b);
+  }
+  if (t == n - 1) tile_offsets[batch] = sums[t];
+}
+
+// Fewest splits whose CTA count fills the resident slots evenly (>= 90% of the last wave), each
+// split keeping at least 4 KV tiles.
+int choose_splits(long long base_ctas, int slots, long long est_kv_len) {
+  if (base_ctas <= 0 || slots <= 0) return 1;
+  const int max_splits = int(std::max<long long>(1, std::min<long long>(32, est_kv_len / (4 * kBlockN))));
+  int best = 1;
+  double best_eff = 0.0;
+  for (int s = 1; s <= max_splits; ++s) {
+    const long long ctas = base_ctas * s;
+    const long long waves = (ctas + slots - 1) / slots;
+    const double eff = double(ctas) / double(waves * slots);
+    if (eff >= 0.9) return s;
+    if (eff > best_eff + 1e-9) {
+      best_eff = eff;
+      best = s;
+    }
+  }
+  return best;
+}
+
+template <typename T, int D>
+cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, WorkspaceAllocator& alloc,
+                         cudaStream_t stream) {
+  const bool ragged = p.qo_indptr != nullptr;
+  const int warps = ragged ? kMaxWarps : std::min(kMaxWarps, (p.group + 15) / 16);
+  const int rows_tile = 16 * warps;
+  const size_t smem = smem_bytes<D>(warps);
+  auto kernel = paged_attention_kernel<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+
+  long long grid_x;
+  long long est_ctas;
+  if (ragged) {
+    grid_x = ((long long)p.num_qo * p.group + rows_tile - 1) / rows_tile + p.batch;
+    est_ctas = ((long long)p.num_qo * p.group + rows_tile - 1) / rows_tile;
+    p.tiles_per_request = 0;
+  } else {
+    p.tiles_per_request = (p.group + rows_tile - 1) / rows_tile;
+    grid_x = (long long)p.batch * p.tiles_per_request;
+    est_ctas = grid_x;
+  }
+  if (grid_x == 0 || p.num_qo == 0) return cudaSuccess;
+  est_ctas = std::max<long long>(1, est_ctas) * p.num_kv_heads;
+
+  int per_sm = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem);
+  if (err != cudaSuccess) return err;
+  p.num_splits = choose_splits(est_ctas, std::max(1, per_sm) * num_sms, est_kv_len);
+
+  if (ragged) {
+    auto* offsets = static_cast<int32_t*>(alloc.allocate(sizeof(int32_t) * (p.batch + 1)));
+    tile_map_kernel<<<1, 1024, 0, stream>>>(p.qo_indptr, p.batch, p.num_qo, p.group, rows_tile, offsets);
+    p.tile_offsets = offsets;
+  }
+  if (p.num_splits > 1) {
+    const size_t rows = size_t(p.num_qo) * p.num_heads;
+    p.part_out = static_cast<float*>(alloc.allocate(sizeof(float) * p.num_splits * rows * D));
+    p.part_lse = static_cast<float*>(alloc.allocate(sizeof(float) * p.num_splits * rows));
+  }
+  dim3 grid(unsigned(grid_x), unsigned(p.num_kv_heads), unsigned(p.num_splits));
+  kernel<<<grid, warps * 32, smem, stream>>>(p);
+  if (p.num_splits > 1) {
+    const long long total = (long long)p.num_qo * p.num_heads * (D / 4);
+    const int blocks = int(std::min<long long>((total + 255) / 256, (long long)num_sms * 16));
+    merge_splits_kernel<T, D><<<blocks, 256, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_paged_attention(AttentionParams p, bool dtype_is_bf16, int head_dim, int64_t est_kv_len,
+                                   int num_sms, WorkspaceAllocator& alloc, cudaStream_t stream) {
+  p.num_splits = 1;
+  p.part_out = nullptr;
+  p.part_lse = nullptr;
+  p.tile_offsets = nullptr;
+  if (dtype_is_bf16) {
+    if (head_dim == 64) return launch_typed<__nv_bfloat16, 64>(p, est_kv_len, num_sms, alloc, stream);
+    if (head_dim == 128) return launch_typed<__nv_bfloat16, 128>(p, est_kv_len, num_sms, alloc, stream);
+  } else {
+    if (head_dim == 64) return launch_typed<__half, 64>(p, est_kv_len, num_sms, alloc, stream);
+    if (head_dim == 128) return launch_typed<__half, 128>(p, est_kv_len, num_sms, alloc, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace minisched::cuda
