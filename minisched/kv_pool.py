@@ -65,6 +65,14 @@ class KVPool:
             self._is_free[p] = 1
             self._free.append(p)
 
+    def check_partition(self, cached: list[int], held: list[int]) -> None:
+        """free + cached + held pages == total, every page owned exactly once."""
+        free = self._free
+        assert len(free) + len(cached) + len(held) == self.num_pages, \
+            f"free {len(free)} + cached {len(cached)} + held {len(held)} != total {self.num_pages}"
+        assert sorted(free + cached + held) == list(range(self.num_pages)), "a page is owned twice or lost"
+        assert all(self._is_free[p] for p in free), "free-list flags out of sync"
+
     # -- request page tables --------------------------------------------------
     def pages_needed(self, req: Req, n_tokens: int) -> int:
         """Pages `req` still lacks to hold `n_tokens` more tokens after its `kv_len`."""

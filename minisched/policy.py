@@ -4,7 +4,8 @@
 - `lpm`: longest cached prefix first (radix `match_prefix` of each waiting request);
   plain FCFS when more than `lpm_fallback_len` (128) requests wait or the cache is off.
 - `dfs-weight`: depth-first over the radix tree, heavier subtrees (more waiting
-  requests below) first, so requests sharing a prefix run together.
+  requests below) first, so requests sharing a prefix run together. Like LPM it
+  matches every waiting request, so it also falls back to FCFS beyond `lpm_fallback_len`.
 - `lof`: longest output (max_new_tokens) first.
 
 Aging (every policy but FCFS, which needs none): a request that has waited
@@ -45,7 +46,7 @@ class SchedulePolicy:
         if name == "fcfs":
             return waiting
         if name == "lpm":
-            keyed = [(-len(self.tree.match_prefix(r.fill_ids[:-1])[0]), i, r) for i, r in enumerate(waiting)]
+            keyed = [(-len(self._match(r)[0]), i, r) for i, r in enumerate(waiting)]
             ordered = [r for _, _, r in sorted(keyed, key=lambda x: (x[0], x[1]))]
         elif name == "lof":
             ordered = sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
@@ -58,11 +59,14 @@ class SchedulePolicy:
         aged_ids = {id(r) for r in aged}
         return aged + [r for r in ordered if id(r) not in aged_ids]
 
+    def _match(self, r: Req):
+        return self.tree.match_prefix(r.fill_ids if r.output_ids else r.prompt_ids, r.seq_len - 1)
+
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
         at_node: dict[int, list[Req]] = {}
         nodes: dict[int, TreeNode] = {}
         for r in waiting:
-            _, node = self.tree.match_prefix(r.fill_ids[:-1])
+            _, node = self._match(r)
             at_node.setdefault(id(node), []).append(r)
             nodes[id(node)] = node
         weight: dict[int, int] = {}
@@ -72,11 +76,14 @@ class SchedulePolicy:
                 weight[id(node)] = weight.get(id(node), 0) + len(reqs)
                 node = node.parent
         out: list[Req] = []
-        stack = [self.tree.root]
-        while stack:
-            node = stack.pop()
-            out.extend(at_node.get(id(node), ()))
+        stack = [(self.tree.root, False)]
+        while stack:  # post-order (SGLang): heavier children first, then the node's own requests
+            node, expanded = stack.pop()
+            if expanded:
+                out.extend(at_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
             kids = [c for c in node.children.values() if id(c) in weight]
-            kids.sort(key=lambda c: weight[id(c)])  # popped heaviest first
-            stack.extend(kids)
+            kids.sort(key=lambda c: weight[id(c)])  # the heaviest is pushed last, popped first
+            stack.extend((c, False) for c in kids)
         return out

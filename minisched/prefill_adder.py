@@ -94,10 +94,9 @@ class PrefillAdder:
             return AddResult.OTHER
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
             return AddResult.OTHER
-        fill = req.fill_ids
-        pages, node = self.tree.match_prefix(fill[:-1])
+        pages, node = self.tree.match_prefix(req.fill_ids if req.output_ids else req.prompt_ids, req.seq_len - 1)
         prefix = len(pages) * self.pool.page_size
-        n, truncated = self._chunk_len(len(fill) - prefix)
+        n, truncated = self._chunk_len(req.seq_len - prefix)
         if self.can_run and n > self.rem_input_tokens:
             return AddResult.OTHER
         self.tree.inc_lock_ref(node)

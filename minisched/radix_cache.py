@@ -46,6 +46,17 @@ class RadixCache:
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
         self.evictable_pages = 0
         self.protected_pages = 0
+        # lazy LRU heap of (last_access, seq, node) eviction candidates; stale entries
+        # (touched, locked, inner or removed nodes) are re-checked when popped
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._seq = itertools.count()
+
+    def _push(self, node: TreeNode) -> None:
+        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+        if len(self._heap) > 2 * self.total_pages + 1024:  # drop stale entries now and then
+            self._heap = [(nd.last_access, next(self._seq), nd) for nd in self._iter_nodes()
+                          if not nd.children and nd.lock_ref == 0]
+            heapq.heapify(self._heap)
 
     @property
     def total_pages(self) -> int:
@@ -55,9 +66,11 @@ class RadixCache:
     def _page_key(self, key: list[int], i: int = 0) -> tuple:
         return tuple(key[i:i + self.page_size])
 
-    def _match_len(self, a: list[int], b: list[int], start: int) -> int:
-        """Page-aligned length of the common prefix of a and b[start:]."""
-        ps, n, i = self.page_size, min(len(a), len(b) - start), 0
+    def _match_len(self, a: list[int], b: list[int], start: int, end: int) -> int:
+        """Page-aligned length of the common prefix of a and b[start:end]."""
+        ps, n, i = self.page_size, min(len(a), end - start), 0
+        if n == len(a) and b[start:start + n] == a:
+            return n - n % ps
         while i < n and a[i:i + ps] == b[start + i:start + i + ps]:
             i += ps
         return min(i, n - n % ps)
@@ -73,18 +86,20 @@ class RadixCache:
         return upper
 
     # -- public API -----------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> tuple[list[int], TreeNode]:
+    def match_prefix(self, key: list[int], max_len: int | None = None) -> tuple[list[int], TreeNode]:
+        """Longest cached page-aligned prefix of key[:max_len]: (its pages, its last node)."""
         if self.disable:
             return [], self.root
-        key = key[:len(key) - len(key) % self.page_size]
+        n = len(key) if max_len is None else min(len(key), max_len)
+        n -= n % self.page_size
         node, pos, pages = self.root, 0, []
         t = next(self._clock)
         node.last_access = t
-        while pos < len(key):
+        while pos < n:
             child = node.children.get(self._page_key(key, pos))
             if child is None:
                 break
-            m = self._match_len(child.key, key, pos)
+            m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = t
@@ -107,8 +122,9 @@ class RadixCache:
                 new = TreeNode(key=key[pos:], pages=list(pages[pos // ps:n // ps]), parent=node, last_access=t)
                 node.children[self._page_key(key, pos)] = new
                 self.evictable_pages += len(new.pages)
+                self._push(new)
                 return pos
-            m = self._match_len(child.key, key, pos)
+            m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = t
@@ -116,19 +132,22 @@ class RadixCache:
         return pos
 
     def evict(self, n_pages: int) -> list[int]:
-        if n_pages <= 0:
-            return []
-        leaves = [nd for nd in self._iter_nodes() if not nd.children and nd.lock_ref == 0]
-        heapq.heapify(leaves)
         freed: list[int] = []
-        while leaves and len(freed) < n_pages:
-            node = heapq.heappop(leaves)
+        heap = self._heap
+        while heap and len(freed) < n_pages:
+            t, _, node = heapq.heappop(heap)
+            if node.parent is None or node.children or node.lock_ref:
+                continue  # removed, inner or locked: pushed again when it becomes a free leaf
+            if node.last_access != t:
+                self._push(node)  # touched since it was pushed
+                continue
             freed.extend(node.pages)
             self.evictable_pages -= len(node.pages)
             parent = node.parent
             del parent.children[self._page_key(node.key)]
+            node.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, parent)
+                self._push(parent)
         return freed
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -147,6 +166,8 @@ class RadixCache:
             if node.lock_ref <= 0:
                 raise RuntimeError("RadixCache: unbalanced dec_lock_ref")
             node.lock_ref -= 1
+            if node.lock_ref == 0 and not node.children:
+                self._push(node)
             node = node.parent
 
     # -- request KV (SGLang's cache_finished_req / cache_unfinished_req) --------

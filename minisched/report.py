@@ -62,7 +62,7 @@ def _draw_steps(ax, record: RunRecord, scale: float) -> None:
         spans = [(a * scale, (b - a) * scale) for s, a, b in step_bounds(record) if s["mode"] == mode]
         if spans:
             ax.broken_barh(spans, (0, 1), facecolors=color,
-                           edgecolor="white", linewidth=0.5 if len(record.steps) <= 150 else 0)
+                           edgecolor="white", linewidth=0.5 if len(record.step_stats) <= 150 else 0)
     ax.set_yticks([])
     ax.set_ylim(0, 1)
     ax.set_ylabel("step", rotation=0, ha="right", va="center")
@@ -96,12 +96,17 @@ def _draw_gantt(ax, record: RunRecord, scale: float, n_rows: int) -> None:
 
 
 def _step_series(record: RunRecord, scale: float, key) -> tuple[list[float], list[float]]:
-    xs = [s["time"] * scale for s in record.steps]
-    ys = [key(s) for s in record.steps]
-    if record.steps:  # hold the last value to the run's end
+    xs = [s["time"] * scale for s in record.step_stats]
+    ys = [key(s) for s in record.step_stats]
+    if record.step_stats:  # hold the last value to the run's end
         xs.append(record.duration * scale)
         ys.append(ys[-1])
     return xs, ys
+
+
+def _legend(ax, loc: str) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc=loc, fontsize=7, framealpha=0.8)
 
 
 def _draw_kv(ax, record: RunRecord, scale: float) -> None:
@@ -114,8 +119,7 @@ def _draw_kv(ax, record: RunRecord, scale: float) -> None:
                      labels=["in use by requests", "evictable radix cache", "free"])
     ax.set_ylim(0, max(total, 1))
     ax.set_ylabel(f"KV pages (of {total})")
-    if xs:
-        ax.legend(loc="upper right", fontsize=7, framealpha=0.8)
+    _legend(ax, "upper right")
 
 
 def _draw_queue(ax, record: RunRecord, scale: float) -> None:
@@ -125,8 +129,7 @@ def _draw_queue(ax, record: RunRecord, scale: float) -> None:
         ax.step(xs, ys, where="post", color=color, label=label, linewidth=1.6)
     ax.set_ylabel("requests")
     ax.set_ylim(bottom=0)
-    if record.steps:
-        ax.legend(loc="upper right", fontsize=7, framealpha=0.8)
+    _legend(ax, "upper right")
     ax.grid(alpha=0.3)
 
 
@@ -142,14 +145,14 @@ def _ecdf(ax, values: list[float], color: str, label: str) -> None:
 def _draw_latency(ax, record: RunRecord, scale: float, unit: str) -> None:
     reqs = record.requests
     _ecdf(ax, [r["ttft"] * scale for r in reqs if r["ttft"] is not None], STATE_COLORS["prefill"], "TTFT")
-    _ecdf(ax, [r["e2e_latency"] * scale for r in reqs if r["status"] == "finished"], "#111111", "e2e latency")
+    _ecdf(ax, [r["e2e_latency"] * scale for r in reqs
+                if r["status"] == "finished" and r["e2e_latency"] is not None], "#111111", "e2e latency")
     ax.set_xlabel(f"latency ({unit})")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
-    if reqs:
-        ax.legend(loc="lower right", fontsize=7, framealpha=0.8)
+    _legend(ax, "lower right")
 
 
 def _title(record: RunRecord) -> str:
@@ -205,7 +208,7 @@ def render_figure(runs: list[RunRecord]):
     if len(runs) > 1:
         kv_top = max(max(r.num_pages for r in runs), 1)
         columns[0][2].set_ylim(0, kv_top)
-        q_top = max((max(s["num_running"], s["num_waiting"]) for r in runs for s in r.steps), default=1)
+        q_top = max((max(s["num_running"], s["num_waiting"]) for r in runs for s in r.step_stats), default=1)
         columns[0][3].set_ylim(0, q_top * 1.1 + 0.5)
     fig.suptitle("minisched request lifecycle", fontsize=15, fontweight="bold", y=0.985)
     handles = _legend_handles()
@@ -220,8 +223,10 @@ def render_report(runs: list[RunRecord] | RunRecord, out_png: str | Path, html: 
     runs = [runs] if isinstance(runs, RunRecord) else list(runs)
     fig = render_figure(runs)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
-    plt.close(fig)
+    try:
+        fig.savefig(buf, format="png", dpi=DPI)
+    finally:
+        plt.close(fig)
     png = buf.getvalue()
     Path(out_png).write_bytes(png)
     if html is not None:

@@ -19,6 +19,7 @@ Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,46 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return self.sampling.max_new_tokens - len(self.output_ids)
 
+    def check(self, page_size: int, max_context_len: int) -> None:
+        """State/token-count consistency of a live request; raises AssertionError."""
+        assert len(self.output_ids) <= self.sampling.max_new_tokens and self.seq_len <= max_context_len, \
+            f"{self.rid}: too many tokens ({len(self.output_ids)} out, {self.seq_len} total)"
+        assert len(self.page_ids) == -(-self.kv_len // page_size), \
+            f"{self.rid}: {len(self.page_ids)} pages for kv_len {self.kv_len}"
+        if self.status is ReqStatus.WAITING:
+            assert self.kv_len == 0 and self.last_node is None, f"{self.rid}: waiting request holds KV"
+        elif self.status is ReqStatus.RUNNING:
+            assert self.kv_len == self.seq_len - 1, f"{self.rid}: running, kv_len {self.kv_len}, seq_len {self.seq_len}"
+        else:
+            assert 0 < self.kv_len < self.seq_len, f"{self.rid}: prefilling, kv_len {self.kv_len}, seq_len {self.seq_len}"
+        assert self.n_cached_pages <= self.kv_len // page_size, f"{self.rid}: shares a partly filled page"
+        assert self.last_node is not None or self.n_cached_pages == 0, f"{self.rid}: shared pages without a lock"
+
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+
+def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, max_context_len: int,
+                pool_tokens: int) -> Req:
+    """Validate a new request; raises InvalidRequest (a ValueError) naming the problem."""
+    sampling = SamplingParams() if sampling is None else sampling
+    if isinstance(sampling, dict):
+        sampling = SamplingParams(**sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequest(f"request {rid!r}: sampling must be SamplingParams, got {type(sampling).__name__}")
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest(f"request id must be a non-empty str, got {rid!r}")
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise InvalidRequest(f"request {rid!r}: empty prompt")
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        raise InvalidRequest(f"request {rid!r}: prompt ids must be non-negative ints")
+    prompt = [int(t) for t in prompt]
+    if len(prompt) >= max_context_len:
+        raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room to generate "
+                             f"within max_context_len={max_context_len}")
+    if len(prompt) > pool_tokens:
+        raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens exceeds the whole KV pool "
+                             f"({pool_tokens} tokens)")
+    return Req(rid=rid, prompt_ids=prompt, sampling=sampling)

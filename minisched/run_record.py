@@ -2,7 +2,8 @@
 
 Built from a finished `Scheduler` (`RunRecord.from_scheduler`), it is the input of the
 Chrome/Perfetto trace (`minisched.trace`) and the lifecycle report (`minisched.report`).
-All times are seconds relative to the run's start (the first event or step).
+All times are seconds relative to the run's start (`start_time`, a time.monotonic()
+value; default: the first event or step).
 
 File layout (`save_runs` / `load_runs`; a `--compare` bench writes two runs):
 
@@ -15,7 +16,7 @@ File layout (`save_runs` / `load_runs`; a `--compare` bench writes two runs):
         "events": [                 # one per request state change (minisched.events.Event fields)
             {"time": 0.0012, "step": 3, "rid": "r0", "src": "waiting", "dst": "prefilling",
              "prompt_len": 40, "output_len": 0, "kv_len": 0, "cached_len": 16, "note": ""}, ...],
-        "steps": [                  # one per scheduled batch (minisched.events.StepStats fields)
+        "step_stats": [             # one per scheduled batch (minisched.events.StepStats fields)
             {"step": 3, "time": 0.0013, "mode": "prefill", "batch_size": 2, "num_prefill_tokens": 64,
              "num_decode_tokens": 0, "num_running": 1, "num_waiting": 4, "free_pages": 100,
              "cached_pages": 20, "evictable_pages": 4, "token_usage": 0.5, ...}, ...],
@@ -28,12 +29,13 @@ File layout (`save_runs` / `load_runs`; a `--compare` bench writes two runs):
 A request's status values are `ReqStatus` values: waiting, prefilling, running, retracted,
 finished, aborted; `src` is null when the request arrives. `first_token`/`ttft` are null
 for a request aborted before its first token; `finish`/`e2e_latency` are null for one still
-live when the record was taken. `cached_tokens` is the radix-cache prefix hit at the first
+live when the record was taken; `arrival`, `ttft`, `e2e_latency` are null for one that
+arrived before `start_time`. `cached_tokens` is the radix-cache prefix hit at the first
 admission (a retracted request's re-admission reuses its own KV; that is not counted).
 
 `lifecycle_segments(record)` turns the events into per-request time slices (waiting,
-retracted = waiting again after a retraction, prefill chunks, decode) and marks (retract,
-finished, aborted): the shared model of the trace and the report. A prefill chunk of a
+retracted = waiting again after a retraction, prefill chunks, chunk paused = a chunked
+request between two of its chunks, decode) and marks (retract, finished, aborted): the shared model of the trace and the report. A prefill chunk of a
 request is each prefill/mixed step between its admission and the end of its prefill: the
 scheduler carries at most one chunked request, and it runs first in every prefill round.
 """
@@ -64,29 +66,32 @@ def _plain(obj: Any, t0: float) -> dict:
 
 @dataclass
 class RunRecord:
+    """One run, JSON-ready: `events` and `step_stats` are the scheduler's Event/StepStats
+    as plain dicts (enum values as strings, times relative to the run's start)."""
+
     name: str
     config: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     num_pages: int = 0
     page_size: int = 0
     events: list[dict] = field(default_factory=list)
-    steps: list[dict] = field(default_factory=list)
-    requests: list[dict] = field(default_factory=list)
-
-    @property
-    def step_stats(self) -> list[dict]:
-        return self.steps
+    step_stats: list[dict] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)  # per-request metrics (`request_metrics`)
 
     @property
     def duration(self) -> float:
-        times = [e["time"] for e in self.events] + [s["time"] for s in self.steps]
+        times = [e["time"] for e in self.events] + [s["time"] for s in self.step_stats]
         return max(times, default=0.0)
 
     @classmethod
     def from_events(cls, name: str, events: list, step_stats: list, num_pages: int, page_size: int,
                     config: dict | None = None, summary: dict | None = None,
                     start_time: float | None = None) -> "RunRecord":
-        """From `Event`/`StepStats` objects (absolute time.monotonic() times)."""
+        """From `Event`/`StepStats` objects (absolute time.monotonic() times). With
+        `start_time`, what happened before it (a warm-up on the same scheduler) is dropped."""
+        if start_time is not None:
+            events = [e for e in events if e.time >= start_time]
+            step_stats = [s for s in step_stats if s.time >= start_time]
         times = [e.time for e in events] + [s.time for s in step_stats]
         t0 = start_time if start_time is not None else min(times, default=0.0)
         rec = cls(name, dict(config or {}), dict(summary or {}), int(num_pages), int(page_size),
@@ -98,8 +103,8 @@ class RunRecord:
     def from_scheduler(cls, name: str, scheduler, config: dict | None = None, summary: dict | None = None,
                        start_time: float | None = None) -> "RunRecord":
         """From a scheduler after (or during) a run; `start_time`: the run's time.monotonic()
-        origin, default the first event. The scheduler's own config is added under
-        config["scheduler"] unless the caller already put one there."""
+        origin (events before it are dropped), default the first event. The scheduler's
+        own config is added under config["scheduler"] unless the caller already put one there."""
         config = dict(config or {})
         config.setdefault("scheduler", dataclasses.asdict(scheduler.config))
         return cls.from_events(name, scheduler.events, scheduler.step_stats, scheduler.config.num_pages,
@@ -107,17 +112,17 @@ class RunRecord:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "config": self.config, "summary": self.summary, "num_pages": self.num_pages,
-                "page_size": self.page_size, "events": self.events, "steps": self.steps, "requests": self.requests}
+                "page_size": self.page_size, "events": self.events, "step_stats": self.step_stats, "requests": self.requests}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunRecord":
-        for key in ("name", "events", "steps"):
+        for key in ("name", "events", "step_stats"):
             if key not in d:
                 raise ValueError(f"run record lacks {key!r}")
         events = [dict(e) for e in d["events"]]
         requests = [dict(r) for r in d["requests"]] if "requests" in d else request_metrics(events)
         return cls(str(d["name"]), dict(d.get("config", {})), dict(d.get("summary", {})), int(d.get("num_pages", 0)),
-                   int(d.get("page_size", 0)), events, [dict(s) for s in d["steps"]], requests)
+                   int(d.get("page_size", 0)), events, [dict(s) for s in d["step_stats"]], requests)
 
 
 def save_runs(path: str | Path, runs: list[RunRecord]) -> None:
@@ -130,7 +135,7 @@ def save_runs(path: str | Path, runs: list[RunRecord]) -> None:
         d = run.to_dict()
         head = ", ".join(f"{dump(k)}: {dump(d[k])}" for k in ("name", "config", "summary", "num_pages", "page_size"))
         lists = ",\n ".join(f"{dump(k)}: [\n  " + ",\n  ".join(dump(x) for x in d[k]) + "]"
-                            for k in ("events", "steps", "requests"))
+                            for k in ("events", "step_stats", "requests"))
         parts.append("{" + head + ",\n " + lists + "}")
     Path(path).write_text(f'{{"version": {FORMAT_VERSION}, "runs": [\n' + ",\n".join(parts) + "]}\n")
 
@@ -174,7 +179,7 @@ def request_lives(events: list[dict]) -> list[tuple[str, list[dict]]]:
 def request_metrics(events: list[dict]) -> list[dict]:
     out = []
     for key, evs in request_lives(events):
-        arrival = evs[0]["time"]
+        arrival = evs[0]["time"] if evs[0]["src"] is None else None  # None: arrived before the record
         first = next((e["time"] for e in evs if e["output_len"] >= 1), None)
         last = evs[-1]
         done = last["dst"] in FINAL_STATES
@@ -185,8 +190,8 @@ def request_metrics(events: list[dict]) -> list[dict]:
             "prompt_tokens": last["prompt_len"], "output_tokens": last["output_len"],
             "cached_tokens": next((e["cached_len"] for e in evs if e["dst"] == "prefilling"), 0),
             "num_retractions": sum(1 for e in evs if e["dst"] == "retracted"),
-            "ttft": None if first is None else first - arrival,
-            "e2e_latency": None if finish is None else finish - arrival,
+            "ttft": None if first is None or arrival is None else first - arrival,
+            "e2e_latency": None if finish is None or arrival is None else finish - arrival,
         })
     return out
 
@@ -194,7 +199,7 @@ def request_metrics(events: list[dict]) -> list[dict]:
 def step_bounds(record: RunRecord) -> list[tuple[dict, float, float]]:
     """[(step, start, end)]: a step lasts until the next step starts; the last one until
     the last event of that step (or the run's end)."""
-    steps, out = record.steps, []
+    steps, out = record.step_stats, []
     last_event = {}
     for e in record.events:
         last_event[e["step"]] = max(last_event.get(e["step"], e["time"]), e["time"])
@@ -213,12 +218,16 @@ def lifecycle_segments(record: RunRecord) -> list[dict]:
     time order; states are "waiting", "retracted", "prefill" (one per chunk), "chunk paused"
     (a chunked request between two of its chunks), "decode"; marks are "retract",
     "finished", "aborted". A request still live when the record was taken gets its
-    current state up to the end of the record."""
+    current state up to the end of the record; one that was live before its start, from
+    the start."""
     bounds = [(s, a, b) for s, a, b in step_bounds(record) if s["mode"] in PREFILL_MODES]
     bound_steps = [s["step"] for s, _, _ in bounds]
-    run_end, last_step = record.duration, max((s["step"] for s in record.steps), default=0)
+    run_end, last_step = record.duration, max((s["step"] for s in record.step_stats), default=0)
     out = []
+    first_step = min((s["step"] for s in record.step_stats), default=0)
     for key, evs in request_lives(record.events):
+        if evs[0]["src"] is not None:  # live before the record started: in src since its start
+            evs = [dict(evs[0], src=None, dst=evs[0]["src"], time=0.0, step=first_step)] + evs
         slices: list[tuple[str, float, float, dict]] = []
         marks: list[tuple[str, float, dict]] = []
         cursor = evs[0]["time"]
@@ -273,9 +282,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def derived_summary(record: RunRecord) -> dict:
     """Headline numbers computed from the record itself (the report's table)."""
-    reqs, steps = record.requests, record.steps
+    reqs, steps = record.requests, record.step_stats
     ttft = [r["ttft"] for r in reqs if r["ttft"] is not None]
-    e2e = [r["e2e_latency"] for r in reqs if r["status"] == "finished"]
+    e2e = [r["e2e_latency"] for r in reqs if r["status"] == "finished" and r["e2e_latency"] is not None]
     out_tokens = sum(r["output_tokens"] for r in reqs)
     dur = record.duration
     prompt = sum(r["prompt_tokens"] for r in reqs)

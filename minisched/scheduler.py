@@ -32,11 +32,11 @@ from typing import Callable, Protocol, Sequence
 
 from minisched.batch import Batch, ForwardMode
 from minisched.events import Event, StepStats
-from minisched.kv_pool import KVPool, cdiv
+from minisched.kv_pool import KVPool
 from minisched.policy import POLICIES, SchedulePolicy
 from minisched.prefill_adder import AddResult, PrefillAdder
 from minisched.radix_cache import RadixCache
-from minisched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams
+from minisched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, new_request
 
 
 class ModelRunner(Protocol):
@@ -104,27 +104,10 @@ class Scheduler:
     # -- requests -------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
         cfg = self.config
-        sampling = SamplingParams() if sampling is None else sampling
-        if isinstance(sampling, dict):
-            sampling = SamplingParams(**sampling)
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidRequest(f"request {rid!r}: sampling must be SamplingParams")
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequest(f"request id must be a non-empty str, got {rid!r}")
-        if rid in self.reqs:
+        if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise InvalidRequest(f"request {rid!r}: empty prompt")
-        if not all(isinstance(t, int) and t >= 0 for t in prompt):
-            raise InvalidRequest(f"request {rid!r}: prompt ids must be non-negative ints")
-        if len(prompt) >= cfg.max_context_len:
-            raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room "
-                                 f"to generate within max_context_len={cfg.max_context_len}")
-        if cdiv(len(prompt), cfg.page_size) > cfg.num_pages:
-            raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens exceeds the KV pool "
-                                 f"({cfg.num_pages} pages of {cfg.page_size})")
-        req = Req(rid=rid, prompt_ids=prompt, sampling=sampling, wait_since_step=self.step_count)
+        req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
+        req.wait_since_step = self.step_count
         self.reqs[rid] = req
         self.waiting.append(req)
         self._record(req, None, ReqStatus.WAITING)
@@ -251,8 +234,12 @@ class Scheduler:
                 if result is not AddResult.CONTINUE:
                     break
             if admitted:
-                ids = {id(r) for r in admitted}
-                self.waiting = [r for r in self.waiting if id(r) not in ids]
+                k = len(admitted)
+                if all(a is w for a, w in zip(admitted, self.waiting[:k])):  # FCFS: a prefix
+                    del self.waiting[:k]
+                else:
+                    ids = {id(r) for r in admitted}
+                    self.waiting = [r for r in self.waiting if id(r) not in ids]
                 now = time.monotonic()
                 for req in admitted:
                     if req.first_scheduled_time is None:
@@ -369,40 +356,25 @@ class Scheduler:
     # -- invariants -----------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError unless: free + cached + held pages == total, each page owned
-        once; lock refs == live requests locking each node; per-request token counts agree
-        with their state. Call between steps (with no batch in flight)."""
-        ps, live = self.config.page_size, list(self.reqs.values())
+        once; lock refs == live requests locking each node; each request's state and token
+        counts agree with its queue. Call between steps (no batch in flight)."""
         assert self._in_flight is None, "check_invariants called with a batch in flight"
-        queued = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-        assert sorted(id(r) for r in queued) == sorted(id(r) for r in live), "live requests != waiting+running+chunked"
+        queues = [(self.waiting, ReqStatus.WAITING), (self.running, ReqStatus.RUNNING),
+                  ([self.chunked_req] if self.chunked_req else [], ReqStatus.PREFILLING)]
+        assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, self.reqs.values())), \
+            "live requests != waiting + running + chunked"
         locks: dict[int, int] = {}
         held: list[int] = []
-        for r in live:
-            where = ReqStatus.PREFILLING if r is self.chunked_req else r.status
-            assert r.status is where, f"{r.rid}: status {r.status} but queued as {where}"
-            assert len(r.output_ids) <= r.sampling.max_new_tokens and r.seq_len <= self.config.max_context_len, \
-                f"{r.rid}: too many tokens ({len(r.output_ids)} out, {r.seq_len} total)"
-            assert len(r.page_ids) == cdiv(r.kv_len, ps), f"{r.rid}: {len(r.page_ids)} pages for kv_len {r.kv_len}"
-            if r.status is ReqStatus.WAITING:
-                assert r.kv_len == 0 and r.last_node is None, f"{r.rid}: waiting request holds KV"
-            elif r.status is ReqStatus.RUNNING:
-                assert r.kv_len == r.seq_len - 1, f"{r.rid}: running with kv_len {r.kv_len}, seq_len {r.seq_len}"
-            else:
-                assert 0 < r.kv_len < r.seq_len, f"{r.rid}: chunked with kv_len {r.kv_len}, seq_len {r.seq_len}"
-            assert r.n_cached_pages <= r.kv_len // ps, f"{r.rid}: shares a partly filled page"
-            if r.last_node is None:
-                assert r.n_cached_pages == 0, f"{r.rid}: shared pages without a lock"
-            else:
-                assert self.tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree path"
-                node = r.last_node
-                while node is not self.tree.root:
-                    locks[id(node)] = locks.get(id(node), 0) + 1
-                    node = node.parent
-            held.extend(r.page_ids[r.n_cached_pages:])
+        for queue, status in queues:
+            for r in queue:
+                assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
+                r.check(self.config.page_size, self.config.max_context_len)
+                if r.last_node is not None:
+                    assert self.tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree"
+                    node = r.last_node
+                    while node is not self.tree.root:
+                        locks[id(node)] = locks.get(id(node), 0) + 1
+                        node = node.parent
+                held.extend(r.page_ids[r.n_cached_pages:])
         self.tree.check(locks)
-        cached = self.tree.all_pages()
-        free = self.pool.free_pages
-        owned = free + cached + held
-        assert len(free) + len(cached) + len(held) == self.pool.num_pages, \
-            f"free {len(free)} + cached {len(cached)} + held {len(held)} != total {self.pool.num_pages}"
-        assert sorted(owned) == list(range(self.pool.num_pages)), "a page is owned twice or lost"
+        self.pool.check_partition(self.tree.all_pages(), held)

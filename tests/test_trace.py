@@ -118,7 +118,7 @@ def test_chrome_trace_valid(recorded, tmp_path):
     trace = chrome_trace(recorded)
     tracks = _validate(trace)
     steps = tracks[(1, 0)]
-    assert len(steps) == len(recorded.steps)
+    assert len(steps) == len(recorded.step_stats)
     assert {e["name"] for e in steps} <= {"prefill", "decode", "mixed"}
     for a, b in zip(steps, steps[1:]):  # a step lasts until the next one starts
         assert a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=1e-2)
@@ -166,3 +166,15 @@ def test_record_taken_mid_run():
     assert all(seg["slices"][-1][2] == pytest.approx(rec.duration) for seg in segs)
     assert any(r["finish"] is None and r["e2e_latency"] is None for r in rec.requests)
     _validate(chrome_trace(rec))
+
+
+def test_start_time_drops_warmup(recorded):
+    """A record started mid-run (after a warm-up on the same scheduler) keeps only what followed."""
+    _, sched = record_scenario("again", base=0.0, per_token=0.0)
+    cut = sched.step_stats[len(sched.step_stats) // 2].time
+    rec = RunRecord.from_scheduler("second half", sched, start_time=cut)
+    assert rec.events and min(e["time"] for e in rec.events) >= 0
+    assert len(rec.step_stats) < len(sched.step_stats)
+    _validate(chrome_trace(rec))
+    assert all(seg["slices"] or seg["marks"] for seg in lifecycle_segments(rec))
+    assert any(r["arrival"] is None and r["ttft"] is None for r in rec.requests)

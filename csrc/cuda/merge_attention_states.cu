@@ -68,6 +68,7 @@ void launch(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_
                    aligned16(v_out.data_ptr());
   const long long total = rows * (vec ? d / kVec : d);
   const int blocks = int(std::min<long long>((total + 255) / 256, 65535LL * 8));
+  if (blocks == 0) return;
   auto* a = reinterpret_cast<const T*>(v_a.data_ptr());
   auto* b = reinterpret_cast<const T*>(v_b.data_ptr());
   auto* o = reinterpret_cast<T*>(v_out.data_ptr());
@@ -82,12 +83,9 @@ void launch(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_
 void merge_attention_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b,
                             const at::Tensor& lse_b, const at::Tensor& v_out, const at::Tensor& lse_out) {
   checks::check_merge_attention_states(v_a, lse_a, v_b, lse_b, v_out, lse_out);
-  if (v_a.numel() == 0 && lse_a.numel() == 0) return;
+  if (v_a.numel() == 0) return;  // empty batch (D = 0 is not a real head size)
   const c10::cuda::CUDAGuard guard(v_a.device());
   const cudaStream_t stream = current_stream(v_a);
-  if (v_a.size(2) == 0) {  // no values: only the LSE (a D = 0 merge is still well defined)
-    // fall through with d = 0 is a no-op kernel; compute the lse on the host-free path below
-  }
   switch (v_a.scalar_type()) {
     case at::kBFloat16: launch<__nv_bfloat16>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream); break;
     case at::kHalf: launch<__half>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream); break;

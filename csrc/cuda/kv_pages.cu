@@ -1,0 +1,213 @@
+// copy_kv_pages / gather_kv_pages / scatter_kv_pages on CUDA: whole pages (all layers, K and V)
+// moved by one kernel launch on the current stream, 16-byte vectors, consecutive threads on
+// consecutive bytes of a page (coalesced), 4 independent vectors in flight per thread.
+//
+// The pool is [L, 2, num_pages, page_size, Hkv, D] = 2L "slices" of num_pages pages; a page buffer
+// [L, 2, n, ...] is 2L slices of n pages. A buffer on the host (gather's `out`, scatter's `src`)
+// is read/written by the kernel directly when it is pinned (mapped into the device's address
+// space: asynchronous, no staging); a pageable host buffer goes through a device staging tensor
+// and a (synchronous) copy.
+//
+// Page values of CUDA index tensors are not checked on the host (that would sync): a destination
+// page outside [0, num_pages) is skipped; a source page outside it writes NaN into the
+// destination page (never an out-of-bounds access).
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "checks.h"
+#include "cuda/torch_glue.cuh"
+
+namespace minisched::cuda {
+namespace {
+
+struct MoveParams {
+  const void* src;
+  void* dst;
+  const int32_t* src_idx;  // nullptr: identity (page i of a buffer)
+  const int32_t* dst_idx;
+  long long src_pages;  // pages per slice in src
+  long long dst_pages;
+  long long n;          // pages moved per slice
+  long long slices;     // 2L
+  long long page_vecs;  // vectors per page
+  int num_pages;        // pool size (index validation)
+};
+
+constexpr int kUnroll = 4;
+
+template <typename V>
+__global__ void __launch_bounds__(256) move_pages_kernel(const MoveParams p, const V nan_fill) {
+  const V* __restrict__ src = static_cast<const V*>(p.src);
+  V* __restrict__ dst = static_cast<V*>(p.dst);
+  const long long per_slice = p.n * p.page_vecs;
+  const long long total = p.slices * per_slice;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long base = blockIdx.x * (long long)blockDim.x + threadIdx.x; base < total; base += stride * kUnroll) {
+    V val[kUnroll];
+    long long dst_off[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const long long idx = base + u * stride;
+      dst_off[u] = -1;
+      if (idx >= total) continue;
+      const long long s = idx / per_slice, rem = idx % per_slice;
+      const long long i = rem / p.page_vecs, c = rem % p.page_vecs;
+      const long long sp = p.src_idx ? p.src_idx[i] : i;
+      const long long dp = p.dst_idx ? p.dst_idx[i] : i;
+      if (p.dst_idx && (dp < 0 || dp >= p.num_pages)) continue;
+      dst_off[u] = (s * p.dst_pages + dp) * p.page_vecs + c;
+      const bool src_ok = !p.src_idx || (sp >= 0 && sp < p.num_pages);
+      val[u] = src_ok ? src[(s * p.src_pages + sp) * p.page_vecs + c] : nan_fill;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (dst_off[u] >= 0) dst[dst_off[u]] = val[u];
+  }
+}
+
+// 16 bytes of NaN for the element type (repeats every element, so any narrower prefix is too).
+template <typename V>
+V nan_pattern(at::ScalarType dtype) {
+  unsigned char bytes[16];
+  for (int i = 0; i < 16; i += 2) {
+    uint16_t h = dtype == at::kBFloat16 ? 0x7FC0 : 0x7E00;
+    if (dtype == at::kFloat) h = (i % 4 == 0) ? 0x0000 : 0x7FC0;
+    if (dtype == at::kDouble) h = (i % 8 == 6) ? 0x7FF8 : 0x0000;
+    bytes[i] = h & 0xFF;
+    bytes[i + 1] = h >> 8;
+  }
+  V v;
+  std::memcpy(&v, bytes, sizeof(V));
+  return v;
+}
+
+void launch_move(MoveParams p, int64_t page_bytes, at::ScalarType dtype, int device, cudaStream_t stream,
+                 const char* op) {
+  auto fits = [&](int64_t w) {
+    return page_bytes % w == 0 && reinterpret_cast<uintptr_t>(p.src) % w == 0 &&
+           reinterpret_cast<uintptr_t>(p.dst) % w == 0;
+  };
+  auto go = [&](auto tag) {
+    using V = decltype(tag);
+    p.page_vecs = page_bytes / int64_t(sizeof(V));
+    const long long total = p.slices * p.n * p.page_vecs;
+    if (total == 0) return;
+    const long long blocks = std::min<long long>((total + 256 * kUnroll - 1) / (256 * kUnroll),
+                                                 (long long)sm_count(device) * 16);
+    move_pages_kernel<V><<<unsigned(blocks), 256, 0, stream>>>(p, nan_pattern<V>(dtype));
+  };
+  if (fits(16)) go(uint4{});
+  else if (fits(8)) go(uint2{});
+  else if (fits(4)) go(uint32_t{});
+  else go(uint16_t{});
+  MINISCHED_CUDA_CHECK(op, cudaGetLastError());
+}
+
+int64_t page_bytes(const at::Tensor& kv_cache) {
+  return kv_cache.size(3) * kv_cache.size(4) * kv_cache.size(5) * kv_cache.element_size();
+}
+
+// A device-accessible address for a buffer: device memory as is, pinned host memory through its
+// mapping (unified addressing); nullptr for pageable host memory.
+void* device_address(const at::Tensor& buf) {
+  if (buf.is_cuda()) return buf.data_ptr();
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, buf.data_ptr()) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error of an unknown pointer
+    return nullptr;
+  }
+  if (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr) return attr.devicePointer;
+  return nullptr;
+}
+
+void check_pool_on_cuda(const char* op, const at::Tensor& kv_cache) {
+  TORCH_CHECK_VALUE(kv_cache.is_cuda(), op, ": kv_cache is on device ", kv_cache.device(),
+                    ", expected a CUDA device (the buffer may be on the host)");
+}
+
+void copy_kv_pages(const at::Tensor& kv_cache, const at::Tensor& src_pages, const at::Tensor& dst_pages) {
+  const char* op = "copy_kv_pages";
+  checks::check_copy_kv_pages(kv_cache, src_pages, dst_pages);
+  check_pool_on_cuda(op, kv_cache);
+  if (src_pages.numel() == 0 || kv_cache.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  MoveParams p{};
+  p.src = kv_cache.data_ptr();
+  p.dst = kv_cache.data_ptr();
+  p.src_idx = src_pages.data_ptr<int32_t>();
+  p.dst_idx = dst_pages.data_ptr<int32_t>();
+  p.src_pages = p.dst_pages = kv_cache.size(2);
+  p.n = src_pages.size(0);
+  p.slices = kv_cache.size(0) * 2;
+  p.num_pages = int(kv_cache.size(2));
+  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache),
+              op);
+}
+
+void gather_kv_pages(const at::Tensor& kv_cache, const at::Tensor& pages, const at::Tensor& out) {
+  const char* op = "gather_kv_pages";
+  checks::check_move_kv_pages(op, "out", kv_cache, pages, out);
+  check_pool_on_cuda(op, kv_cache);
+  TORCH_CHECK_VALUE(out.is_cuda() ? out.device() == kv_cache.device() : out.device().is_cpu(), op,
+                    ": out is on device ", out.device(), ", expected ", kv_cache.device(), " or the (pinned) host");
+  if (pages.numel() == 0 || kv_cache.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  void* dst = device_address(out);
+  at::Tensor staging;
+  if (dst == nullptr) {  // pageable host memory: stage on the device
+    staging = at::empty(out.sizes(), out.options().device(kv_cache.device()));
+    dst = staging.data_ptr();
+  }
+  MoveParams p{};
+  p.src = kv_cache.data_ptr();
+  p.dst = dst;
+  p.src_idx = pages.data_ptr<int32_t>();
+  p.dst_idx = nullptr;
+  p.src_pages = kv_cache.size(2);
+  p.dst_pages = pages.size(0);
+  p.n = pages.size(0);
+  p.slices = kv_cache.size(0) * 2;
+  p.num_pages = int(kv_cache.size(2));
+  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache),
+              op);
+  if (staging.defined()) const_cast<at::Tensor&>(out).copy_(staging);
+}
+
+void scatter_kv_pages(const at::Tensor& src, const at::Tensor& kv_cache, const at::Tensor& pages) {
+  const char* op = "scatter_kv_pages";
+  checks::check_move_kv_pages(op, "src", kv_cache, pages, src);
+  check_pool_on_cuda(op, kv_cache);
+  TORCH_CHECK_VALUE(src.is_cuda() ? src.device() == kv_cache.device() : src.device().is_cpu(), op,
+                    ": src is on device ", src.device(), ", expected ", kv_cache.device(), " or the (pinned) host");
+  if (pages.numel() == 0 || kv_cache.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  const void* from = device_address(src);
+  at::Tensor staging;
+  if (from == nullptr) {  // pageable host memory: stage on the device
+    staging = src.to(kv_cache.device());
+    from = staging.data_ptr();
+  }
+  MoveParams p{};
+  p.src = from;
+  p.dst = kv_cache.data_ptr();
+  p.src_idx = nullptr;
+  p.dst_idx = pages.data_ptr<int32_t>();
+  p.src_pages = pages.size(0);
+  p.dst_pages = kv_cache.size(2);
+  p.n = pages.size(0);
+  p.slices = kv_cache.size(0) * 2;
+  p.num_pages = int(kv_cache.size(2));
+  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache),
+              op);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(minisched, CUDA, m) {
+  m.impl("copy_kv_pages", &copy_kv_pages);
+  m.impl("gather_kv_pages", &gather_kv_pages);
+  m.impl("scatter_kv_pages", &scatter_kv_pages);
+}
+
+}  // namespace minisched::cuda
