@@ -96,24 +96,29 @@ def bench_radix(n_reqs: int, seed: int = 0) -> dict:
     ps = 16
     tree = RadixCache(ps)
     next_page = 0
-    t0 = time.perf_counter()
+    queries = [rng.choice(prompts) for _ in range(1000)] + [make_prompt(rng, systems) for _ in range(1000)]
+    gc.collect()
+    gc.freeze()
+    w0, c0 = time.perf_counter(), time.thread_time()
     for p in prompts:
         npg = len(p) // ps
         tree.insert(p, list(range(next_page, next_page + npg)))
         next_page += npg
-    t_insert = time.perf_counter() - t0
-    queries = [rng.choice(prompts) for _ in range(1000)] + [make_prompt(rng, systems) for _ in range(1000)]
-    t0 = time.perf_counter()
+    w_insert, c_insert = time.perf_counter() - w0, time.thread_time() - c0
+    w0, c0 = time.perf_counter(), time.thread_time()
     for q in queries:
         tree.match_prefix(q)
-    t_match = time.perf_counter() - t0
+    w_match, c_match = time.perf_counter() - w0, time.thread_time() - c0
     nodes = sum(1 for _ in tree._iter_nodes())
-    t0 = time.perf_counter()
+    cached = tree.total_pages
+    w0, c0 = time.perf_counter(), time.thread_time()
     tree.evict(1000)
-    t_evict = time.perf_counter() - t0
-    return {"requests": n_reqs, "nodes": nodes, "cached_pages": tree.total_pages + 1000,
-            "insert_us": 1e6 * t_insert / n_reqs, "match_prefix_us": 1e6 * t_match / len(queries),
-            "evict_1000_pages_ms": 1e3 * t_evict}
+    w_evict, c_evict = time.perf_counter() - w0, time.thread_time() - c0
+    gc.unfreeze()
+    return {"requests": n_reqs, "nodes": nodes, "cached_pages": cached,
+            "insert_cpu_us": 1e6 * c_insert / n_reqs, "insert_wall_us": 1e6 * w_insert / n_reqs,
+            "match_prefix_cpu_us": 1e6 * c_match / len(queries), "match_prefix_wall_us": 1e6 * w_match / len(queries),
+            "evict_1000_pages_cpu_ms": 1e3 * c_evict, "evict_1000_pages_wall_ms": 1e3 * w_evict}
 
 
 def main() -> None:
@@ -132,7 +137,7 @@ def main() -> None:
     rows.append(lpm128)
     radix = bench_radix(args.radix_requests)
     result = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-                          "cores": os.cpu_count()},
+                          "cores": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]},
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "policies": rows, "radix": radix}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
@@ -148,8 +153,10 @@ def main() -> None:
         print(f"{r['policy']:<11} {c('all_cpu_mean_ms'):>9} {c('decode_cpu_mean_ms'):>11} {c('prefill_cpu_mean_ms'):>12} "
               f"{c('all_wall_mean_ms') + ' / ' + c('all_wall_p99_ms'):>16} {c('arrays_all_cpu_mean_ms'):>12} "
               f"{c('arrays_all_wall_mean_ms') + ' / ' + c('arrays_all_wall_p99_ms'):>16} {r['mean_running']:>8.1f}")
-    print(f"radix cache, {radix['requests']} requests ({radix['nodes']} nodes): insert {radix['insert_us']:.1f} us, "
-          f"match_prefix {radix['match_prefix_us']:.1f} us, evict 1000 pages {radix['evict_1000_pages_ms']:.2f} ms")
+    print(f"radix cache, {radix['requests']} requests ({radix['nodes']} nodes, {radix['cached_pages']} pages), "
+          f"cpu / wall: insert {radix['insert_cpu_us']:.1f} / {radix['insert_wall_us']:.1f} us, "
+          f"match_prefix {radix['match_prefix_cpu_us']:.1f} / {radix['match_prefix_wall_us']:.1f} us, "
+          f"evict 1000 pages {radix['evict_1000_pages_cpu_ms']:.2f} / {radix['evict_1000_pages_wall_ms']:.2f} ms")
     print(f"wrote {args.json}")
 
 

@@ -8,10 +8,11 @@
   matches every waiting request, so it also falls back to FCFS beyond `lpm_fallback_len`.
 - `lof`: longest output (max_new_tokens) first.
 
-Aging (every policy but FCFS, which needs none): a request that has waited
-`aging_steps` scheduler steps or more goes before all others, oldest first, so a
-cache-cold request cannot be starved by a stream of cache-hot ones: its wait is
-bounded by `aging_steps` plus the time the requests ahead of it take to be admitted.
+Aging (the cache-aware policies, LPM and DFS-weight): a request that has been overtaken
+(a later arrival admitted while it waited) in `aging_rounds` prefill rounds goes before
+all others, oldest first. So a cache-cold request cannot be starved by a stream of
+cache-hot ones: it is overtaken at most `aging_rounds` times. Counting overtakes rather
+than elapsed steps keeps LPM intact while a full decode batch makes everyone wait.
 Sorts are stable, so ties keep queue order.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ class SchedulePolicy:
     name: str
     tree: RadixCache
     lpm_fallback_len: int = 128
-    aging_steps: int = 64
+    aging_rounds: int = 32
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -40,7 +41,7 @@ class SchedulePolicy:
             return "fcfs"
         return self.name
 
-    def order(self, waiting: list[Req], step: int) -> list[Req]:
+    def order(self, waiting: list[Req]) -> list[Req]:
         """Return the waiting requests in admission order (does not modify `waiting`)."""
         name = self.active(len(waiting))
         if name == "fcfs":
@@ -52,10 +53,12 @@ class SchedulePolicy:
             ordered = sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
         else:
             ordered = self._dfs_weight(waiting)
-        aged = [r for r in waiting if step - r.wait_since_step >= self.aging_steps]
+        if name == "lof":
+            return ordered
+        aged = [r for r in waiting if r.overtaken >= self.aging_rounds]
         if not aged:
             return ordered
-        aged.sort(key=lambda r: r.wait_since_step)  # stable: queue order among equals
+        aged.sort(key=lambda r: r.arrival_seq)
         aged_ids = {id(r) for r in aged}
         return aged + [r for r in ordered if id(r) not in aged_ids]
 

@@ -31,9 +31,6 @@ class TreeNode:
     lock_ref: int = 0
     last_access: int = 0
 
-    def __lt__(self, other: "TreeNode") -> bool:  # heap order: LRU first
-        return self.last_access < other.last_access
-
 
 class RadixCache:
     def __init__(self, page_size: int, disable: bool = False) -> None:

@@ -96,7 +96,8 @@ class Req:
     n_cached_pages: int = 0  # leading page_ids shared with the radix cache (locked)
     last_node: Any = None  # radix node whose path is locked for this request
     # scheduling state
-    wait_since_step: int = 0  # scheduler step at which it (re)entered WAITING (aging)
+    arrival_seq: int = 0  # order of arrival at the scheduler
+    overtaken: int = 0  # prefill rounds that admitted a later arrival while this one waited (aging)
     num_retractions: int = 0
     cache_hit_tokens: int = 0  # prefix tokens reused from the radix cache at admission
     # timing (time.monotonic())

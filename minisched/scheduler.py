@@ -23,6 +23,12 @@ next pages do not fit even after evicting the radix cache. With
 `max_prefill_rounds_between_decodes = K`, at most K prefill-only rounds run while
 requests wait to decode. `process_batch_result` appends tokens, finishes requests and
 moves completed prefills into the running (decode) batch.
+
+KV: after each prefill chunk a request's full pages are shared through the radix cache
+(its `page_ids` then start with locked tree pages); when it finishes, aborts or is
+retracted, its full pages stay in the cache (evictable) and the rest are freed. An
+abort of a request in the batch in flight takes effect at `process_batch_result`.
+`sched.reqs` maps rid -> live Req.
 """
 from __future__ import annotations
 
@@ -45,6 +51,9 @@ class ModelRunner(Protocol):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """Frozen, validated (ValueError). Token budgets are per prefill batch; the ratio
+    fields are SGLang's new_token_ratio schedule; `aging_rounds`: see policy.py."""
+
     page_size: int = 16
     num_pages: int = 4096
     max_context_len: int = 4096
@@ -59,7 +68,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.098
     new_token_ratio_decay_steps: int = 600
     lpm_fallback_len: int = 128
-    aging_steps: int = 64
+    aging_rounds: int = 32
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -67,7 +76,7 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig: {msg}")
 
         for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running_requests",
-                     "new_token_ratio_decay_steps", "lpm_fallback_len", "aging_steps"):
+                     "new_token_ratio_decay_steps", "lpm_fallback_len", "aging_rounds"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
         need(isinstance(self.max_context_len, int) and self.max_context_len >= 2, "max_context_len must be >= 2")
         need(self.chunk_size is None or (isinstance(self.chunk_size, int) and self.chunk_size >= 1),
@@ -85,7 +94,7 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.pool = KVPool(config.num_pages, config.page_size)
         self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache)
-        self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_steps)
+        self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_rounds)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -98,6 +107,7 @@ class Scheduler:
         self._prefill_rounds = 0  # prefill-only rounds since the last decode
         self._in_flight: Batch | None = None
         self._step_hits = 0
+        self._num_arrivals = 0
         self._abort_pending: set[int] = set()  # id(req) of in-flight requests to abort
         self._finished_early: list[Req] = []  # finished inside get_next_batch (pool outgrown)
 
@@ -107,7 +117,8 @@ class Scheduler:
         if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
         req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
-        req.wait_since_step = self.step_count
+        req.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
         self.reqs[rid] = req
         self.waiting.append(req)
         self._record(req, None, ReqStatus.WAITING)
@@ -226,8 +237,8 @@ class Scheduler:
             self.chunked_req = carried  # its pages do not fit yet: decode first
             return None
         if adder.new_chunked_req is None and self.waiting:
-            admitted = []
-            for req in self.policy.order(self.waiting, self.step_count):
+            admitted, aging = [], self.policy.active(len(self.waiting)) != "fcfs"
+            for req in self.policy.order(self.waiting):
                 result = adder.add_one_req(req)
                 if adder.can_run and adder.can_run[-1] is req:
                     admitted.append(req)
@@ -240,6 +251,11 @@ class Scheduler:
                 else:
                     ids = {id(r) for r in admitted}
                     self.waiting = [r for r in self.waiting if id(r) not in ids]
+                if aging:  # count overtakes
+                    newest = max(r.arrival_seq for r in admitted)
+                    for r in self.waiting:
+                        if r.arrival_seq < newest:
+                            r.overtaken += 1
                 now = time.monotonic()
                 for req in admitted:
                     if req.first_scheduled_time is None:
@@ -305,7 +321,6 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         self._free_kv(req)
         req.num_retractions += 1
-        req.wait_since_step = self.step_count
         self._set_status(req, ReqStatus.RETRACTED)
         self._set_status(req, ReqStatus.WAITING)
 

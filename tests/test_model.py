@@ -40,27 +40,22 @@ def paged_logits(model, seqs, cached, page_size, backend):
         pages.append(perm[at:at + n])
         at += n
 
-    def run(starts, ends):
-        ids = torch.tensor([t for s, a, e in zip(seqs, starts, ends) for t in s[a:e]])
+    def run(batch, starts, ends):
+        ids = torch.tensor([t for b, a, e in zip(batch, starts, ends) for t in seqs[b][a:e]])
         qo = np.concatenate([[0], np.cumsum([e - a for a, e in zip(starts, ends)])]).astype(np.int32)
         meta = ForwardMeta(
             positions=torch.cat([torch.arange(a, e) for a, e in zip(starts, ends)]),
-            out_slots=torch.from_numpy(np.concatenate([slots_of(p, a, e, page_size)
-                                                       for p, a, e in zip(pages, starts, ends)])),
+            out_slots=torch.from_numpy(np.concatenate([slots_of(pages[b], a, e, page_size)
+                                                       for b, a, e in zip(batch, starts, ends)])),
             qo_indptr=torch.from_numpy(qo),
-            page_table=tuple(torch.from_numpy(a) for a in build_csr(pages, ends, page_size)),
+            page_table=tuple(torch.from_numpy(a) for a in build_csr([pages[b] for b in batch], ends, page_size)),
             logits_indices=torch.arange(int(qo[-1])))
         return model(ids, meta, kv, backend=backend)
 
-    first = [(b, c) for b, c in enumerate(cached) if c > 0]
+    first = [b for b, c in enumerate(cached) if c > 0]
     if first:
-        idx = [b for b, _ in first]
-        saved = seqs
-        seqs = [saved[b] for b in idx]
-        pages_all, pages = pages, [pages[b] for b in idx]
-        run([0] * len(idx), [c for _, c in first])
-        seqs, pages = saved, pages_all
-    return run(cached, [len(s) for s in seqs])
+        run(first, [0] * len(first), [cached[b] for b in first])
+    return run(list(range(len(seqs))), cached, [len(s) for s in seqs])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -151,9 +151,9 @@ def test_lpm_order_vs_fcfs():
     assert _admission_order("lpm") == ["hot", "cold"]
 
 
-@pytest.mark.parametrize("aging_steps, bounded", [(5, True), (10_000, False)])
-def test_lpm_aging_bounds_wait(aging_steps, bounded):
-    sched, runner = make(policy="lpm", max_prefill_tokens=4, chunk_size=None, aging_steps=aging_steps,
+@pytest.mark.parametrize("aging_rounds, bounded", [(5, True), (10_000, False)])
+def test_lpm_aging_bounds_wait(aging_rounds, bounded):
+    sched, runner = make(policy="lpm", max_prefill_tokens=4, chunk_size=None, aging_rounds=aging_rounds,
                          max_running_requests=1000, num_pages=2048)
     hot = list(range(1, 33))
     sched.add_request("warm", hot, SamplingParams(max_new_tokens=1))
@@ -166,7 +166,7 @@ def test_lpm_aging_bounds_wait(aging_steps, bounded):
         sched.check_invariants()
         if admitted_at is None and "cold" not in [r.rid for r in sched.waiting]:
             admitted_at = i
-    assert (admitted_at is not None and admitted_at <= aging_steps + 2) if bounded else admitted_at is None
+    assert (admitted_at is not None and admitted_at <= aging_rounds + 1) if bounded else admitted_at is None
 
 
 def test_retraction_victim_order_and_ratio():
@@ -353,7 +353,7 @@ def test_rid_reusable_after_finish_and_events_stats():
     st = sched.step_stats
     assert [s.step for s in st] == sorted(s.step for s in st)
     assert all(0 <= s.token_usage <= 1 and s.free_pages + s.cached_pages <= 256 for s in st)
-    assert st[-2].mode == "prefill" and st[-2].cache_hit_tokens == 0  # "a" #2 shares no full page... 
+    assert st[-2].mode == "prefill" and st[-2].cache_hit_tokens == 0  # [1, 2, 3] is under one page
     with pytest.raises(RuntimeError):
         sched.add_request("b", [1], SamplingParams())
         sched.get_next_batch()
@@ -369,21 +369,21 @@ def test_policy_orders():
     tree.insert([1, 1, 1, 1], [0, 1, 2, 3])
     tree.insert([2, 2], [4, 5])
 
-    def req(rid, prompt, max_new=5, since=0):
-        return Req(rid=rid, prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new), wait_since_step=since)
+    def req(rid, prompt, max_new=5):
+        return Req(rid=rid, prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new))
 
     waiting = [req("b1", [2, 2, 9], 1), req("cold", [7, 7], 9), req("a1", [1, 1, 1, 1, 5], 3),
                req("a2", [1, 1, 1, 8], 2)]
     ids = lambda rs: [r.rid for r in rs]  # noqa: E731
-    assert ids(SchedulePolicy("fcfs", tree).order(waiting, 0)) == ["b1", "cold", "a1", "a2"]
-    assert ids(SchedulePolicy("lpm", tree).order(waiting, 0)) == ["a1", "a2", "b1", "cold"]
-    assert ids(SchedulePolicy("dfs-weight", tree).order(waiting, 0)) == ["a1", "a2", "b1", "cold"]
-    assert ids(SchedulePolicy("lof", tree).order(waiting, 0)) == ["cold", "b1", "a1", "a2"][:0] + ["cold", "b1", "a1", "a2"] \
-        if False else ids(SchedulePolicy("lof", tree).order(waiting, 0)) == ["cold", "b1", "a1", "a2"] or True
-    assert ids(SchedulePolicy("lof", tree).order(waiting, 0)) == ["cold", "a1", "a2", "b1"]
-    # aging: "cold" waited 64+ steps, so it goes first under LPM
-    assert ids(SchedulePolicy("lpm", tree, aging_steps=64).order(waiting, 64)) == ["b1", "cold", "a1", "a2"]
-    waiting[1].wait_since_step = 10
-    assert ids(SchedulePolicy("lpm", tree, aging_steps=64).order(waiting, 70))[0] == "b1"
+    for i, r in enumerate(waiting):
+        r.arrival_seq = i
+    assert ids(SchedulePolicy("fcfs", tree).order(waiting)) == ["b1", "cold", "a1", "a2"]
+    assert ids(SchedulePolicy("lpm", tree).order(waiting)) == ["a1", "a2", "b1", "cold"]
+    assert ids(SchedulePolicy("dfs-weight", tree).order(waiting)) == ["a1", "a2", "b1", "cold"]
+    assert ids(SchedulePolicy("lof", tree).order(waiting)) == ["cold", "a1", "a2", "b1"]
+    # aging: "cold" was overtaken aging_rounds times, so it goes first under LPM
+    waiting[1].overtaken = 3
+    assert ids(SchedulePolicy("lpm", tree, aging_rounds=3).order(waiting)) == ["cold", "a1", "a2", "b1"]
+    assert ids(SchedulePolicy("lpm", tree, aging_rounds=4).order(waiting)) == ["a1", "a2", "b1", "cold"]
     assert SchedulePolicy("lpm", tree).active(129) == "fcfs" and SchedulePolicy("lpm", tree).active(128) == "lpm"
     assert SchedulePolicy("lpm", RadixCache(1, disable=True)).active(1) == "fcfs"

@@ -26,7 +26,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.cfg = SchedulerConfig(page_size=page_size, num_pages=max(1, pool_tokens // page_size), max_context_len=96,
                                    chunk_size=chunk, max_prefill_tokens=max_prefill, max_running_requests=max_running,
                                    policy=policy, enable_radix_cache=radix, enable_mixed_chunk=mixed,
-                                   max_prefill_rounds_between_decodes=guard, aging_steps=8,
+                                   max_prefill_rounds_between_decodes=guard, aging_rounds=3,
                                    init_new_token_ratio=ratio, min_new_token_ratio=min(ratio, 0.05),
                                    new_token_ratio_decay_steps=10)
         self.sched = Scheduler(self.cfg)
@@ -123,6 +123,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.pool.num_free + self.sched.tree.total_pages == self.cfg.num_pages
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+SchedulerMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestScheduler = SchedulerMachine.TestCase

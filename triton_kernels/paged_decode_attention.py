@@ -101,7 +101,7 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _reduce_splits_kernel(
     po_ptr, plse_ptr, o_ptr, lse_ptr,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
@@ -178,7 +178,7 @@ def _paged_decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         HAS_LSE=True, **common,
     )
     lse_t = lse if has_lse else out
-    wrap_triton(_decode_reduce_kernel)[(batch, hq)](
+    wrap_triton(_reduce_splits_kernel)[(batch, hq)](
         part_o, part_lse, out, lse_t,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),

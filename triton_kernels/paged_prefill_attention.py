@@ -9,6 +9,8 @@ request is token r // GROUP, head r % GROUP), so program (tile, kv head) reads e
 page once for BLOCK_M packed rows. Which request a tile belongs to is planned on the device
 (cumsum + searchsorted over the per-request tile counts): no host sync, so the op traces
 under torch.compile. The grid is an upper bound on the tile count; spare programs exit.
+When the tiles cannot fill the GPU (few queries over a long KV, e.g. a shared prefix), the KV
+range is split too and the fp32 partials are merged by paged_decode_attention's reduce kernel.
 shared_prefix_attention runs the same kernel non-causally (see _launch).
 """
 
@@ -18,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+
+from triton_kernels.paged_decode_attention import _reduce_splits_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -39,13 +43,14 @@ def _prefill_kernel(
     num_reqs, qk_scale, page_size,
     stride_qn, stride_qh,
     stride_kp, stride_kt, stride_kh,
-    stride_on, stride_oh,
-    stride_ln, stride_lh,
+    stride_on, stride_oh, stride_os,
+    stride_ln, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     b = tl.load(tile_req_ptr + tile)
     if b >= num_reqs:
         return
@@ -70,14 +75,18 @@ def _prefill_kernel(
         kv_end = tl.minimum(kv_len, kv_len - qo_len + last_tok + 1)
     else:
         kv_end = kv_len
+    # -- this split's KV range [kv_start, kv_stop) --
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = split * chunk
+    kv_stop = tl.minimum(kv_start + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_stop, BLOCK_N):
         # -- gather BLOCK_N KV positions through the page table --
         pos = n0 + tl.arange(0, BLOCK_N)
-        pmask = pos < kv_end
+        pmask = pos < kv_stop
         page = tl.load(kv_indices_ptr + page0 + pos // page_size, mask=pmask, other=0).to(tl.int64)
         kv_off = page * stride_kp + (pos % page_size).to(tl.int64) * stride_kt + kvh * stride_kh
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=pmask[:, None], other=0.0)
@@ -89,20 +98,25 @@ def _prefill_kernel(
         else:
             keep = pmask[None, :]
         qk = tl.where(keep, qk, float("-inf"))
-        # -- online softmax; KV position 0 is in block 0 and seen by every row, so m_i is finite --
+        # -- online softmax (a row may see nothing yet in a later split: keep it finite) --
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
         m_i = m_new
 
-    o = acc / l_i[:, None]
-    o_row = (q_start + tok).to(tl.int64) * stride_on + heads * stride_oh
+    # -- a row that saw no KV in this split writes o = 0, lse = -inf --
+    nonempty = l_i > 0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_row = (q_start + tok).to(tl.int64) * stride_on + heads * stride_oh + split * stride_os
     tl.store(o_ptr + o_row[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
     if HAS_LSE:
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-        tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_ln + heads * stride_lh, lse, mask=rmask)
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse_row = (q_start + tok).to(tl.int64) * stride_ln + heads * stride_lh + split * stride_ls
+        tl.store(lse_ptr + lse_row, lse, mask=rmask)
 
 
 def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, out, lse):
@@ -126,18 +140,48 @@ def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_
     max_tiles = triton.cdiv(nq * group, block_m) + batch
     tile_ids = torch.arange(max_tiles, dtype=torch.int32, device=q.device)
     tile_req = torch.searchsorted(tile_last, tile_ids, right=True, out_int32=True)
+    splits = _num_splits(triton.cdiv(nq * group, block_m) * hkv, kv_indices.shape[0] * page_size, block_n)
     has_lse = lse is not None
-    lse_t = lse if has_lse else out  # dummy pointer when lse is not wanted
-    wrap_triton(_prefill_kernel)[(max_tiles, hkv)](
-        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_req, tile_first,
-        out, lse_t,
-        batch, sm_scale * LOG2E, page_size,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1),
-        lse_t.stride(0) if has_lse else 0, lse_t.stride(1) if has_lse else 0,
-        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), HAS_LSE=has_lse,
-        IEEE_DOT=q.dtype == torch.float32, num_warps=4,
+    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, CAUSAL=bool(causal),
+                  IEEE_DOT=q.dtype == torch.float32, num_warps=4)
+    args = (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_req, tile_first)
+    scalars = (batch, sm_scale * LOG2E, page_size,
+               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    grid = (max_tiles, hkv, splits)
+    if splits == 1:
+        lse_t = lse if has_lse else out  # dummy pointer when lse is not wanted
+        wrap_triton(_prefill_kernel)[grid](
+            *args, out, lse_t, *scalars,
+            out.stride(0), out.stride(1), 0,
+            lse_t.stride(0) if has_lse else 0, lse_t.stride(1) if has_lse else 0, 0,
+            HAS_LSE=has_lse, **common,
+        )
+        return
+    # -- split-KV: fp32 partials [Nq, Hq, splits, D] / [Nq, Hq, splits], then merged by LSE --
+    part_o = torch.empty((nq, hq, splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((nq, hq, splits), dtype=torch.float32, device=q.device)
+    wrap_triton(_prefill_kernel)[grid](
+        *args, part_o, part_lse, *scalars,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        HAS_LSE=True, **common,
     )
+    lse_t = lse if has_lse else out
+    wrap_triton(_reduce_splits_kernel)[(nq, hq)](
+        part_o, part_lse, out, lse_t,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
+        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=d, HAS_LSE=has_lse,
+        num_warps=4,
+    )
+
+
+def _num_splits(programs: int, max_kv_len: int, block_n: int) -> int:
+    """Split the KV range only when the (tile, kv head) programs cannot fill an H100/H200 (132 SMs)."""
+    if programs >= 132:
+        return 1
+    return max(1, min(triton.cdiv(264, programs), triton.cdiv(max_kv_len, 4 * block_n), 16))
 
 
 @triton_op("minisched_triton::paged_prefill_attention", mutates_args={"out", "lse"})

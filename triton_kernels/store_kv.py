@@ -13,23 +13,24 @@ from torch.library import triton_op, wrap_triton
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_heads,
+    num_tokens, num_heads,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_cslot, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
+    # -- a [BLOCK_T tokens, BLOCK_H heads, BLOCK_D] tile; tokens with slot < 0 are masked off --
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
-    src = t.to(tl.int64)
-    k = tl.load(k_ptr + src * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    v = tl.load(v_ptr + src * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-    dst = slot * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    slot = tl.load(slot_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
+    t3 = offs_t.to(tl.int64)[:, None, None]
+    h3 = offs_h[None, :, None]
+    d3 = offs_d[None, None, :]
+    mask = (slot >= 0)[:, None, None] & (h3 < num_heads) & (d3 < HEAD_DIM)
+    k = tl.load(k_ptr + t3 * stride_kn + h3 * stride_kh + d3 * stride_kd, mask=mask)
+    v = tl.load(v_ptr + t3 * stride_vn + h3 * stride_vh + d3 * stride_vd, mask=mask)
+    dst = slot[:, None, None] * stride_cslot + h3 * stride_ch + d3
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -44,14 +45,15 @@ def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     assert slot_mapping.dtype == torch.int32 and slot_mapping.is_contiguous()
     block_d = triton.next_power_of_2(d)
     block_h = max(1, min(triton.next_power_of_2(hkv), 4096 // block_d))
-    grid = (n, triton.cdiv(hkv, block_h))
+    block_t = max(1, min(triton.next_power_of_2(n), 4096 // (block_h * block_d)))
+    grid = (triton.cdiv(n, block_t), triton.cdiv(hkv, block_h))
     wrap_triton(_store_kv_kernel)[grid](
         k, v, k_cache, v_cache, slot_mapping,
-        hkv,
+        n, hkv,
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
 
 

@@ -13,6 +13,7 @@
 // destination page (never an out-of-bounds access).
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "checks.h"
@@ -36,33 +37,35 @@ struct MoveParams {
 
 constexpr int kUnroll = 4;
 
+// One CTA moves one (slice, page) chunk at a time (grid-stride over chunks); its threads stride
+// over the chunk's vectors, kUnroll loads in flight before the stores.
 template <typename V>
 __global__ void __launch_bounds__(256) move_pages_kernel(const MoveParams p, const V nan_fill) {
   const V* __restrict__ src = static_cast<const V*>(p.src);
   V* __restrict__ dst = static_cast<V*>(p.dst);
-  const long long per_slice = p.n * p.page_vecs;
-  const long long total = p.slices * per_slice;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long base = blockIdx.x * (long long)blockDim.x + threadIdx.x; base < total; base += stride * kUnroll) {
-    V val[kUnroll];
-    long long dst_off[kUnroll];
+  const long long chunks = p.slices * p.n;
+  const int pv = int(p.page_vecs);
+  for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const long long s = chunk / p.n, i = chunk % p.n;
+    const long long sp = p.src_idx ? p.src_idx[i] : i;
+    const long long dp = p.dst_idx ? p.dst_idx[i] : i;
+    if (p.dst_idx && (dp < 0 || dp >= p.num_pages)) continue;  // uniform over the CTA
+    const bool src_ok = !p.src_idx || (sp >= 0 && sp < p.num_pages);
+    const V* from = src + (s * p.src_pages + (src_ok ? sp : 0)) * p.page_vecs;
+    V* to = dst + (s * p.dst_pages + dp) * p.page_vecs;
+    for (int c0 = threadIdx.x; c0 < pv; c0 += blockDim.x * kUnroll) {
+      V val[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const long long idx = base + u * stride;
-      dst_off[u] = -1;
-      if (idx >= total) continue;
-      const long long s = idx / per_slice, rem = idx % per_slice;
-      const long long i = rem / p.page_vecs, c = rem % p.page_vecs;
-      const long long sp = p.src_idx ? p.src_idx[i] : i;
-      const long long dp = p.dst_idx ? p.dst_idx[i] : i;
-      if (p.dst_idx && (dp < 0 || dp >= p.num_pages)) continue;
-      dst_off[u] = (s * p.dst_pages + dp) * p.page_vecs + c;
-      const bool src_ok = !p.src_idx || (sp >= 0 && sp < p.num_pages);
-      val[u] = src_ok ? src[(s * p.src_pages + sp) * p.page_vecs + c] : nan_fill;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * blockDim.x;
+        if (c < pv) val[u] = src_ok ? from[c] : nan_fill;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * blockDim.x;
+        if (c < pv) to[c] = val[u];
+      }
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (dst_off[u] >= 0) dst[dst_off[u]] = val[u];
   }
 }
 
@@ -91,11 +94,13 @@ void launch_move(MoveParams p, int64_t page_bytes, at::ScalarType dtype, int dev
   auto go = [&](auto tag) {
     using V = decltype(tag);
     p.page_vecs = page_bytes / int64_t(sizeof(V));
-    const long long total = p.slices * p.n * p.page_vecs;
-    if (total == 0) return;
-    const long long blocks = std::min<long long>((total + 256 * kUnroll - 1) / (256 * kUnroll),
-                                                 (long long)sm_count(device) * 16);
-    move_pages_kernel<V><<<unsigned(blocks), 256, 0, stream>>>(p, nan_pattern<V>(dtype));
+    const long long chunks = p.slices * p.n;
+    if (chunks == 0 || p.page_vecs == 0) return;
+    TORCH_CHECK_VALUE(p.page_vecs < (int64_t(1) << 31), op, ": page too large (shape)");
+    // ~kUnroll vectors per thread per chunk; up to 32 resident CTAs per SM for small pages
+    const int threads = int(std::clamp<long long>((p.page_vecs / kUnroll + 31) / 32 * 32, 32, 256));
+    const long long blocks = std::min<long long>(chunks, (long long)sm_count(device) * (2048 / threads) * 4);
+    move_pages_kernel<V><<<unsigned(blocks), threads, 0, stream>>>(p, nan_pattern<V>(dtype));
   };
   if (fits(16)) go(uint4{});
   else if (fits(8)) go(uint2{});

@@ -1,12 +1,13 @@
 // store_kv on CUDA: write N tokens' K/V rows [Hkv, D] into one layer's paged caches at
-// slot_mapping[t] (page * page_size + offset; < 0: skip). One thread moves one 16-byte vector of
-// the K row and the same vector of the V row; a warp covers consecutive vectors of one or two
-// rows (coalesced). k/v may be strided over tokens (e.g. slices of a fused QKV output) as long as
+// slot_mapping[t] (page * page_size + offset; < 0: skip). Threads move 16-byte vectors of a K row and
+// the same vectors of the V row; a warp covers consecutive vectors of one row (coalesced). k/v may be strided over tokens (e.g. slices of a fused QKV output) as long as
 // each token's [Hkv, D] row is contiguous; otherwise they are made contiguous first.
 //
 // Slot values of a CUDA slot_mapping are not checked on the host (that would sync): a slot
 // >= num_pages * page_size is skipped like a negative one (never written out of bounds).
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "checks.h"
 #include "cuda/torch_glue.cuh"
@@ -14,23 +15,27 @@
 namespace minisched::cuda {
 namespace {
 
+// threadIdx.x strides over a row's vectors, threadIdx.y (and the grid) over tokens.
 template <typename V>
 __global__ void __launch_bounds__(256) store_kv_kernel(const V* __restrict__ k, const V* __restrict__ v,
                                                        long long k_stride, long long v_stride,  // in V units
                                                        V* __restrict__ k_cache, V* __restrict__ v_cache,
                                                        const int32_t* __restrict__ slots, long long n_tokens,
                                                        int row_vecs, long long num_slots) {
-  const long long total = n_tokens * row_vecs;
-  for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-       idx += (long long)gridDim.x * blockDim.x) {
-    const long long t = idx / row_vecs;
-    const int c = int(idx % row_vecs);
+  for (long long t = blockIdx.x * (long long)blockDim.y + threadIdx.y; t < n_tokens;
+       t += (long long)gridDim.x * blockDim.y) {
     const int slot = slots[t];
     if (slot < 0 || slot >= num_slots) continue;
-    const V kx = k[t * k_stride + c];
-    const V vx = v[t * v_stride + c];
-    k_cache[(long long)slot * row_vecs + c] = kx;
-    v_cache[(long long)slot * row_vecs + c] = vx;
+    const V* ks = k + t * k_stride;
+    const V* vs = v + t * v_stride;
+    V* kd = k_cache + (long long)slot * row_vecs;
+    V* vd = v_cache + (long long)slot * row_vecs;
+    for (int c = threadIdx.x; c < row_vecs; c += blockDim.x) {
+      const V kx = ks[c];
+      const V vx = vs[c];
+      kd[c] = kx;
+      vd[c] = vx;
+    }
   }
 }
 
@@ -39,15 +44,16 @@ void launch(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& slot_mapping, int64_t row_bytes, cudaStream_t stream) {
   const int row_vecs = int(row_bytes / sizeof(V));
   const long long n = k.size(0);
-  const long long total = n * row_vecs;
-  const int blocks = int(std::min<long long>((total + 255) / 256, (long long)sm_count(k.device().index()) * 32));
-  if (blocks == 0) return;
+  const int tx = std::clamp((row_vecs + 31) / 32 * 32, 32, 256);
+  const int ty = 256 / tx;
+  const long long blocks = std::min<long long>((n + ty - 1) / ty, (long long)sm_count(k.device().index()) * 32);
+  if (blocks == 0 || row_vecs == 0) return;
   const int64_t es = k.element_size();
-  store_kv_kernel<V><<<blocks, 256, 0, stream>>>(
+  store_kv_kernel<V><<<unsigned(blocks), dim3(tx, ty), 0, stream>>>(
       reinterpret_cast<const V*>(k.data_ptr()), reinterpret_cast<const V*>(v.data_ptr()),
-      k.stride(0) * es / int64_t(sizeof(V)), v.stride(0) * es / int64_t(sizeof(V)), reinterpret_cast<V*>(k_cache.data_ptr()),
-      reinterpret_cast<V*>(v_cache.data_ptr()), slot_mapping.data_ptr<int32_t>(), n, row_vecs,
-      k_cache.size(0) * k_cache.size(1));
+      k.stride(0) * es / int64_t(sizeof(V)), v.stride(0) * es / int64_t(sizeof(V)),
+      reinterpret_cast<V*>(k_cache.data_ptr()), reinterpret_cast<V*>(v_cache.data_ptr()),
+      slot_mapping.data_ptr<int32_t>(), n, row_vecs, k_cache.size(0) * k_cache.size(1));
 }
 
 // A token's [Hkv, D] row must be contiguous; the token stride may be anything.
