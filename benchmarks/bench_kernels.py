@@ -10,7 +10,8 @@ Cases (page_size 16, fp32, torch.set_num_threads(2) unless --threads says otherw
   decode   16 requests x 1024 context, 9 query / 3 kv heads, head_dim 64
   prefill  4 requests x 512 new tokens on 512 cached (kv_len 1024), causal, same heads
 
-Reported: median milliseconds, speedup (reference / native), effective GB/s of KV read
+Reported: median milliseconds (native and reference calls alternate, so load on a shared machine hits
+both alike; minima are in the JSON), speedup (reference / native), effective GB/s of KV read
 (K and V bytes of every request's context, once, over the median time) and, for prefill, GFLOP/s.
 Writes JSON (--json, default benchmarks/results/bench_kernels_cpu.json) and prints a table.
 
@@ -116,29 +117,34 @@ def flops(case: dict) -> float:
     return 4.0 * cfg["batch"] * cfg["hq"] * cfg["head_dim"] * pairs
 
 
-def median_ms(fn, *, warmup: int, iters: int, device: str) -> float:
+def time_interleaved(fns: dict, *, warmup: int, iters: int, device: str) -> dict:
+    """Milliseconds per call of each fn, {name: (median, min)}; the fns alternate call by call so that
+    a busy machine slows them alike."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(warmup):
-        fn()
+        for fn in fns.values():
+            fn()
     sync()
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (1e3 * statistics.median(t), 1e3 * min(t)) for name, t in times.items()}
 
 
 def bench_case(kind: str, *, device: str, dtype: torch.dtype, page_size: int, warmup: int, iters: int) -> dict:
     case = build_case(kind, device=device, dtype=dtype, page_size=page_size)
     nat, ref = native_fn(case), reference_fn(case)
     err = (nat().float() - ref().float()).abs().max().item()
-    t_nat = median_ms(nat, warmup=warmup, iters=iters, device=device)
-    t_ref = median_ms(ref, warmup=warmup, iters=iters, device=device)
+    t = time_interleaved({"native": nat, "reference": ref}, warmup=warmup, iters=iters, device=device)
+    (t_nat, min_nat), (t_ref, min_ref) = t["native"], t["reference"]
     nbytes, nflops = kv_bytes(case), flops(case)
     return dict(case=kind, **case["cfg"], page_size=page_size, dtype=str(dtype).removeprefix("torch."),
                 native_ms=t_nat, reference_ms=t_ref, speedup=t_ref / t_nat,
+                native_min_ms=min_nat, reference_min_ms=min_ref,
                 native_gbps=nbytes / t_nat / 1e6, reference_gbps=nbytes / t_ref / 1e6,
                 native_gflops=nflops / t_nat / 1e6, reference_gflops=nflops / t_ref / 1e6, max_abs_err=err)
 
@@ -175,12 +181,14 @@ def main() -> None:
                        iters=args.iters) for kind in args.cases.split(",")]
     meta = dict(device=args.device, threads=torch.get_num_threads(), torch=torch.__version__,
                 machine=platform.machine(), processor=platform.processor() or platform.platform(),
-                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None, cpus=os.cpu_count())
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
     print(f"# bench_kernels device={args.device} threads={meta['threads']} torch={meta['torch']} "
-          f"page_size={args.page_size} (reference = gather pages + SDPA, same run)")
+          f"page_size={args.page_size} load={meta['loadavg'][0] if meta['loadavg'] else '?'}/{meta['cpus']} cpus "
+          "(reference = gather pages + SDPA, same run, calls interleaved; medians)")
     print(table(rows))
 
 

@@ -109,10 +109,7 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32,
                         device="cpu") -> "LlamaModel":
-        with torch.device("meta"):
-            model = cls(cfg, dtype=dtype, device="meta")
-        model = model.to_empty(device=device)
-        model.inv_freq.copy_(1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)))
+        model = cls(cfg, dtype=dtype, device=device)  # torch.empty parameters: no init cost
         model.load_hf_state_dict(state)
         return model
 

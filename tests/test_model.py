@@ -125,8 +125,9 @@ PROMPTS = [
     "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
     "What is 7 times 8?", "Give me a tip for learning Python.",
 ]
-SYSTEM = ("You are a concise assistant for a small bakery. Answer questions about opening hours, bread, "
-          "pastries and prices politely and in at most two sentences.")
+SYSTEM = ("You are a concise assistant for a small bakery in the old town. Answer questions about opening "
+          "hours, bread, pastries, cakes and prices politely and in at most two sentences. If a question has "
+          "nothing to do with the bakery, answer it briefly anyway.")
 
 
 @pytest.fixture(scope="module")
@@ -189,18 +190,35 @@ def test_logits_match_transformers(hf, engine):
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shared_system", [False, True], ids=["plain", "shared-system-prompt"])
-def test_greedy_matches_transformers(hf, engine, shared_system):
-    _, model = hf
-    msgs = [([{"role": "system", "content": SYSTEM}] if shared_system else []) + [{"role": "user", "content": p}]
+@pytest.fixture(scope="module")
+def chat_prompts(engine) -> list[list[int]]:
+    """8 chat prompts sharing a system prompt (>= 3 full pages of 16 tokens)."""
+    return [engine.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}])
             for p in PROMPTS]
-    ids = [engine.tokenizer.encode_chat(m) for m in msgs]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy_refs(hf, chat_prompts) -> list[list[int]]:
+    return [hf_greedy(hf[1], p, 32) for p in chat_prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["cold", "radix-cache-hits+cascade"])
+def test_greedy_matches_transformers(engine, chat_prompts, hf_greedy_refs, mode):
+    """8 prompts x 32 greedy tokens equal HF generate: without the radix cache, and with the shared
+    system prompt served from the cache (and cascade decode over it)."""
+    from minisched.engine import Engine
+
+    warm = mode != "cold"
+    e = Engine(engine.model, tokenizer=engine.tokenizer, page_size=16, chunk_size=64, enable_radix_cache=warm,
+               cascade=warm)
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    if shared_system:
-        engine.generate(ids[:1], sp)  # puts the system prompt into the radix cache
-    outs = engine.generate(ids, sp)
-    if shared_system:
-        assert all(o.cached_tokens >= 32 for o in outs)
-    for o, p in zip(outs, ids):
-        assert o.token_ids == hf_greedy(model, p, 32), f"prompt {o.index}: {engine.tokenizer.decode(p)!r}"
+    if warm:
+        e.generate(chat_prompts[:1], sp)  # puts the system prompt into the radix cache
+    outs = e.generate(chat_prompts, sp)
+    if warm:
+        assert all(o.cached_tokens >= 48 for o in outs) and e.runner.num_cascade_steps > 0
+    else:
+        assert all(o.cached_tokens == 0 for o in outs)
+    for o, want in zip(outs, hf_greedy_refs):
+        assert o.token_ids == want, f"prompt {o.index}: {engine.tokenizer.decode(chat_prompts[o.index])!r}"

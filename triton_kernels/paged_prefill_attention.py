@@ -132,6 +132,7 @@ def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_
     group = hq // hkv
     block_m = max(16, min(64, triton.next_power_of_2(nq * group)))
     block_n = 64
+    num_warps = 8 if d > 64 else 4  # D=128 with 4 warps needs ~254 registers (split-KV variant)
     # -- device-side plan: tile t belongs to request tile_req[t] (== batch: spare program) --
     tiles = (qo_indptr[1:] - qo_indptr[:-1]) * group
     tiles = (tiles + (block_m - 1)) // block_m
@@ -143,7 +144,7 @@ def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_
     splits = _num_splits(triton.cdiv(nq * group, block_m) * hkv, kv_indices.shape[0] * page_size, block_n)
     has_lse = lse is not None
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, CAUSAL=bool(causal),
-                  IEEE_DOT=q.dtype == torch.float32, num_warps=4)
+                  IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps)
     args = (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_req, tile_first)
     scalars = (batch, sm_scale * LOG2E, page_size,
                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))

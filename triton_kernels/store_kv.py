@@ -44,8 +44,8 @@ def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
     assert slot_mapping.dtype == torch.int32 and slot_mapping.is_contiguous()
     block_d = triton.next_power_of_2(d)
-    block_h = max(1, min(triton.next_power_of_2(hkv), 4096 // block_d))
-    block_t = max(1, min(triton.next_power_of_2(n), 4096 // (block_h * block_d)))
+    block_h = max(1, min(triton.next_power_of_2(hkv), 2048 // block_d))  # <= 2048 elements: no spills
+    block_t = max(1, min(triton.next_power_of_2(n), 2048 // (block_h * block_d)))
     grid = (triton.cdiv(n, block_t), triton.cdiv(hkv, block_h))
     wrap_triton(_store_kv_kernel)[grid](
         k, v, k_cache, v_cache, slot_mapping,

@@ -1,0 +1,5 @@
+import sys
+
+from minisched.cli import main
+
+sys.exit(main())
