@@ -242,7 +242,7 @@ def roofline(timer, device, dtype, args) -> tuple[float, float]:
 def bench_copy_ops(timer, device, dtype, args, copy_bw, l2_bytes):
     s = args.scale
     layers, hkv, d, ps = 32, 8, 128, 16
-    n_move = max(1, 16 // s)  # pages moved per call: 16 x (32 layers x K,V x 64 KB) = 64 MB read
+    n_move = max(1, 32 // s)  # pages moved per call: 32 x (32 layers x K,V x 32 KB) = 64 MB read
     num_pages = max(4 * n_move, 256 // s)
     pool = randn((layers // s if s > 1 else layers, 2, num_pages, ps, hkv, d), dtype, device)
     page_bytes = pool[:, :, 0].numel() * pool.element_size()

@@ -9,7 +9,8 @@
 # Writes into OUTDIR: env.txt, build.log, res_usage.txt, pytest.log, junit.xml, bench_gpu.log,
 # bench_gpu.json, e2e.log (+ e2e.json), stages.tsv, summary.txt.
 # Environment knobs: PYTHON (default python3), CUDA_HOME (default /usr/local/cuda when present),
-# BUILD_TIMEOUT/TEST_TIMEOUT/BENCH_TIMEOUT/E2E_TIMEOUT (seconds), PYTEST_ARGS, E2E_ARGS, BENCH_ARGS;
+# BUILD_TIMEOUT/TEST_TIMEOUT/BENCH_TIMEOUT/E2E_TIMEOUT (seconds), PYTEST_ARGS, PYTEST_XDIST (workers, 0: off),
+# E2E_ARGS, BENCH_ARGS;
 # SKIP_BUILD=1 and BENCH_ARGS=--dry-run give a CPU smoke run of the script itself.
 set -u
 
@@ -82,9 +83,12 @@ if [ -n "$SO" ] && [ -x "$CUOBJDUMP" ]; then
 fi
 
 # -- 2. tests (GPU cases run because torch.cuda.is_available()) -----------------------------------
+# pytest-xdist (in the device image) spreads the float64 CPU references over the cores.
+XDIST=""
+if [ "${PYTEST_XDIST:-8}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then XDIST="-n ${PYTEST_XDIST:-8}"; fi
 # shellcheck disable=SC2086
 run_stage tests "$TEST_TIMEOUT" "$OUT/pytest.log" \
-  bash -c "$PY -m pytest tests $PYTEST_ARGS --junitxml='$OUT/junit.xml'"
+  env OMP_NUM_THREADS=2 bash -c "$PY -m pytest tests $PYTEST_ARGS $XDIST --junitxml='$OUT/junit.xml'"
 
 # -- 3. kernel benchmarks ------------------------------------------------------------------------
 # shellcheck disable=SC2086

@@ -35,15 +35,17 @@ def _variants():
             out.append(("merge_attention_states", "_merge_kernel", {},
                         dict(HEAD_DIM=d, BLOCK_H=2048 // d, BLOCK_D=d), 4, dt, d))
             # decode: group 8 (tl.dot, 16 rows), group 1 and group 3 (elementwise); split partials are fp32
-            for group, pad, block_n, dot in ((8, 16, 64, True), (1, 1, 64, False), (3, 4, max(16, 8192 // (4 * d)), False)):
-                for splits, o_type in ((1, dt), (8, "fp32")):
+            # (one split writes the output directly: compiled for the tl.dot path only, to save time)
+            decode_shapes = ((8, 16, 64, True), (1, 1, 64, False), (3, 4, max(16, 8192 // (4 * d)), False))
+            for group, pad, block_n, dot in decode_shapes:
+                for splits, o_type in ((1, dt), (8, "fp32")) if dot else ((8, "fp32"),):
                     out.append(("paged_decode_attention", "_decode_split_kernel", {"o_ptr": "*" + o_type},
                                 dict(GROUP=group, GROUP_PAD=pad, HEAD_DIM=d, BLOCK_N=block_n, NUM_SPLITS=splits,
                                      USE_DOT=dot, HAS_LSE=True, IEEE_DOT=False), 4, dt, d))
             out.append(("paged_decode_attention", "_reduce_splits_kernel", {},
                         dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=d, HAS_LSE=True), 4, dt, d))
             # prefill (causal) and shared prefix (non-causal, split-KV into fp32 partials)
-            for causal, splits, o_type in ((True, 1, dt), (False, 1, dt), (False, 4, "fp32")):
+            for causal, splits, o_type in ((True, 1, dt), (False, 4, "fp32")):
                 out.append(("paged_prefill_attention", "_prefill_kernel", {"o_ptr": "*" + o_type},
                             dict(GROUP=4, HEAD_DIM=d, BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=splits, CAUSAL=causal,
                                  HAS_LSE=True, IEEE_DOT=False), 8 if d > 64 else 4, dt, d))

@@ -92,16 +92,17 @@ def _decode_split_kernel(
 
     # -- an empty split (start >= kv_len) writes o = 0, lse = -inf --
     nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    o = acc / l_safe[:, None]
     o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
     if HAS_LSE:
-        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # natural log
         tl.store(lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=gmask)
 
 
 @triton.jit
-def _reduce_splits_kernel(
+def _reduce_splits_kernel(  # also merges paged_prefill_attention's split-KV partials
     po_ptr, plse_ptr, o_ptr, lse_ptr,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
@@ -114,7 +115,7 @@ def _reduce_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     smask = offs_s < NUM_SPLITS
     lse_s = tl.load(plse_ptr + b * stride_plb + h * stride_plh + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)  # finite: split 0 always holds a token
+    m = tl.max(lse_s, axis=0)  # finite: split 0 holds KV position 0, which every query sees
     w = tl.exp(lse_s - m)
     po = tl.load(po_ptr + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
                  mask=smask[:, None], other=0.0)

@@ -119,17 +119,20 @@ __global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const A
     T* k_dst = sK + stage * kBlockN * SP;
     T* v_dst = sV + stage * kBlockN * SP;
     const int c = tid % CH;
+#pragma unroll 4
     for (int r = tid / CH; r < kBlockN; r += nthreads / CH) {
       const int tok = tok0 + r;
       bool valid = tok < s_end;
       long long off = 0;
       if (valid) {
-        const int page = p.kv_indices[kv_beg + tok / p.page_size];
+        const int pi = p.page_shift >= 0 ? tok >> p.page_shift : tok / p.page_size;
+        const int page = p.kv_indices[kv_beg + pi];
         if ((unsigned)page >= (unsigned)p.num_pages) {
           bad_page = true;
           valid = false;
         } else {
-          off = ((long long)page * p.page_size + tok % p.page_size) * p.num_kv_heads * D + (long long)kvh * D + c * 8;
+          off = ((long long)page * p.page_size + (tok - pi * p.page_size)) * p.num_kv_heads * D + (long long)kvh * D +
+                c * 8;
         }
       }
       cp_async_16(k_dst + r * SP + c * 8, kg + off, valid);
@@ -344,10 +347,10 @@ __global__ void __launch_bounds__(1024) tile_map_kernel(const int32_t* qo_indptr
 }
 
 // Fewest splits whose CTA count fills the resident slots evenly (>= 90% of the last wave), each
-// split keeping at least 4 KV tiles.
+// split keeping at least 2 KV tiles (so the two-stage pipeline still overlaps); else the best fill.
 int choose_splits(long long base_ctas, int slots, long long est_kv_len) {
   if (base_ctas <= 0 || slots <= 0) return 1;
-  const int max_splits = int(std::max<long long>(1, std::min<long long>(32, est_kv_len / (4 * kBlockN))));
+  const int max_splits = int(std::max<long long>(1, std::min<long long>(32, est_kv_len / (2 * kBlockN))));
   int best = 1;
   double best_eff = 0.0;
   for (int s = 1; s <= max_splits; ++s) {

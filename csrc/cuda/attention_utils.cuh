@@ -127,6 +127,7 @@ struct AttentionParams {
   int group;         // Hq / Hkv
   int num_pages;
   int page_size;
+  int page_shift;    // log2(page_size) when a power of two, else -1
   int nnz;           // len(kv_indices)
   int num_splits;
   int tiles_per_request;  // decode: ceil(group / rows_per_tile)

@@ -24,17 +24,15 @@ __global__ void __launch_bounds__(256) store_kv_kernel(const V* __restrict__ k, 
                                                        int row_vecs, long long num_slots) {
   for (long long t = blockIdx.x * (long long)blockDim.y + threadIdx.y; t < n_tokens;
        t += (long long)gridDim.x * blockDim.y) {
-    const int slot = slots[t];
-    if (slot < 0 || slot >= num_slots) continue;
     const V* ks = k + t * k_stride;
     const V* vs = v + t * v_stride;
-    V* kd = k_cache + (long long)slot * row_vecs;
-    V* vd = v_cache + (long long)slot * row_vecs;
+    const int slot = slots[t];
     for (int c = threadIdx.x; c < row_vecs; c += blockDim.x) {
-      const V kx = ks[c];
+      const V kx = ks[c];  // loaded before the slot test: independent of the slot load's latency
       const V vx = vs[c];
-      kd[c] = kx;
-      vd[c] = vx;
+      if (slot < 0 || slot >= num_slots) continue;
+      k_cache[(long long)slot * row_vecs + c] = kx;
+      v_cache[(long long)slot * row_vecs + c] = vx;
     }
   }
 }

@@ -100,6 +100,9 @@ inline void run_paged_attention(const char* op, const at::Tensor& q, const at::T
   p.group = p.num_heads / p.num_kv_heads;
   p.num_pages = int(k_cache.size(0));
   p.page_size = int(k_cache.size(1));
+  p.page_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((int64_t(1) << sh) == k_cache.size(1)) p.page_shift = sh;
   p.nnz = int(kv_indices.numel());
   p.causal = causal;
   p.scale_log2 = float(sm_scale * 1.4426950408889634);
