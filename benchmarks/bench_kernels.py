@@ -187,7 +187,7 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
     print(f"# bench_kernels device={args.device} threads={meta['threads']} torch={meta['torch']} "
-          f"page_size={args.page_size} load={meta['loadavg'][0] if meta['loadavg'] else '?'}/{meta['cpus']} cpus "
+          f"page_size={args.page_size} load={meta['loadavg'][0] if meta['loadavg'] else float('nan'):.1f}/{meta['cpus']} cpus "
           "(reference = gather pages + SDPA, same run, calls interleaved; medians)")
     print(table(rows))
 

@@ -167,10 +167,10 @@ void paged_attention(const AttnParams& p) {
   using namespace detail;
   const int64_t g = p.hq / p.hkv;
   const int64_t tq = std::max<int64_t>(1, kMaxRows / g);
-  std::vector<Item> items;
+  std::vector<Item> items;  // a request's last tiles first: under causal masking they cost the most
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t qo_len = p.qo_indptr ? p.qo_indptr[b + 1] - p.qo_indptr[b] : 1;
-    for (int64_t t0 = 0; t0 < qo_len; t0 += tq)
+    for (int64_t t0 = (qo_len - 1) / tq * tq; t0 >= 0 && qo_len > 0; t0 -= tq)
       for (int64_t h = 0; h < p.hkv; ++h) items.push_back({int32_t(b), int32_t(t0), int32_t(h)});
   }
   if (items.empty()) return;

@@ -4,9 +4,10 @@
 //
 // The pool is [L, 2, num_pages, page_size, Hkv, D] = 2L "slices" of num_pages pages; a page buffer
 // [L, 2, n, ...] is 2L slices of n pages. A buffer on the host (gather's `out`, scatter's `src`)
-// is read/written by the kernel directly when it is pinned (mapped into the device's address
-// space: asynchronous, no staging); a pageable host buffer goes through a device staging tensor
-// and a (synchronous) copy.
+// goes through a device staging tensor and ONE contiguous copy on the current stream: for pinned
+// memory a cudaMemcpyAsync (asynchronous: synchronize before reading a gathered host buffer),
+// for pageable memory a synchronous copy. (Not zero-copy through the pinned mapping: a device
+// fault there would poison the CUDA context, and PCIe, not the gather, bounds this path.)
 //
 // Page values of CUDA index tensors are not checked on the host (that would sync): a destination
 // page outside [0, num_pages) is skipped; a source page outside it writes NaN into the
@@ -113,19 +114,6 @@ int64_t page_bytes(const at::Tensor& kv_cache) {
   return kv_cache.size(3) * kv_cache.size(4) * kv_cache.size(5) * kv_cache.element_size();
 }
 
-// A device-accessible address for a buffer: device memory as is, pinned host memory through its
-// mapping (unified addressing); nullptr for pageable host memory.
-void* device_address(const at::Tensor& buf) {
-  if (buf.is_cuda()) return buf.data_ptr();
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, buf.data_ptr()) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the sticky-free error of an unknown pointer
-    return nullptr;
-  }
-  if (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr) return attr.devicePointer;
-  return nullptr;
-}
-
 void check_pool_on_cuda(const char* op, const at::Tensor& kv_cache) {
   TORCH_CHECK_VALUE(kv_cache.is_cuda(), op, ": kv_cache is on device ", kv_cache.device(),
                     ", expected a CUDA device (the buffer may be on the host)");
@@ -158,12 +146,9 @@ void gather_kv_pages(const at::Tensor& kv_cache, const at::Tensor& pages, const 
                     ": out is on device ", out.device(), ", expected ", kv_cache.device(), " or the (pinned) host");
   if (pages.numel() == 0 || kv_cache.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
-  void* dst = device_address(out);
-  at::Tensor staging;
-  if (dst == nullptr) {  // pageable host memory: stage on the device
-    staging = at::empty(out.sizes(), out.options().device(kv_cache.device()));
-    dst = staging.data_ptr();
-  }
+  at::Tensor staging;  // a host buffer: gather on the device, then one async copy on the stream
+  if (!out.is_cuda()) staging = at::empty(out.sizes(), out.options().device(kv_cache.device()));
+  void* dst = staging.defined() ? staging.data_ptr() : out.data_ptr();
   MoveParams p{};
   p.src = kv_cache.data_ptr();
   p.dst = dst;
@@ -176,7 +161,9 @@ void gather_kv_pages(const at::Tensor& kv_cache, const at::Tensor& pages, const 
   p.num_pages = int(kv_cache.size(2));
   launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache),
               op);
-  if (staging.defined()) const_cast<at::Tensor&>(out).copy_(staging);
+  // pinned: cudaMemcpyAsync on the current stream (torch records the pinned block's use);
+  // pageable: a synchronous copy
+  if (staging.defined()) const_cast<at::Tensor&>(out).copy_(staging, /*non_blocking=*/true);
 }
 
 void scatter_kv_pages(const at::Tensor& src, const at::Tensor& kv_cache, const at::Tensor& pages) {
@@ -187,12 +174,12 @@ void scatter_kv_pages(const at::Tensor& src, const at::Tensor& kv_cache, const a
                     ": src is on device ", src.device(), ", expected ", kv_cache.device(), " or the (pinned) host");
   if (pages.numel() == 0 || kv_cache.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
-  const void* from = device_address(src);
-  at::Tensor staging;
-  if (from == nullptr) {  // pageable host memory: stage on the device
-    staging = src.to(kv_cache.device());
-    from = staging.data_ptr();
+  at::Tensor staging;  // a host buffer: one async copy to the device on the stream, then scatter
+  if (!src.is_cuda()) {
+    staging = at::empty(src.sizes(), src.options().device(kv_cache.device()));
+    staging.copy_(src, /*non_blocking=*/true);
   }
+  const void* from = staging.defined() ? staging.data_ptr() : src.data_ptr();
   MoveParams p{};
   p.src = from;
   p.dst = kv_cache.data_ptr();
