@@ -42,7 +42,7 @@ def cuda_include_dirs() -> list:
 
 def extension():
     sources = ["csrc/torch_bindings.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++20", "-fopenmp"] + (["-march=x86-64-v3"] if os.uname().machine == "x86_64" else [])
+    cxx = ["-O3", "-g0", "-std=c++20", "-fopenmp"] + (["-march=x86-64-v3"] if os.uname().machine == "x86_64" else [])
     kwargs = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"])
     if build_cuda():
         # -warn-spills + -Werror: a register spill in any kernel fails the build (checked in CI).

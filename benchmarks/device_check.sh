@@ -32,10 +32,10 @@ export PYTHONUNBUFFERED=1
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-180}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
-E2E_TIMEOUT=${E2E_TIMEOUT:-40}
+E2E_TIMEOUT=${E2E_TIMEOUT:-60}
 # --maxfail rather than -x: one device run should report every failing kernel case, not the first.
 PYTEST_ARGS=${PYTEST_ARGS:--q -m "not slow" --maxfail=30 -p no:cacheprovider}
-E2E_ARGS=${E2E_ARGS:-bench --model dummy:llama-1b --device cuda --num-requests 64 --max-new-tokens 64}
+E2E_ARGS=${E2E_ARGS:-bench --model dummy:llama3-1b --device cuda --dtype bfloat16 --backend native --num-requests 64 --scale 0.25 --no-progress --json $OUT/e2e.json}
 
 STAGES="$OUT/stages.tsv"
 printf "stage\tstatus\tseconds\n" > "$STAGES"
@@ -129,6 +129,7 @@ for line in open(sys.argv[1]):
         name = None
 EOF
   fi
+  if [ -s "$OUT/e2e.log" ]; then echo; echo "-- e2e (tail)"; tail -8 "$OUT/e2e.log"; fi
   echo
   if [ -s "$OUT/bench_gpu.json" ]; then
     $PY - "$OUT/bench_gpu.json" <<'EOF'
@@ -153,7 +154,6 @@ EOF
   else
     echo "(no bench_gpu.json)"; tail -20 "$OUT/bench_gpu.log" 2>/dev/null
   fi
-  if [ -s "$OUT/e2e.log" ]; then echo; echo "-- e2e (tail)"; tail -8 "$OUT/e2e.log"; fi
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
 exit 0

@@ -279,6 +279,16 @@ inline void check_copy_kv_pages(const at::Tensor& kv_cache, const at::Tensor& sr
   if (kv_cache.device().is_cpu()) {
     check_range(op, "src_pages", src_pages, 0, kv_cache.size(2));
     check_range(op, "dst_pages", dst_pages, 0, kv_cache.size(2));
+    // Copies run in parallel on every backend: a page written must not be read or written twice.
+    std::vector<char> role(kv_cache.size(2), 0);
+    const int32_t* src = host_ints(op, "src_pages", src_pages);
+    const int32_t* dst = host_ints(op, "dst_pages", dst_pages);
+    for (int64_t i = 0; i < dst_pages.numel(); ++i) {
+      TORCH_CHECK_VALUE(!role[dst[i]], op, ": dst_pages must be distinct (page ", dst[i], " repeats)");
+      role[dst[i]] = 1;
+    }
+    for (int64_t i = 0; i < src_pages.numel(); ++i)
+      TORCH_CHECK_VALUE(!role[src[i]], op, ": src_pages and dst_pages must be disjoint (page ", src[i], ")");
   }
 }
 

@@ -182,7 +182,7 @@ def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous",
             sp = SamplingParams(max_new_tokens=br.max_new_tokens, ignore_eos=True)
             req = engine.add_request(list(br.prompt_ids), sp, rid=br.rid)
             req.arrival_time = start + br.arrival
-            reqs[br.rid] = (br, req)
+            reqs[br.rid] = req
 
     while pending or queue or sched.has_work():
         now = time.monotonic() - start
@@ -200,7 +200,6 @@ def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous",
             continue
         t = time.monotonic()
         for req in sched.step(timed):
-            br, _ = reqs[req.rid]
             results[req.rid] = req
         step_time += time.monotonic() - t
         if progress is not None:

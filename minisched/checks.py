@@ -168,6 +168,12 @@ def copy_kv_pages(kv_cache, src_pages, dst_pages, *, values: bool = True) -> Non
     if values:
         check_range(op, "src_pages", src_pages, 0, kv_cache.shape[2])
         check_range(op, "dst_pages", dst_pages, 0, kv_cache.shape[2])
+        # copies run in parallel on every backend: no page may be written twice or both read and written
+        dst = dst_pages.tolist()
+        if len(set(dst)) != len(dst):
+            _fail(ValueError, op, "dst_pages must be distinct")
+        if set(dst) & set(src_pages.tolist()):
+            _fail(ValueError, op, "src_pages and dst_pages must be disjoint")
 
 
 def _check_buffer(op: str, name: str, buf, kv_cache, pages) -> None:

@@ -64,7 +64,9 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def copy_kv_pages(kv_cache, src_pages, dst_pages) -> None:
-    """kv_cache[:, :, dst[i]] = kv_cache[:, :, src[i]] for every i, all layers, K and V."""
+    """kv_cache[:, :, dst[i]] = kv_cache[:, :, src[i]] for every i, all layers, K and V.
+
+    dst pages are distinct and disjoint from src pages (the kernels copy in parallel)."""
     for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
         kv_cache[:, :, d] = kv_cache[:, :, s]
 

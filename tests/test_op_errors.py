@@ -127,3 +127,16 @@ def test_qo_len_longer_than_kv_len(t, case):
     qo = torch.tensor([0, 6, 7], dtype=torch.int32)
     with pytest.raises(ValueError, match="qo_len"):
         ops.paged_prefill_attention(q6, qo, kv.k_cache, kv.v_cache, *kv.table, backend=t.backend)
+
+
+@pytest.mark.parametrize("t", TARGETS)
+def test_copy_pages_overlap(t):
+    """Copies run in parallel, so a chain (1->2, 2->3) or a repeated destination is rejected."""
+    pool = torch.randn(1, 2, 6, 4, 2, 64)
+    before = pool.clone()
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="disjoint"):
+        ops.copy_kv_pages(pool, i32([1, 2]), i32([2, 3]), backend=t.backend)
+    with pytest.raises(ValueError, match="distinct"):
+        ops.copy_kv_pages(pool, i32([0, 1]), i32([4, 4]), backend=t.backend)
+    assert torch.equal(pool, before)
