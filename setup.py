@@ -54,7 +54,15 @@ def extension():
     return CppExtension("minisched._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
+class BuildExt(BuildExtension):
+    """A fixed build folder, so that pip's editable installs reuse ninja's incremental build."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp")
+
+
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

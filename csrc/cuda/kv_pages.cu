@@ -12,6 +12,8 @@
 // Page values of CUDA index tensors are not checked on the host (that would sync): a destination
 // page outside [0, num_pages) is skipped; a source page outside it writes NaN into the
 // destination page (never an out-of-bounds access).
+// Copies run in parallel: copy_kv_pages needs src/dst disjoint and dst distinct (checked for CPU
+// index tensors only); on CUDA an overlap is a race, not an error.
 #include <torch/library.h>
 
 #include <algorithm>
