@@ -105,6 +105,9 @@ def main() -> int:
     p.add_argument("--mixed-requests", type=int, default=None)
     p.add_argument("--mixed-rate", type=float, default=None)
     p.add_argument("--shared-requests", type=int, default=None)
+    p.add_argument("--shared-rate", type=float, default=4.0,
+                   help="shared-prefix arrivals, req/s (<= 0: all at t=0, so one batch admits every prefix cold)")
+    p.add_argument("--stages", default="mixed,shared,hf", help="comma-separated subset of mixed,shared,hf")
     p.add_argument("--skip-hf", action="store_true")
     ARGS = p.parse_args()
     torch.set_num_threads(ARGS.threads)
@@ -122,37 +125,40 @@ def main() -> int:
     records: list[RunRecord] = []
     rows = []
 
+    stages = set(ARGS.stages.split(",")) - ({"hf"} if ARGS.skip_hf else set())
+    env = lambda: env_of(base, load0, n_mixed, rate, scale, n_shared)  # noqa: E731
+
     # 1. continuous vs static on the mixed workload
     mixed = bw.make_workload("mixed", n_mixed, rate, vocab=base.cfg.vocab_size, seed=0, scale=scale)
-    cont = serve(base, mixed, "continuous", "mixed/continuous", records, max_running_requests=64)
-    stat = serve(base, mixed, "static", f"mixed/static-batch{ARGS.static_batch}", records, max_running_requests=64)
-    rows.append({"comparison": "mixed: continuous vs static batching",
-                 "ours_tok_s": cont["output_tok_s"], "baseline_tok_s": stat["output_tok_s"],
-                 "throughput_x": ratio(cont["output_tok_s"], stat["output_tok_s"]), "target_throughput_x": 1.4,
-                 "ours_p99_s": cont["e2e_latency_s"]["p99"], "baseline_p99_s": stat["e2e_latency_s"]["p99"],
-                 "p99_latency_x": ratio(cont["e2e_latency_s"]["p99"], stat["e2e_latency_s"]["p99"]),
-                 "target_p99_latency_x": 0.4})
-
-    save(rows, records, env_of(base, load0, n_mixed, rate, scale, n_shared))
+    if "mixed" in stages:
+        cont = serve(base, mixed, "continuous", "mixed/continuous", records, max_running_requests=64)
+        stat = serve(base, mixed, "static", f"mixed/static-batch{ARGS.static_batch}", records, max_running_requests=64)
+        rows.append({"comparison": "mixed: continuous vs static batching",
+                     "ours_tok_s": cont["output_tok_s"], "baseline_tok_s": stat["output_tok_s"],
+                     "throughput_x": ratio(cont["output_tok_s"], stat["output_tok_s"]), "target_throughput_x": 1.4,
+                     "ours_p99_s": cont["e2e_latency_s"]["p99"], "baseline_p99_s": stat["e2e_latency_s"]["p99"],
+                     "p99_latency_x": ratio(cont["e2e_latency_s"]["p99"], stat["e2e_latency_s"]["p99"]),
+                     "target_p99_latency_x": 0.4})
+        save(rows, records, env())
 
     # 2. radix cache + LPM vs no cache on the shared-prefix workload
-    shared = bw.make_workload("shared-prefix", n_shared, 0, vocab=base.cfg.vocab_size, seed=1,
+    shared = bw.make_workload("shared-prefix", n_shared, ARGS.shared_rate, vocab=base.cfg.vocab_size, seed=1,
                               scale=0.5 if quick else 1.0)
-    radix = serve(base, shared, "continuous", "shared-prefix/radix+lpm", records, policy="lpm",
-                  enable_radix_cache=True)
-    nocache = serve(base, shared, "continuous", "shared-prefix/no-cache", records, policy="fcfs",
-                    enable_radix_cache=False)
-    rows.append({"comparison": "shared-prefix: radix+LPM vs no cache",
-                 "ours_tok_s": radix["output_tok_s"], "baseline_tok_s": nocache["output_tok_s"],
-                 "throughput_x": ratio(radix["output_tok_s"], nocache["output_tok_s"]), "target_throughput_x": 2.0,
-                 "ours_p99_s": radix["e2e_latency_s"]["p99"], "baseline_p99_s": nocache["e2e_latency_s"]["p99"],
-                 "p99_latency_x": ratio(radix["e2e_latency_s"]["p99"], nocache["e2e_latency_s"]["p99"]),
-                 "cache_hit_rate": radix["cache_hit_rate"]})
-
-    save(rows, records, env_of(base, load0, n_mixed, rate, scale, n_shared))
+    if "shared" in stages:
+        radix = serve(base, shared, "continuous", "shared-prefix/radix+lpm", records, policy="lpm",
+                      enable_radix_cache=True)
+        nocache = serve(base, shared, "continuous", "shared-prefix/no-cache", records, policy="fcfs",
+                        enable_radix_cache=False)
+        rows.append({"comparison": "shared-prefix: radix+LPM vs no cache",
+                     "ours_tok_s": radix["output_tok_s"], "baseline_tok_s": nocache["output_tok_s"],
+                     "throughput_x": ratio(radix["output_tok_s"], nocache["output_tok_s"]), "target_throughput_x": 2.0,
+                     "ours_p99_s": radix["e2e_latency_s"]["p99"], "baseline_p99_s": nocache["e2e_latency_s"]["p99"],
+                     "p99_latency_x": ratio(radix["e2e_latency_s"]["p99"], nocache["e2e_latency_s"]["p99"]),
+                     "cache_hit_rate": radix["cache_hit_rate"]})
+        save(rows, records, env())
 
     # 3. HF transformers generate in fixed batches of 8, same prompts (all present at t=0), vs an offline run of ours
-    if not ARGS.skip_hf:
+    if "hf" in stages:
         offline = [bw.BenchRequest(r.rid, r.prompt_ids, r.max_new_tokens, 0.0) for r in mixed]
         ours = serve(base, offline, "continuous", "mixed-offline/continuous", records, max_running_requests=64)
         from minisched.weights import resolve
@@ -167,7 +173,7 @@ def main() -> int:
                      "p99_latency_x": ratio(ours["e2e_latency_s"]["p99"], hf["e2e_latency_s"]["p99"]),
                      "hf": hf})
 
-    print(save(rows, records, env_of(base, load0, n_mixed, rate, scale, n_shared)))
+    print(save(rows, records, env()))
     return 0
 
 
@@ -176,7 +182,7 @@ def env_of(base, load0, n_mixed, rate, scale, n_shared) -> dict:
             "torch": torch.__version__, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "mixed": {"num_requests": n_mixed, "rate": rate, "scale": scale, "static_batch": ARGS.static_batch},
-            "shared_prefix": {"num_requests": n_shared}}
+            "shared_prefix": {"num_requests": n_shared, "rate": ARGS.shared_rate}}
 
 
 def save(rows, records, env) -> str:
