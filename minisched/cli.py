@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--scale", type=float, default=1.0, help="scale prompt/output lengths (quick runs)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", default=None, help="write summary + per-request timeline (RunRecord layout) here")
+    b.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of every request and step here")
     b.add_argument("--no-progress", action="store_true")
     _engine_args(b)
     r = sub.add_parser("report", help="lifecycle report of a bench JSON (see minisched.report)", add_help=False)
@@ -230,7 +231,7 @@ def cmd_bench(args) -> int:
     modes = ["continuous"] + (["static"] if args.compare == "static" else [])
     for mode in modes:
         if mode != modes[0]:
-            engine = make_engine_like(engine, args)
+            engine = make_engine_like(engine, args, enable_radix_cache=False)  # static: no prefix reuse
         status = StatusLine(f"{args.workload}/{mode}", not args.no_progress)
         result = bw.run_workload(engine, workload, mode, static_batch=args.static_batch, progress=status)
         status.close()
@@ -250,16 +251,21 @@ def cmd_bench(args) -> int:
 
         save_runs(args.json, records)
         print(f"wrote {args.json}")
+    if args.trace:
+        from minisched.trace import write_chrome_trace
+
+        write_chrome_trace(args.trace, records if len(records) > 1 else records[0])
+        print(f"wrote {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
-def make_engine_like(engine, args):
+def make_engine_like(engine, args, enable_radix_cache: bool):
     """A fresh engine (empty cache) on the same loaded model."""
     from minisched.engine import Engine
 
     return Engine(engine.model, tokenizer=engine.tokenizer, backend=args.backend, page_size=args.page_size,
                   num_pages=engine.sched_config.num_pages, policy=args.policy, chunk_size=args.chunk_size or None,
-                  max_running_requests=args.max_running_requests, enable_radix_cache=not args.no_radix_cache,
+                  max_running_requests=args.max_running_requests, enable_radix_cache=enable_radix_cache,
                   enable_mixed_chunk=args.mixed_chunk, cascade=args.cascade)
 
 
