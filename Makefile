@@ -29,8 +29,16 @@ $(EXT): $(DEPS) $(SOURCES)
 
 build: $(EXT)
 
+# The main job on the embedded default (SmolLM2-135M-Instruct, CPU): chat generation, then a short
+# shared-prefix serving bench (continuous+radix+LPM vs static batching) with its lifecycle picture.
+DEMO := benchmarks/results/demo
 demo: $(EXT)
-	$(PY) -m minisched demo
+	$(PY) -m minisched generate --chat --max-new-tokens 48 \
+		"What is paged attention? Answer in one sentence." "Name three fruits."
+	$(PY) -m minisched bench --workload shared-prefix --num-requests 16 --scale 0.25 --rate 0 --policy lpm \
+		--compare static --json $(DEMO)_run.json --trace $(DEMO)_trace.json
+	$(PY) -m minisched report $(DEMO)_run.json -o $(DEMO)_report.png
+	@echo "lifecycle picture: $(DEMO)_report.png   trace (ui.perfetto.dev): $(DEMO)_trace.json"
 
 test: $(EXT)
 	$(PYTEST) tests
