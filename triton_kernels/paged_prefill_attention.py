@@ -21,18 +21,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from triton_kernels.paged_decode_attention import _reduce_splits_kernel
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b with fp32 accumulation; fp32 operands in full precision (not tf32)."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
+from triton_kernels.paged_decode_attention import LOG2E, _dot, _reduce_splits_kernel
 
 
 @triton.jit
