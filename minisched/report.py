@@ -181,8 +181,11 @@ def render_figure(runs: list[RunRecord]):
     unit, scale = _time_unit(runs)
     w, h = figure_size(len(runs))
     fig = plt.figure(figsize=(w / DPI, h / DPI), dpi=DPI)
+    # room for the longest request label left of the first Gantt chart (~0.06 in per 8-pt character)
+    longest = max((len(str(r.get("rid", ""))) for rec in runs for r in rec.requests), default=0)
+    left_in = max(0.7, 0.35 + 0.062 * longest)
     grid = fig.add_gridspec(5, len(runs), height_ratios=[0.35, 6.0, 1.8, 1.6, 2.2], hspace=0.32, wspace=0.18,
-                            left=0.7 / (w / DPI), right=0.985, top=0.885, bottom=0.05)
+                            left=left_in / (w / DPI), right=0.985, top=0.885, bottom=0.05)
     n_rows = max(len(r.requests) for r in runs)
     t_max = max(r.duration for r in runs) * scale
     columns = [[fig.add_subplot(grid[row, col]) for row in range(5)] for col in range(len(runs))]
