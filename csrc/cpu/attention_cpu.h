@@ -184,4 +184,30 @@ void paged_attention(const AttnParams& p) {
   });
 }
 
+// Fills AttnParams from the (already checked) tensors and runs the kernel for q's dtype.
+// qo_indptr == nullptr: one query per request (decode); lse may be null.
+inline void run_paged_attention(const at::Tensor& q, const int32_t* qo_indptr, int64_t batch, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                const at::Tensor& kv_last_page_len, bool causal, double sm_scale,
+                                const at::Tensor& out, float* lse) {
+  AttnParams p{};
+  p.q = q.const_data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse;
+  p.k_cache = k_cache.const_data_ptr();
+  p.v_cache = v_cache.const_data_ptr();
+  p.qo_indptr = qo_indptr;
+  p.kv_indptr = kv_indptr.const_data_ptr<int32_t>();
+  p.kv_indices = kv_indices.const_data_ptr<int32_t>();
+  p.kv_last_page_len = kv_last_page_len.const_data_ptr<int32_t>();
+  p.batch = batch;
+  p.hq = q.size(1);
+  p.hkv = k_cache.size(2);
+  p.d = k_cache.size(3);
+  p.page_size = k_cache.size(1);
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.causal = causal;
+  dispatch_float(q.scalar_type(), [&](auto tag) { paged_attention<decltype(tag)>(p); });
+}
+
 }  // namespace minisched::cpu
