@@ -25,9 +25,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from minisched.radix_cache import RadixCache  # noqa: E402
-from minisched.req import SamplingParams  # noqa: E402
-from minisched.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from minisched.sched.radix_cache import RadixCache  # noqa: E402
+from minisched.sched.req import SamplingParams  # noqa: E402
+from minisched.sched.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 VOCAB = 32000
 

@@ -13,7 +13,7 @@ Three comparisons, each in one process on the same loaded weights:
     python benchmarks/bench_serving.py [--quick] [--threads 2] [--out-dir benchmarks/results] [--skip-hf]
 
 Writes <out-dir>/bench_serving.json ({"version": 1, "runs": [RunRecord...]} -- the layout of
-minisched.run_record, readable by `minisched report`; each run's "summary" holds its headline
+minisched.observe.run_record, readable by `minisched report`; each run's "summary" holds its headline
 numbers, and a top-level "comparisons" list holds the table rows) and bench_serving.md.
 The development machines are shared: the load average is recorded with the numbers.
 """
@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from minisched import bench_workloads as bw  # noqa: E402
+from minisched.observe import workloads as bw  # noqa: E402
 from minisched.cli import format_summary  # noqa: E402
 from minisched.engine import Engine  # noqa: E402
-from minisched.run_record import RunRecord  # noqa: E402
+from minisched.observe.run_record import RunRecord  # noqa: E402
 
 
 def progress(label):
@@ -161,7 +161,7 @@ def main() -> int:
     if "hf" in stages:
         offline = [bw.BenchRequest(r.rid, r.prompt_ids, r.max_new_tokens, 0.0) for r in mixed]
         ours = serve(base, offline, "continuous", "mixed-offline/continuous", records, max_running_requests=64)
-        from minisched.weights import resolve
+        from minisched.model.weights import resolve
 
         hf = hf_static(offline, 8, resolve(ARGS.model)[1])
         print(f"{hf['name']}: {hf['output_tokens']} useful tokens in {hf['duration_s']:.1f}s = "

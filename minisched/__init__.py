@@ -1,0 +1,50 @@
+"""minisched: paged-attention and KV-cache kernels with a compact SGLang-style scheduler.
+
+Layers, lowest first (a lower layer never imports an upper one):
+  minisched.ops       the kernels' Python faces: wrappers + backend choice, checks, reference, page tables
+  minisched.sched     the scheduler: requests, batches, KV pool, radix cache, policies (no torch)
+  minisched.model     the Llama model, its weights, tokenizer and sampling
+  minisched.engine    scheduler batch -> model inputs, and the engine loop (generate / stream)
+  minisched.observe   workloads, run records, traces and reports
+  minisched.cli       the `minisched` command
+
+`from minisched import Engine, SamplingParams` works, but nothing heavy (torch, the model) is
+imported until one of them is first used, so `import minisched` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
+    from minisched.engine.engine import Engine, Output, StreamChunk
+    from minisched.sched.req import SamplingParams
+
+__all__ = ["Engine", "Output", "SamplingParams", "StreamChunk", "__version__"]
+
+_LAZY = {
+    "Engine": "minisched.engine.engine",
+    "Output": "minisched.engine.engine",
+    "StreamChunk": "minisched.engine.engine",
+    "SamplingParams": "minisched.sched.req",
+}
+
+
+def __getattr__(name: str):
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("minisched")
+        except PackageNotFoundError:  # a source tree that was never installed
+            return "0+unknown"
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'minisched' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY) + ["__version__"])

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from minisched.req import SamplingParams
+from minisched.sched.req import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of every request and step here")
     b.add_argument("--no-progress", action="store_true")
     _engine_args(b)
-    r = sub.add_parser("report", help="lifecycle report of a bench JSON (see minisched.report)", add_help=False)
+    r = sub.add_parser("report", help="lifecycle report of a bench JSON (see minisched.observe.report)", add_help=False)
     r.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
@@ -86,7 +86,7 @@ def make_engine(args):
     import torch
 
     from minisched.engine import Engine
-    from minisched.weights import ModelNotFound
+    from minisched.model.weights import ModelNotFound
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
@@ -216,7 +216,7 @@ class StatusLine:
 
 
 def cmd_bench(args) -> int:
-    from minisched import bench_workloads as bw
+    from minisched.observe import workloads as bw
 
     if args.num_requests < 1:
         raise CLIError("--num-requests must be >= 1")
@@ -247,12 +247,12 @@ def cmd_bench(args) -> int:
         print(f"continuous vs static: throughput x{a['output_tok_s'] / max(b['output_tok_s'], 1e-9):.2f}, "
               f"p99 e2e latency x{a['e2e_latency_s']['p99'] / max(b['e2e_latency_s']['p99'], 1e-9):.2f}")
     if args.json:
-        from minisched.run_record import save_runs
+        from minisched.observe.run_record import save_runs
 
         save_runs(args.json, records)
         print(f"wrote {args.json}")
     if args.trace:
-        from minisched.trace import write_chrome_trace
+        from minisched.observe.trace import write_chrome_trace
 
         write_chrome_trace(args.trace, records if len(records) > 1 else records[0])
         print(f"wrote {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
@@ -272,7 +272,7 @@ def make_engine_like(engine, args, enable_radix_cache: bool):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "report":
-        from minisched import report
+        from minisched.observe import report
 
         return report.main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -18,7 +18,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minisched import ops  # noqa: E402
-from minisched.page_table import build_csr  # noqa: E402
+from minisched.ops.page_table import build_csr  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Target:
 def _triton_ready(family: str) -> str | None:
     try:
         importlib.import_module("triton")
-        importlib.import_module(f"triton_kernels.{family}")
+        importlib.import_module(f"minisched.triton_kernels.{family}")
     except ImportError as exc:
         return f"triton kernels for {family} not importable: {exc}"
     return None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from minisched.batch import Batch
-from minisched.events import Event
-from minisched.req import ReqStatus
-from minisched.scheduler import Scheduler
+from minisched.sched.batch import Batch
+from minisched.sched.events import Event
+from minisched.sched.req import ReqStatus
+from minisched.sched.scheduler import Scheduler
 
 
 def next_token(history: list[int] | np.ndarray, vocab: int) -> int:

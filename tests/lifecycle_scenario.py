@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from fake_runner import FakeRunner, check_lifecycles
-from minisched.req import SamplingParams
-from minisched.run_record import RunRecord
-from minisched.scheduler import Scheduler, SchedulerConfig
+from minisched.sched.req import SamplingParams
+from minisched.observe.run_record import RunRecord
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50
 SYSTEM = list(range(100, 112))  # 12-token shared prefix: 3 pages of 4
@@ -80,8 +80,8 @@ def record_scenario(name: str = "scenario", base: float = 0.0005, per_token: flo
 
 
 def write_docs(docs: Path) -> None:
-    from minisched.report import render_report
-    from minisched.run_record import save_runs
+    from minisched.observe.report import render_report
+    from minisched.observe.run_record import save_runs
 
     rec, _ = record_scenario("tiny pool (20 pages of 4 tokens)", base=0.004, per_token=0.0002)
     save_runs(docs / "example_run.json", [rec])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from minisched import bench_workloads as bw
+from minisched.observe import workloads as bw
 from minisched.cli import main
 
 TINY = ["--model", "dummy:tiny"]
@@ -105,7 +105,7 @@ def test_python_dash_m_entry_point():
 @pytest.mark.slow
 def test_generate_smollm2_chat(capsys):
     pytest.importorskip("gguf")
-    from minisched.weights import ModelNotFound, default_gguf_path
+    from minisched.model.weights import ModelNotFound, default_gguf_path
 
     try:
         default_gguf_path()

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from triton_kernels.paged_decode_attention import LOG2E, _dot, _reduce_splits_kernel
+from .paged_decode_attention import LOG2E, _dot, _reduce_splits_kernel
 
 
 @triton.jit

@@ -10,7 +10,7 @@ once per BLOCK_M rows and kv head instead of once per request.
 import torch
 from torch.library import triton_op
 
-from triton_kernels.paged_prefill_attention import _launch
+from .paged_prefill_attention import _launch
 
 
 @triton_op("minisched_triton::shared_prefix_attention", mutates_args={"out", "lse"})

@@ -1,0 +1,280 @@
+"""`Engine`: a model, a KV pool and a scheduler, driven step by step.
+
+    engine = Engine("smollm2")                       # or a .gguf, an HF dir, "dummy:tiny"
+    outs = engine.generate(["Hello", "2+2="], SamplingParams(max_new_tokens=32))
+    for chunk in engine.stream([[{"role": "user", "content": "Hi"}]]): print(chunk.delta, end="")
+
+Each `step()` is the whole story: the scheduler picks a batch, the `ModelRunner` computes
+it and samples, the scheduler records the tokens and finishes requests. Prompts are text,
+token-id lists, or chat message lists (rendered with the model's chat template). The model's
+EOS is added to every request's stop tokens (unless `ignore_eos`); stop strings are checked
+on the decoded tail after each token and cut from the final text.
+
+A bad request (empty or over-long prompt, invalid sampling) raises `InvalidRequest` from
+`add_request`; `generate` instead reports it in that request's output (`error`) and runs the
+others.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from minisched import ops
+from minisched.model import weights
+from minisched.model.config import ModelConfig
+from minisched.model.llama import LlamaModel
+from minisched.sched.req import InvalidRequest, Req, SamplingParams
+from minisched.engine.runner import ModelRunner
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
+
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+CPU_DEFAULT_POOL_TOKENS = 16384
+
+
+@dataclass
+class Output:
+    index: int
+    rid: str
+    prompt_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    ttft: Optional[float] = None  # seconds from add_request to the first token
+    e2e_latency: Optional[float] = None
+    cached_tokens: int = 0
+    num_retractions: int = 0
+
+
+@dataclass
+class StreamChunk:
+    index: int
+    rid: str
+    delta: str  # new text since the previous chunk of this request
+    token_ids: list[int]  # new tokens
+    finished: bool
+    output: Optional[Output] = None  # set on the last chunk
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend != "auto":
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {ops.BACKENDS}")
+        if backend == "native" and not ops.native_available():
+            raise RuntimeError(ops.NATIVE_ERROR)
+        return backend
+    if ops.native_available():
+        return "native"
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 40
+
+
+class Engine:
+    def __init__(self, model: Union[str, LlamaModel, None] = None, *, tokenizer: Optional[MiniTokenizer] = None,
+                 device: str = "cpu", dtype: Optional[torch.dtype] = None, page_size: int = 16,
+                 num_pages: Optional[int] = None, mem_fraction: Optional[float] = None,
+                 max_context_len: Optional[int] = None, policy: str = "fcfs", chunk_size: Optional[int] = 512,
+                 max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
+                 enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
+                 num_threads: Optional[int] = None, check: bool = False, seed: int = 0, **scheduler_kwargs):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' requested but no CUDA device is available")
+        if isinstance(model, LlamaModel):
+            self.model, self.model_name = model, "custom"
+        else:
+            dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+            cfg, state = weights.load(model, dtype=dtype, device=self.device, seed=seed)
+            self.model = LlamaModel.from_state_dict(cfg, state, dtype=dtype, device=self.device)
+            del state
+            self.model_name = model or weights.DEFAULT_MODEL
+        self.cfg: ModelConfig = self.model.cfg
+        if tokenizer is None:
+            tokenizer = (MiniTokenizer.byte_level(self.cfg.vocab_size) if isinstance(model, LlamaModel)
+                         else load_tokenizer(model))
+        self.tokenizer = tokenizer
+        self.backend = pick_backend(backend, self.device)
+        num_pages = self._pool_pages(page_size, num_pages, mem_fraction)
+        self.kv_cache = self.model.new_kv_cache(num_pages, page_size)
+        max_context_len = max_context_len or min(self.cfg.max_position, num_pages * page_size)
+        self.sched_config = SchedulerConfig(
+            page_size=page_size, num_pages=num_pages, max_context_len=max_context_len, chunk_size=chunk_size,
+            max_prefill_tokens=max_prefill_tokens, max_running_requests=max_running_requests, policy=policy,
+            enable_radix_cache=enable_radix_cache, enable_mixed_chunk=enable_mixed_chunk, **scheduler_kwargs)
+        self.runner = ModelRunner(self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade,
+                                  check=check)
+        self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
+        self._ids = itertools.count()
+        self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
+
+    # -- setup ------------------------------------------------------------------------------------------
+    def _pool_pages(self, page_size: int, num_pages: Optional[int], mem_fraction: Optional[float]) -> int:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        per_page = self.cfg.kv_bytes_per_token(self.model.embed.element_size()) * page_size
+        avail = _available_bytes(self.device)
+        if num_pages is None:
+            if mem_fraction is not None:
+                if not 0 < mem_fraction <= 1:
+                    raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+                num_pages = int(avail * mem_fraction) // per_page
+            elif self.device.type == "cuda":
+                num_pages = int(avail * 0.85) // per_page
+            else:
+                num_pages = -(-CPU_DEFAULT_POOL_TOKENS // page_size)
+        if not isinstance(num_pages, int) or num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages} "
+                             f"(page_size={page_size}, {per_page} bytes per page)")
+        if num_pages * per_page > avail:
+            raise ValueError(f"a KV pool of {num_pages} pages x {page_size} tokens needs "
+                             f"{num_pages * per_page / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is free "
+                             f"on {self.device}; lower num_pages or mem_fraction")
+        return num_pages
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            return self.tokenizer.encode_chat(items)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            if any(t >= self.cfg.vocab_size for t in items):
+                raise InvalidRequest(f"prompt token id out of range (vocab {self.cfg.vocab_size})")
+            return items
+        raise InvalidRequest("a prompt must be a string, a list of token ids or a list of chat messages")
+
+    def _with_eos(self, sampling: SamplingParams) -> SamplingParams:
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = self.cfg.eos_token_id
+        if eos is None or sampling.ignore_eos or eos in sampling.stop_token_ids:
+            return sampling
+        return dataclasses.replace(sampling, stop_token_ids=sampling.stop_token_ids + (eos,))
+
+    def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None, *, rid: Optional[str] = None,
+                    chat: bool = False) -> Req:
+        """Queue one request; raises InvalidRequest (a ValueError) if it can never run."""
+        if sampling is None:
+            sampling = SamplingParams()
+        elif isinstance(sampling, dict):
+            sampling = SamplingParams(**sampling)
+        rid = rid if rid is not None else f"r{next(self._ids)}"
+        ids = self.encode(prompt, chat)
+        return self.scheduler.add_request(rid, ids, self._with_eos(sampling))
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Req]:
+        """One scheduled forward step; returns the requests that finished in it."""
+        t0 = time.monotonic()
+        done = self.scheduler.step(self.runner)
+        self.step_times.append((t0, time.monotonic()))
+        return done
+
+    # -- stop strings and text --------------------------------------------------------------------------
+    def _stop_hit(self, req: Req) -> bool:
+        stops = req.sampling.stop
+        if not stops:
+            return False
+        tail = self.tokenizer.decode(req.output_ids[-(2 * max(map(len, stops)) + 8):])
+        return any(s in tail for s in stops)
+
+    def _final_text(self, req: Req) -> str:
+        text = self.tokenizer.decode(req.output_ids)
+        if req.finish_reason is not None and req.finish_reason.value == "stop_str":
+            cut = [text.find(s) for s in req.sampling.stop if s in text]
+            if cut:
+                text = text[:min(cut)]
+        return text
+
+    def output_of(self, req: Req, index: int = 0) -> Output:
+        t0 = req.arrival_time
+        return Output(index=index, rid=req.rid, prompt_ids=list(req.prompt_ids), token_ids=list(req.output_ids),
+                      text=self._final_text(req), finish_reason=req.finish_reason.value if req.finish_reason else None,
+                      ttft=None if req.first_token_time is None else req.first_token_time - t0,
+                      e2e_latency=None if req.finish_time is None else req.finish_time - t0,
+                      cached_tokens=req.cache_hit_tokens, num_retractions=req.num_retractions)
+
+    # -- batch APIs -------------------------------------------------------------------------------------
+    def _submit(self, prompts: Sequence[Prompt], sampling, chat: bool) -> tuple[list[Output], dict[str, int]]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list (of strings, token-id lists or chat message lists)")
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        outputs, live = [], {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                req = self.add_request(p, sp, chat=chat)
+                live[req.rid] = i
+                outputs.append(Output(index=i, rid=req.rid, prompt_ids=list(req.prompt_ids)))
+            except (InvalidRequest, ValueError, TypeError) as exc:
+                outputs.append(Output(index=i, rid="", error=str(exc), finish_reason="error"))
+        return outputs, live
+
+    def generate(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False) -> list[Output]:
+        """Run every prompt to completion; one Output per prompt, in order (bad ones carry `error`)."""
+        outputs, live = self._submit(prompts, sampling, chat)
+        while live:
+            if not self.has_work():
+                raise RuntimeError("scheduler idle with unfinished requests")
+            for req in self.step():
+                i = live.pop(req.rid, None)
+                if i is not None:
+                    outputs[i] = self.output_of(req, i)
+        return outputs
+
+    def stream(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False) -> Iterator[StreamChunk]:
+        """Yield new text per request as tokens arrive (after each step); a final chunk per request."""
+        outputs, live = self._submit(prompts, sampling, chat)
+        for out in outputs:
+            if out.error is not None:
+                yield StreamChunk(out.index, out.rid, "", [], True, out)
+        sent: dict[str, tuple[int, str]] = {rid: (0, "") for rid in live}
+        reqs = {rid: self.scheduler.reqs[rid] for rid in live}
+        while live:
+            if not self.has_work():
+                raise RuntimeError("scheduler idle with unfinished requests")
+            finished = {r.rid for r in self.step()}
+            for rid in list(live):
+                req = reqs[rid]
+                n, old = sent[rid]
+                done = rid in finished
+                if len(req.output_ids) == n and not done:
+                    continue
+                text = self._final_text(req) if done else self.tokenizer.decode(req.output_ids)
+                if not done:
+                    if text.endswith("\ufffd"):
+                        continue  # an incomplete UTF-8 sequence: wait for the next token
+                    hold = max(map(len, req.sampling.stop), default=1) - 1  # may be a stop string's start
+                    text = text[:len(text) - hold] if hold else text
+                delta = text[len(old):] if text.startswith(old) else ""
+                sent[rid] = (len(req.output_ids), text if text.startswith(old) else old)
+                out = self.output_of(req, live[rid]) if done else None
+                yield StreamChunk(live[rid], rid, delta, list(req.output_ids[n:]), done, out)
+                if done:
+                    del live[rid]

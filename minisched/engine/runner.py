@@ -1,0 +1,132 @@
+"""`ModelRunner`: turns a scheduler `Batch` into model inputs, runs the model, samples one token per request.
+
+The runner owns the KV pool tensor `kv_cache[L, 2, num_pages, page_size, Hkv, D]` (the scheduler
+owns the page bookkeeping) and the per-request random generators. It satisfies the scheduler's
+runner protocol: `forward(batch) -> list[int]`, one token per request in batch order (rows that
+are unfinished prompt chunks get 0: the scheduler ignores them, and they draw no random number).
+
+Cascade decode (`cascade=True`): in a decode batch, requests whose page lists start with the
+same page (a shared radix-cache prefix, e.g. a common system prompt) form a group; the group's
+common leading full pages -- all before each member's new token -- are its shared prefix,
+attended once per group by `ops.cascade_decode_attention`; every other request runs plain
+paged decode. Greedy output is identical either way (test_engine checks it).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import numpy as np
+import torch
+
+from minisched.sched.batch import Batch, ForwardMode
+from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
+from minisched.ops.page_table import build_csr
+from minisched.sched.req import Req
+from minisched.model.sampling import make_generator, sample
+
+
+def cascade_groups(page_lists: list[list[int]], kv_lens: list[int], page_size: int):
+    """Group decode requests by shared leading full pages.
+
+    Returns (groups, plain): groups is a list of (member batch indices, number of shared pages),
+    each with >= 2 members and >= 1 shared page that lies wholly before every member's last token;
+    plain lists the indices that run plain decode."""
+    by_first: dict[int, list[int]] = {}
+    plain = []
+    for b, (pages, n) in enumerate(zip(page_lists, kv_lens)):
+        if (n - 1) // page_size >= 1:
+            by_first.setdefault(pages[0], []).append(b)
+        else:
+            plain.append(b)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            plain.extend(members)
+            continue
+        limit = min((kv_lens[b] - 1) // page_size for b in members)
+        first = page_lists[members[0]]
+        shared = 0
+        while shared < limit and all(page_lists[b][shared] == first[shared] for b in members):
+            shared += 1
+        groups.append((members, shared))  # shared >= 1: they all start with the same page
+    return groups, sorted(plain)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, *, backend: str = "torch",
+                 cascade: bool = False, check: bool = False):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.backend = backend
+        self.cascade = cascade
+        self.check = check
+        self.device = model.device
+        self._generators: "weakref.WeakKeyDictionary[Req, torch.Generator]" = weakref.WeakKeyDictionary()
+        self.num_forwards = 0
+        self.num_cascade_steps = 0
+
+    # -- inputs --------------------------------------------------------------------------------------
+    def _t(self, a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
+
+    def build_meta(self, batch: Batch) -> tuple[torch.Tensor, ForwardMeta]:
+        sampled = batch.sample_mask()
+        logits_rows = batch.logits_indices()[sampled]
+        table = batch.page_table()
+        meta = ForwardMeta(
+            positions=self._t(batch.positions(), torch.int64), out_slots=self._t(batch.out_slots()),
+            qo_indptr=self._t(batch.qo_indptr()), page_table=tuple(self._t(a) for a in table),
+            logits_indices=self._t(logits_rows, torch.int64), is_decode=batch.mode is ForwardMode.DECODE)
+        if meta.is_decode and self.cascade:
+            meta.cascade = self._cascade_meta(batch)
+        return self._t(batch.input_ids()), meta
+
+    def _cascade_meta(self, batch: Batch) -> Optional[CascadeMeta]:
+        ps = self.page_size
+        kv_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        pages = [r.page_ids for r in batch.reqs]
+        groups, plain = cascade_groups(pages, kv_lens, ps)
+        if not groups:
+            return None
+        rows, group_indptr, pre_pages, pre_lens, suf_pages, suf_lens = [], [0], [], [], [], []
+        for members, shared in groups:
+            rows.extend(members)
+            group_indptr.append(len(rows))
+            pre_pages.append(pages[members[0]][:shared])
+            pre_lens.append(shared * ps)
+            for b in members:
+                suf_pages.append(pages[b][shared:])
+                suf_lens.append(kv_lens[b] - shared * ps)
+        self.num_cascade_steps += 1
+        plain_table = build_csr([pages[b] for b in plain], [kv_lens[b] for b in plain], ps) if plain else \
+            (np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+        return CascadeMeta(
+            rows=self._t(np.asarray(rows), torch.int64), group_indptr=self._t(np.asarray(group_indptr)),
+            prefix_table=tuple(self._t(a) for a in build_csr(pre_pages, pre_lens, ps)),
+            suffix_table=tuple(self._t(a) for a in build_csr(suf_pages, suf_lens, ps)),
+            plain_rows=self._t(np.asarray(plain, dtype=np.int64), torch.int64),
+            plain_table=tuple(self._t(a) for a in plain_table))
+
+    # -- the step ------------------------------------------------------------------------------------
+    def generator_for(self, req: Req) -> Optional[torch.Generator]:
+        if req.sampling.temperature <= 0:
+            return None
+        g = self._generators.get(req)
+        if g is None:
+            g = self._generators[req] = make_generator(req.sampling.seed)
+        return g
+
+    def forward(self, batch: Batch) -> list[int]:
+        self.num_forwards += 1
+        input_ids, meta = self.build_meta(batch)
+        tokens = [0] * batch.batch_size
+        rows = [b for b, s in enumerate(batch.sampled) if s]
+        logits = self.model(input_ids, meta, self.kv_cache, backend=self.backend, check=self.check)
+        if rows:
+            reqs = [batch.reqs[b] for b in rows]
+            picked = sample(logits, [r.sampling for r in reqs], [self.generator_for(r) for r in reqs])
+            for b, t in zip(rows, picked):
+                tokens[b] = t
+        return tokens

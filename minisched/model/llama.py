@@ -1,0 +1,207 @@
+"""A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU, optionally tied embeddings) over a ragged batch.
+
+One forward computes the new tokens of every request in a batch (prefill chunks and decode
+tokens alike, flattened to N rows). Per layer: fused QKV projection, half-rotation RoPE
+(transformers' convention), `ops.store_kv` of the new K/V into the paged pool, then paged
+attention from `minisched.ops` -- prefill (ragged, causal), decode (one query per request) or
+cascade decode (shared prefix + own suffix). All batch metadata comes in a `ForwardMeta`:
+there is no module-level state.
+
+Numerics follow transformers' LlamaForCausalLM: RMSNorm in float32 then cast back; RoPE
+cos/sin from float32 `position * inv_freq`; logits in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisched import ops
+from minisched.model.config import ModelConfig
+
+PageTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_indptr, kv_indices, kv_last_page_len
+
+
+@dataclass
+class CascadeMeta:
+    """Decode with shared prefixes. The batch rows `rows` (grouped: rows group_indptr[g]:group_indptr[g+1]
+    of q[rows] share group g's prefix pages) run cascade attention; the rows `plain_rows` run plain paged
+    decode with `plain_table`."""
+    rows: torch.Tensor  # int64 [R]
+    group_indptr: torch.Tensor  # int32 [G+1] over q[rows]
+    prefix_table: PageTable  # one entry per group
+    suffix_table: PageTable  # one entry per row of q[rows] (each suffix >= 1 token: the new one)
+    plain_rows: torch.Tensor  # int64 [B - R]
+    plain_table: PageTable  # one entry per plain row
+
+
+@dataclass
+class ForwardMeta:
+    """Everything one forward needs besides the token ids. Index tensors live on the model's device."""
+    positions: torch.Tensor  # int64 [N]
+    out_slots: torch.Tensor  # int32 [N]: pool slot of each new token's K/V
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    page_table: PageTable  # over prefix + new tokens, one entry per request
+    logits_indices: torch.Tensor  # int64 [B]: rows whose logits are returned
+    is_decode: bool = False  # every request has exactly one new token
+    cascade: Optional[CascadeMeta] = None  # only with is_decode
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # [N, 1, D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-rotation RoPE on x [N, H, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel(nn.Module):
+    """Weights as plain parameters with fused QKV and gate/up projections (fewer, larger GEMMs)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        kw = dict(dtype=dtype, device=device)
+        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, h, **kw), requires_grad=False)
+        self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, h, **kw),
+                                                                    requires_grad=False)
+        self.norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+        self.layers = nn.ModuleList()
+        for _ in range(cfg.num_layers):
+            layer = nn.Module()
+            layer.ln1 = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+            layer.ln2 = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+            layer.qkv = nn.Parameter(torch.empty(q + 2 * kv, h, **kw), requires_grad=False)
+            layer.o = nn.Parameter(torch.empty(h, q, **kw), requires_grad=False)
+            layer.gate_up = nn.Parameter(torch.empty(2 * i, h, **kw), requires_grad=False)
+            layer.down = nn.Parameter(torch.empty(h, i, **kw), requires_grad=False)
+            self.layers.append(layer)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32,
+                        device="cpu") -> "LlamaModel":
+        model = cls(cfg, dtype=dtype, device=device)  # torch.empty parameters: no init cost
+        model.load_hf_state_dict(state)
+        return model
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named Llama weights (as minisched.model.weights returns them) into the fused layout."""
+        def get(name):
+            if name not in state:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return state[name]
+
+        self.embed.copy_(get("model.embed_tokens.weight"))
+        self.norm.copy_(get("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.copy_(get("lm_head.weight"))
+        for idx, layer in enumerate(self.layers):
+            p = f"model.layers.{idx}."
+            layer.ln1.copy_(get(p + "input_layernorm.weight"))
+            layer.ln2.copy_(get(p + "post_attention_layernorm.weight"))
+            layer.qkv.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            layer.o.copy_(get(p + "self_attn.o_proj.weight"))
+            layer.gate_up.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+            layer.down.copy_(get(p + "mlp.down_proj.weight"))
+
+    def new_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
+        c = self.cfg
+        return torch.zeros(c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim,
+                           dtype=self.dtype, device=self.device)
+
+    def _attention(self, q, kv_layer, meta: ForwardMeta, backend: str, check: bool) -> torch.Tensor:
+        k_cache, v_cache = kv_layer[0], kv_layer[1]
+        if meta.cascade is not None:
+            c = meta.cascade
+            out = torch.empty_like(q)
+            out[c.rows] = ops.cascade_decode_attention(q[c.rows], c.group_indptr, k_cache, v_cache, c.prefix_table,
+                                                       c.suffix_table, backend=backend, check=check)
+            if c.plain_rows.numel():
+                out[c.plain_rows] = ops.paged_decode_attention(q[c.plain_rows], k_cache, v_cache, *c.plain_table,
+                                                               backend=backend, check=check)
+            return out
+        if meta.is_decode:
+            return ops.paged_decode_attention(q, k_cache, v_cache, *meta.page_table, backend=backend, check=check)
+        return ops.paged_prefill_attention(q, meta.qo_indptr, k_cache, v_cache, *meta.page_table, causal=True,
+                                           backend=backend, check=check)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, kv_cache: torch.Tensor, *,
+                backend: str = "torch", check: bool = True) -> torch.Tensor:
+        """Logits float32 [len(meta.logits_indices), vocab] for a ragged batch; writes the new K/V into kv_cache."""
+        c = self.cfg
+        n = input_ids.shape[0]
+        x = F.embedding(input_ids.long(), self.embed)
+        cos, sin = rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
+        for idx, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.ln1, c.rms_eps)
+            qkv = F.linear(h, layer.qkv)
+            q = qkv[:, :c.q_size].view(n, c.num_heads, c.head_dim)
+            k = qkv[:, c.q_size:c.q_size + c.kv_size].view(n, c.num_kv_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size:].reshape(n, c.num_kv_heads, c.head_dim)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            ops.store_kv(k, v, kv_cache[idx, 0], kv_cache[idx, 1], meta.out_slots, backend=backend, check=check)
+            attn = self._attention(q, kv_cache[idx], meta, backend, check)
+            x = x + F.linear(attn.reshape(n, c.q_size), layer.o)
+            h = rms_norm(x, layer.ln2, c.rms_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x[meta.logits_indices], self.norm, c.rms_eps)
+        return F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()
+
+
+def dense_forward(model: LlamaModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full-recompute causal forward of ONE sequence with plain dense attention, no pool.
+    Returns float32 logits [L, vocab]. A reference for tests and a sanity check."""
+    c = model.cfg
+    n = input_ids.shape[0]
+    with torch.inference_mode():
+        x = F.embedding(input_ids.long(), model.embed)
+        cos, sin = rope_cos_sin(torch.arange(n, device=input_ids.device), model.inv_freq, x.dtype)
+        mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        for layer in model.layers:
+            h = rms_norm(x, layer.ln1, c.rms_eps)
+            q, k, v = F.linear(h, layer.qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin).transpose(0, 1)
+            k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
+            v = v.reshape(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            rep = c.num_heads // c.num_kv_heads
+            k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + F.linear(attn.transpose(0, 1).reshape(n, c.q_size), layer.o)
+            h = rms_norm(x, layer.ln2, c.rms_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x, model.norm, c.rms_eps)
+        return F.linear(x, model.embed if model.lm_head is None else model.lm_head).float()

@@ -1,0 +1,240 @@
+"""Serving-benchmark workloads and the two ways to run them: continuous batching and a static baseline.
+
+Workloads (`make_workload`), all token-id prompts drawn from ordinary vocabulary ids with a
+fixed seed, outputs forced to their length (`ignore_eos`):
+
+  mixed          prompts 16-512 tokens, outputs 16-256, Poisson arrivals at `rate` req/s
+  shared-prefix  groups of requests sharing a long system prefix (4 prefixes of ~400 tokens)
+                 + a short question; outputs 16-64; Poisson arrivals
+  long-prompt    prompts 1-3k tokens, outputs 8-32 (chunked prefill at work); Poisson arrivals
+  poisson        uniform chat-sized requests (prompt 64-128, output 64) with Poisson arrivals
+
+`rate <= 0` (or inf) means every request arrives at t=0.
+
+`run_workload(engine, workload, mode)`:
+  continuous  requests enter the scheduler when they arrive; finished ones leave between steps
+  static      the baseline: when the engine is idle, the requests that have arrived (up to
+              `static_batch`) form a batch that runs until all of them finish; nothing joins it
+
+Latencies are measured from each request's scheduled arrival (queueing included).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from minisched.sched.req import SamplingParams
+
+WORKLOADS = ("mixed", "shared-prefix", "long-prompt", "poisson")
+TOKEN_RANGE = (1000, 20000)  # ordinary BPE tokens in SmolLM2's (and most) vocabularies
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    arrival: float  # seconds after the start
+
+
+def _tokens(rng, n: int, vocab: int) -> tuple[int, ...]:
+    lo, hi = TOKEN_RANGE if vocab > TOKEN_RANGE[1] else (3, vocab)
+    return tuple(int(t) for t in rng.integers(lo, hi, size=n))
+
+
+def _arrivals(rng, n: int, rate: float) -> np.ndarray:
+    if rate <= 0 or math.isinf(rate):
+        return np.zeros(n)
+    return np.cumsum(rng.exponential(1.0 / rate, size=n)) - 0.0
+
+
+def make_workload(name: str, num_requests: int, rate: float, *, vocab: int = 49152, seed: int = 0,
+                  scale: float = 1.0) -> list[BenchRequest]:
+    """`scale` < 1 shrinks prompt and output lengths (for quick runs and tests)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+    if num_requests < 1:
+        raise ValueError("num_requests must be >= 1")
+    rng = np.random.default_rng(seed)
+    s = lambda x: max(1, int(round(x * scale)))  # noqa: E731
+    arrivals = _arrivals(rng, num_requests, rate)
+    reqs = []
+    prefixes = [_tokens(rng, s(rng.integers(350, 450)), vocab) for _ in range(4)]
+    for i in range(num_requests):
+        if name == "mixed":
+            prompt, out = _tokens(rng, s(rng.integers(16, 513)), vocab), s(rng.integers(16, 257))
+        elif name == "shared-prefix":
+            prompt = prefixes[i % len(prefixes)] + _tokens(rng, s(rng.integers(8, 33)), vocab)
+            out = s(rng.integers(16, 65))
+        elif name == "long-prompt":
+            prompt, out = _tokens(rng, s(rng.integers(1000, 3001)), vocab), s(rng.integers(8, 33))
+        else:
+            prompt, out = _tokens(rng, s(rng.integers(64, 129)), vocab), s(64)
+        reqs.append(BenchRequest(f"{name}-{i}", prompt, out, float(arrivals[i])))
+    return reqs
+
+
+@dataclass
+class RequestResult:
+    rid: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    first_token: Optional[float]  # seconds after the start
+    finish: Optional[float]
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    output_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> Optional[float]:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.finish is None or self.first_token is None or self.output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass
+class RunResult:
+    name: str
+    requests: list[RequestResult]
+    duration: float
+    start: float  # time.monotonic() at the start
+    step_time: float  # seconds inside model forward steps (engine.step)
+    retractions: int
+    scheduler_time: float  # seconds in the scheduler (get_next_batch + process_batch_result)
+
+    def summary(self) -> dict:
+        return summarize(self)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(run: RunResult) -> dict:
+    done = [r for r in run.requests if r.finish is not None]
+    inp = sum(r.prompt_tokens for r in done)
+    out = sum(r.output_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    d = max(run.duration, 1e-9)
+    return {
+        "name": run.name, "num_requests": len(run.requests), "completed": len(done), "duration_s": run.duration,
+        "input_tokens": inp, "output_tokens": out,
+        "input_tok_s": inp / d, "output_tok_s": out / d, "total_tok_s": (inp + out) / d,
+        "request_throughput": len(done) / d,
+        "ttft_s": percentiles([r.ttft for r in done if r.ttft is not None]),
+        "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
+        "e2e_latency_s": percentiles([r.e2e for r in done]),
+        "cache_hit_rate": cached / inp if inp else 0.0, "cached_tokens": cached,
+        "retractions": run.retractions,
+        "scheduler_overhead_share": run.scheduler_time / d,
+        "forward_share": max(0.0, run.step_time - run.scheduler_time) / d,
+    }
+
+
+class _TimedScheduler:
+    """Wraps the runner so time inside the model forward is separated from scheduler time."""
+
+    def __init__(self, runner):
+        self.runner, self.forward_time = runner, 0.0
+
+    def forward(self, batch):
+        t = time.monotonic()
+        try:
+            return self.runner.forward(batch)
+        finally:
+            self.forward_time += time.monotonic() - t
+
+
+def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous", *, static_batch: int = 8,
+                 progress: Optional[Callable[[dict], None]] = None, name: Optional[str] = None) -> RunResult:
+    """Replay a workload against `engine` in real time (see the module docstring for the modes)."""
+    if mode not in ("continuous", "static"):
+        raise ValueError(f"mode must be 'continuous' or 'static', got {mode!r}")
+    pending = sorted(workload, key=lambda r: r.arrival)
+    queue: list[BenchRequest] = []
+    reqs, results = {}, {}
+    timed = _TimedScheduler(engine.runner)
+    sched = engine.scheduler
+    step_time = 0.0
+    retract0 = sum(s.num_retracted for s in sched.step_stats)
+    start = time.monotonic()
+
+    def admit(items):
+        for br in items:
+            sp = SamplingParams(max_new_tokens=br.max_new_tokens, ignore_eos=True)
+            req = engine.add_request(list(br.prompt_ids), sp, rid=br.rid)
+            req.arrival_time = start + br.arrival
+            reqs[br.rid] = req
+
+    while pending or queue or sched.has_work():
+        now = time.monotonic() - start
+        while pending and pending[0].arrival <= now:
+            queue.append(pending.pop(0))
+        if mode == "continuous" and queue:
+            admit(queue)
+            queue = []
+        elif mode == "static" and queue and not sched.has_work():
+            admit(queue[:static_batch])
+            queue = queue[static_batch:]
+        if not sched.has_work():
+            if pending:
+                time.sleep(max(0.0, min(pending[0].arrival - (time.monotonic() - start), 0.05)))
+            continue
+        t = time.monotonic()
+        for req in sched.step(timed):
+            results[req.rid] = req
+        step_time += time.monotonic() - t
+        if progress is not None:
+            progress({"elapsed": time.monotonic() - start, "done": len(results), "total": len(workload),
+                      "running": len(sched.running), "waiting": len(sched.waiting) + len(queue) + len(pending)})
+    duration = time.monotonic() - start
+    out = []
+    for br in workload:
+        req = results.get(br.rid)
+        rel = lambda t: None if t is None else t - start  # noqa: E731
+        out.append(RequestResult(br.rid, len(br.prompt_ids), len(req.output_ids) if req else 0, br.arrival,
+                                 rel(req.first_token_time) if req else None, rel(req.finish_time) if req else None,
+                                 req.cache_hit_tokens if req else 0, req.num_retractions if req else 0,
+                                 list(req.output_ids) if req else []))
+    retractions = sum(s.num_retracted for s in sched.step_stats) - retract0
+    return RunResult(name or mode, out, duration, start, step_time, retractions, step_time - timed.forward_time)
+
+
+def run_record(engine, result: RunResult, config: Optional[dict] = None):
+    """The run as a `minisched.observe.run_record.RunRecord` (events, step stats, per-request metrics)
+    for `minisched report` and the Chrome trace; the bench summary is attached."""
+    from minisched.observe.run_record import RunRecord
+
+    summary = summarize(result)
+    return RunRecord.from_scheduler(result.name, engine.scheduler, config=config, summary=summary,
+                                    start_time=result.start)
+
+
+def workload_stats(workload: list[BenchRequest]) -> dict:
+    p = [len(r.prompt_ids) for r in workload]
+    o = [r.max_new_tokens for r in workload]
+    return {"num_requests": len(workload), "prompt_tokens": sum(p), "output_tokens": sum(o),
+            "prompt_len": [min(p), max(p)], "output_len": [min(o), max(o)],
+            "last_arrival_s": max(r.arrival for r in workload)}
+
+
+def asdict(x) -> dict:
+    return dataclasses.asdict(x)

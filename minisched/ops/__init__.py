@@ -1,0 +1,187 @@
+"""Typed wrappers over the minisched ops: allocate outputs, check inputs, pick the backend.
+
+Backends:
+  "native"  torch.ops.minisched.* from the compiled extension (C++ on CPU, CUDA on GPU)
+  "triton"  the Triton kernels in triton_kernels/ (GPU, or the CPU under TRITON_INTERPRET=1)
+  "torch"   the pure-PyTorch reference in minisched.ops.reference (slow; the oracle)
+
+Shapes (DESIGN.md §2-3): q [N, Hq, D]; one layer's k_cache/v_cache [num_pages, page_size, Hkv, D];
+the whole pool kv_cache [L, 2, num_pages, page_size, Hkv, D]; page tables are int32 CSR
+(kv_indptr [B+1], kv_indices [nnz], kv_last_page_len [B]); LSE is float32 [N, Hq], natural log.
+
+`check=False` skips the checks that read index values (the engine validates page tables
+on the host before it uploads them); shape/dtype/device checks always run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Literal, Optional
+
+import torch
+
+from minisched.ops import checks, reference
+
+Backend = Literal["native", "triton", "torch"]
+BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
+
+# op name -> the file (csrc/<dev>/<family>.*, triton_kernels/<family>.py) that holds it
+OP_FAMILY = {
+    "store_kv": "store_kv",
+    "copy_kv_pages": "kv_pages",
+    "gather_kv_pages": "kv_pages",
+    "scatter_kv_pages": "kv_pages",
+    "paged_decode_attention": "paged_decode_attention",
+    "paged_prefill_attention": "paged_prefill_attention",
+    "shared_prefix_attention": "shared_prefix_attention",
+    "merge_attention_states": "merge_attention_states",
+}
+
+try:  # importing the extension registers torch.ops.minisched.*
+    from minisched import _C  # noqa: F401
+
+    NATIVE_ERROR: Optional[str] = None
+except ImportError as exc:  # a source tree that was never built
+    NATIVE_ERROR = f"the minisched._C extension is not built ({exc}); run `make build` or `pip install -e .`"
+
+
+def native_available() -> bool:
+    return NATIVE_ERROR is None
+
+
+def _register_fakes() -> None:
+    """Meta kernels: the ops write into preallocated outputs, so a fake only checks its inputs."""
+    for name in OP_FAMILY:
+        check = getattr(checks, name)
+
+        def fake(*args, _check=check):
+            if _check is checks.merge_attention_states:
+                _check(*args)
+            else:
+                _check(*args, values=False)
+
+        torch.library.register_fake(f"minisched::{name}")(fake)
+
+
+if NATIVE_ERROR is None:
+    _register_fakes()
+
+
+def call_op(name: str, args: tuple, backend: Backend = "native", check: bool = True) -> None:
+    """Run op `name` with its full argument list (outputs preallocated by the caller) on `backend`."""
+    if backend == "native":
+        if NATIVE_ERROR is not None:
+            raise RuntimeError(NATIVE_ERROR)
+        getattr(torch.ops.minisched, name)(*args)
+        return
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if name == "merge_attention_states":
+        checks.merge_attention_states(*args)
+    else:
+        getattr(checks, name)(*args, values=check)
+    if backend == "torch":
+        getattr(reference, name)(*args)
+    else:
+        getattr(importlib.import_module(f"minisched.triton_kernels.{OP_FAMILY[name]}"), name)(*args)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+# -- KV cache movement ---------------------------------------------------------------------------
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, backend: Backend = "native", check: bool = True) -> None:
+    """Write N tokens' k, v [N, Hkv, D] into one layer's caches at slot_mapping int32[N] (< 0: skip)."""
+    call_op("store_kv", (k, v, k_cache, v_cache, slot_mapping), backend, check)
+
+
+def copy_kv_pages(kv_cache: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, *,
+                  backend: Backend = "native", check: bool = True) -> None:
+    """kv_cache[:, :, dst_pages[i]] = kv_cache[:, :, src_pages[i]] for all layers, K and V."""
+    call_op("copy_kv_pages", (kv_cache, src_pages, dst_pages), backend, check)
+
+
+def gather_kv_pages(kv_cache: torch.Tensor, pages: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                    backend: Backend = "native", check: bool = True) -> torch.Tensor:
+    """Copy pages out of the pool into out [L, 2, n, page_size, Hkv, D] (may be pinned host memory)."""
+    if out is None:
+        out = kv_cache.new_empty((*kv_cache.shape[:2], pages.shape[0], *kv_cache.shape[3:]))
+    call_op("gather_kv_pages", (kv_cache, pages, out), backend, check)
+    return out
+
+
+def scatter_kv_pages(src: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, *,
+                     backend: Backend = "native", check: bool = True) -> None:
+    """Copy src [L, 2, n, page_size, Hkv, D] back into the pool at pages int32[n]."""
+    call_op("scatter_kv_pages", (src, kv_cache, pages), backend, check)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+def _outputs(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
+    return out, lse
+
+
+def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, *,
+                           sm_scale: Optional[float] = None, return_lse: bool = False,
+                           backend: Backend = "native", check: bool = True):
+    """One query per request, q [B, Hq, D], over its paged KV. Returns out [B, Hq, D] (and lse [B, Hq])."""
+    out, lse = _outputs(q, return_lse)
+    scale = default_scale(q.shape[-1]) if sm_scale is None else sm_scale
+    call_op("paged_decode_attention", (q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale, out, lse),
+            backend, check)
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, *,
+                            causal: bool = True, sm_scale: Optional[float] = None, return_lse: bool = False,
+                            backend: Backend = "native", check: bool = True):
+    """Ragged queries q [Nq, Hq, D] (request b: rows qo_indptr[b]:qo_indptr[b+1], the LAST positions
+    of its KV; causal is bottom-right aligned). Returns out [Nq, Hq, D] (and lse [Nq, Hq])."""
+    out, lse = _outputs(q, return_lse)
+    scale = default_scale(q.shape[-1]) if sm_scale is None else sm_scale
+    call_op("paged_prefill_attention",
+            (q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, scale, out, lse),
+            backend, check)
+    return (out, lse) if return_lse else out
+
+
+def shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices,
+                            prefix_kv_last_page_len, *, sm_scale: Optional[float] = None,
+                            backend: Backend = "native", check: bool = True):
+    """Rows group_indptr[g]:group_indptr[g+1] of q [N, Hq, D] attend to group g's shared prefix, read once
+    per group (non-causal). Returns (out [N, Hq, D], lse [N, Hq]) for merge_attention_states."""
+    out, lse = _outputs(q, True)
+    scale = default_scale(q.shape[-1]) if sm_scale is None else sm_scale
+    call_op("shared_prefix_attention",
+            (q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len,
+             scale, out, lse), backend, check)
+    return out, lse
+
+
+def merge_attention_states(v_a, lse_a, v_b, lse_b, *, backend: Backend = "native"):
+    """Merge two partial attentions (v [N, H, D], lse [N, H] float32) over disjoint KV sets."""
+    v_out = torch.empty_like(v_a)
+    lse_out = torch.empty_like(lse_a)
+    call_op("merge_attention_states", (v_a, lse_a, v_b, lse_b, v_out, lse_out), backend)
+    return v_out, lse_out
+
+
+def cascade_decode_attention(q, group_indptr, k_cache, v_cache, prefix_table, suffix_table, *,
+                             sm_scale: Optional[float] = None, backend: Backend = "native", check: bool = True):
+    """Decode with prefix sharing: shared prefix once per group + each request's own suffix, merged.
+
+    prefix_table: (indptr, indices, last_page_len) with one entry per group;
+    suffix_table: the same with one entry per request (q row)."""
+    o_p, lse_p = shared_prefix_attention(q, group_indptr, k_cache, v_cache, *prefix_table, sm_scale=sm_scale,
+                                         backend=backend, check=check)
+    o_s, lse_s = paged_decode_attention(q, k_cache, v_cache, *suffix_table, sm_scale=sm_scale, return_lse=True,
+                                        backend=backend, check=check)
+    out, _ = merge_attention_states(o_p, lse_p, o_s, lse_s, backend=backend)
+    return out

@@ -1,0 +1,92 @@
+"""Scheduling policies: the order in which waiting requests are offered to the PrefillAdder.
+
+- `fcfs`: queue order (retracted requests sit at the head of the queue).
+- `lpm`: longest cached prefix first (radix `match_prefix` of each waiting request);
+  plain FCFS when more than `lpm_fallback_len` (128) requests wait or the cache is off.
+- `dfs-weight`: depth-first over the radix tree, heavier subtrees (more waiting
+  requests below) first, so requests sharing a prefix run together. Like LPM it
+  matches every waiting request, so it also falls back to FCFS beyond `lpm_fallback_len`.
+- `lof`: longest output (max_new_tokens) first.
+
+Aging (the cache-aware policies, LPM and DFS-weight): a request that has been overtaken
+(a later arrival admitted while it waited) in `aging_rounds` prefill rounds goes before
+all others, oldest first. So a cache-cold request cannot be starved by a stream of
+cache-hot ones: it is overtaken at most `aging_rounds` times. Counting overtakes rather
+than elapsed steps keeps LPM intact while a full decode batch makes everyone wait.
+Sorts are stable, so ties keep queue order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisched.sched.radix_cache import RadixCache, TreeNode
+from minisched.sched.req import Req
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
+
+
+@dataclass
+class SchedulePolicy:
+    name: str
+    tree: RadixCache
+    lpm_fallback_len: int = 128
+    aging_rounds: int = 32
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown policy {self.name!r}; choose one of {POLICIES}")
+
+    def active(self, n_waiting: int) -> str:
+        if self.name in ("lpm", "dfs-weight") and (self.tree.disable or n_waiting > self.lpm_fallback_len):
+            return "fcfs"
+        return self.name
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        """Return the waiting requests in admission order (does not modify `waiting`)."""
+        name = self.active(len(waiting))
+        if name == "fcfs":
+            return waiting
+        if name == "lpm":
+            keyed = [(-len(self._match(r)[0]), i, r) for i, r in enumerate(waiting)]
+            ordered = [r for _, _, r in sorted(keyed, key=lambda x: (x[0], x[1]))]
+        elif name == "lof":
+            ordered = sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
+        else:
+            ordered = self._dfs_weight(waiting)
+        if name == "lof":
+            return ordered
+        aged = [r for r in waiting if r.overtaken >= self.aging_rounds]
+        if not aged:
+            return ordered
+        aged.sort(key=lambda r: r.arrival_seq)
+        aged_ids = {id(r) for r in aged}
+        return aged + [r for r in ordered if id(r) not in aged_ids]
+
+    def _match(self, r: Req):
+        return self.tree.match_prefix(r.fill_ids if r.output_ids else r.prompt_ids, r.seq_len - 1)
+
+    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+        at_node: dict[int, list[Req]] = {}
+        nodes: dict[int, TreeNode] = {}
+        for r in waiting:
+            _, node = self._match(r)
+            at_node.setdefault(id(node), []).append(r)
+            nodes[id(node)] = node
+        weight: dict[int, int] = {}
+        for nid, reqs in at_node.items():  # add each request's weight to its node's ancestors
+            node = nodes[nid]
+            while node is not None:
+                weight[id(node)] = weight.get(id(node), 0) + len(reqs)
+                node = node.parent
+        out: list[Req] = []
+        stack = [(self.tree.root, False)]
+        while stack:  # post-order (SGLang): heavier children first, then the node's own requests
+            node, expanded = stack.pop()
+            if expanded:
+                out.extend(at_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
+            kids = [c for c in node.children.values() if id(c) in weight]
+            kids.sort(key=lambda c: weight[id(c)])  # the heaviest is pushed last, popped first
+            stack.extend((c, False) for c in kids)
+        return out

@@ -1,0 +1,173 @@
+"""Requests: `Req`, its status and finish reason, and `SamplingParams`.
+
+A request moves through
+
+    WAITING -> PREFILLING -> RUNNING -> FINISHED
+       ^          |  (chunked: stays PREFILLING over several rounds)
+       +--- RETRACTED <-- RUNNING        (memory pressure; KV freed, back to the queue head)
+    any live state -> ABORTED            (`Scheduler.abort`)
+
+Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
+
+- `prompt_ids`, `output_ids`; `fill_ids` = prompt + output (a new list: not for hot paths).
+- `kv_len`: tokens whose K/V is in the pool; `page_ids[i]` holds tokens
+  `[i*page_size, (i+1)*page_size)`; the first `n_cached_pages` pages are shared
+  radix-cache pages locked through `last_node`, the rest are owned by the request.
+- A RUNNING request always has `kv_len == seq_len - 1`: its last sampled token is
+  the next decode step's input.
+"""
+from __future__ import annotations
+
+import enum
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    RETRACTED = "retracted"  # transient: recorded in events, the request is WAITING again
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(enum.Enum):
+    STOP_TOKEN = "stop_token"
+    STOP_STR = "stop_str"
+    MAX_NEW_TOKENS = "max_new_tokens"
+    LENGTH = "length"  # context limit reached, or the whole KV pool is not enough
+    ABORT = "abort"
+    ERROR = "error"  # the step computing it failed (an exception in the model, sampling, a stop checker)
+
+
+class InvalidRequest(ValueError):
+    """Raised by `Scheduler.add_request` for a request that can never run."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. `stop_token_ids` should include the model's EOS
+    (the engine adds it); `ignore_eos=True` disables the stop-token check."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidRequest:
+            return InvalidRequest(f"SamplingParams: {msg}")
+
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
+            raise bad(f"top_k must be -1 or >= 1, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise bad(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV state
+    kv_len: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    n_cached_pages: int = 0  # leading page_ids shared with the radix cache (locked)
+    last_node: Any = None  # radix node whose path is locked for this request
+    # scheduling state
+    arrival_seq: int = 0  # order of arrival at the scheduler
+    overtaken: int = 0  # prefill rounds that admitted a later arrival while this one waited (aging)
+    num_retractions: int = 0
+    cache_hit_tokens: int = 0  # prefix tokens reused from the radix cache at admission
+    error: str | None = None  # why it ended with FinishReason.ERROR
+    # timing (time.monotonic())
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (ReqStatus.FINISHED, ReqStatus.ABORTED)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)
+
+    def check(self, page_size: int, max_context_len: int) -> None:
+        """State/token-count consistency of a live request; raises AssertionError."""
+        assert len(self.output_ids) <= self.sampling.max_new_tokens and self.seq_len <= max_context_len, \
+            f"{self.rid}: too many tokens ({len(self.output_ids)} out, {self.seq_len} total)"
+        assert len(self.page_ids) == -(-self.kv_len // page_size), \
+            f"{self.rid}: {len(self.page_ids)} pages for kv_len {self.kv_len}"
+        if self.status is ReqStatus.WAITING:
+            assert self.kv_len == 0 and self.last_node is None, f"{self.rid}: waiting request holds KV"
+        elif self.status is ReqStatus.RUNNING:
+            assert self.kv_len == self.seq_len - 1, f"{self.rid}: running, kv_len {self.kv_len}, seq_len {self.seq_len}"
+        else:
+            assert 0 < self.kv_len < self.seq_len, f"{self.rid}: prefilling, kv_len {self.kv_len}, seq_len {self.seq_len}"
+        assert self.n_cached_pages <= self.kv_len // page_size, f"{self.rid}: shares a partly filled page"
+        assert self.last_node is not None or self.n_cached_pages == 0, f"{self.rid}: shared pages without a lock"
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+
+def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, max_context_len: int,
+                pool_tokens: int) -> Req:
+    """Validate a new request; raises InvalidRequest (a ValueError) naming the problem."""
+    sampling = SamplingParams() if sampling is None else sampling
+    if isinstance(sampling, dict):
+        sampling = SamplingParams(**sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequest(f"request {rid!r}: sampling must be SamplingParams, got {type(sampling).__name__}")
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest(f"request id must be a non-empty str, got {rid!r}")
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise InvalidRequest(f"request {rid!r}: empty prompt")
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        raise InvalidRequest(f"request {rid!r}: prompt ids must be non-negative ints")
+    prompt = [int(t) for t in prompt]
+    if len(prompt) >= max_context_len:
+        raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room to generate "
+                             f"within max_context_len={max_context_len}")
+    if len(prompt) > pool_tokens:
+        raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens exceeds the whole KV pool "
+                             f"({pool_tokens} tokens)")
+    return Req(rid=rid, prompt_ids=prompt, sampling=sampling)

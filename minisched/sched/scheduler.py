@@ -1,0 +1,434 @@
+"""The scheduler: request lifecycle over a paged KV pool and a radix cache (DESIGN.md §4).
+
+Engine-facing API (pure Python; no torch):
+
+    sched = Scheduler(SchedulerConfig(...), stop_checker=None)
+    req = sched.add_request(rid, prompt_ids, SamplingParams(...))  # InvalidRequest on bad input
+    while sched.has_work():
+        batch = sched.get_next_batch()            # Batch | None
+        if batch is None: continue
+        tokens = runner.forward(batch)            # one token per request, batch order
+        finished = sched.process_batch_result(batch, tokens)
+    # or simply: finished = sched.step(runner)
+    sched.abort(rid)                              # any state; False if unknown/done
+    sched.fail_in_flight("why")                   # the forward/sampling of `batch` raised: end its
+                                                  # requests with FinishReason.ERROR, release their KV
+    sched.events, sched.step_stats, sched.check_invariants()
+
+`stop_checker(req) -> bool` is called after each new token (engine-side stop strings;
+finish reason STOP_STR). Request ids must be unique among live requests.
+
+One step (`get_next_batch`): prefill first — the carried chunked request, then waiting
+requests in policy order through the PrefillAdder; optionally decode requests ride
+along (MIXED); otherwise decode the running requests, retracting some first if their
+next pages do not fit even after evicting the radix cache. With
+`max_prefill_rounds_between_decodes = K`, at most K prefill-only rounds run while
+requests wait to decode. `process_batch_result` appends tokens, finishes requests and
+moves completed prefills into the running (decode) batch.
+
+KV: after each prefill chunk a request's full pages are shared through the radix cache
+(its `page_ids` then start with locked tree pages); when it finishes, aborts or is
+retracted, its full pages stay in the cache (evictable) and the rest are freed. An
+abort of a request in the batch in flight takes effect at `process_batch_result`.
+`sched.reqs` maps rid -> live Req.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from minisched.sched.batch import Batch, ForwardMode
+from minisched.sched.events import Event, StepStats
+from minisched.sched.kv_pool import KVPool
+from minisched.sched.policy import POLICIES, SchedulePolicy
+from minisched.sched.prefill_adder import AddResult, PrefillAdder
+from minisched.sched.radix_cache import RadixCache
+from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, new_request
+
+
+class ModelRunner(Protocol):
+    def forward(self, batch: Batch) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Frozen, validated (ValueError). Token budgets are per prefill batch; the ratio
+    fields are SGLang's new_token_ratio schedule; `aging_rounds`: see policy.py."""
+
+    page_size: int = 16
+    num_pages: int = 4096
+    max_context_len: int = 4096
+    chunk_size: int | None = 512  # None: no chunked prefill
+    max_prefill_tokens: int = 8192
+    max_running_requests: int = 256
+    policy: str = "fcfs"
+    enable_radix_cache: bool = True
+    enable_mixed_chunk: bool = False
+    max_prefill_rounds_between_decodes: int | None = None
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    lpm_fallback_len: int = 128
+    aging_rounds: int = 32
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"SchedulerConfig: {msg}")
+
+        for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running_requests",
+                     "new_token_ratio_decay_steps", "lpm_fallback_len", "aging_rounds"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
+        need(isinstance(self.max_context_len, int) and self.max_context_len >= 2, "max_context_len must be >= 2")
+        need(self.chunk_size is None or (isinstance(self.chunk_size, int) and self.chunk_size >= 1),
+             "chunk_size must be None or >= 1")
+        need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        k = self.max_prefill_rounds_between_decodes
+        need(k is None or (isinstance(k, int) and k >= 1), "max_prefill_rounds_between_decodes must be None or >= 1")
+        need(0 <= self.min_new_token_ratio <= self.init_new_token_ratio,
+             "need 0 <= min_new_token_ratio <= init_new_token_ratio")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, stop_checker: Callable[[Req], bool] | None = None) -> None:
+        self.config = config
+        self.stop_checker = stop_checker
+        self.pool = KVPool(config.num_pages, config.page_size)
+        self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache)
+        self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_rounds)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.reqs: dict[str, Req] = {}  # live requests
+        self.events: list[Event] = []
+        self.step_stats: list[StepStats] = []
+        self.new_token_ratio = config.init_new_token_ratio
+        self.step_count = 0
+        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / config.new_token_ratio_decay_steps
+        self._prefill_rounds = 0  # prefill-only rounds since the last decode
+        self._in_flight: Batch | None = None
+        self._step_hits = 0
+        self._num_arrivals = 0
+        self._abort_pending: set[int] = set()  # id(req) of in-flight requests to abort
+        self._finished_early: list[Req] = []  # finished inside get_next_batch (pool outgrown)
+
+    # -- requests -------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
+        cfg = self.config
+        if isinstance(rid, str) and rid in self.reqs:
+            raise InvalidRequest(f"request {rid!r}: duplicate request id")
+        req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
+        req.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
+        self.reqs[rid] = req
+        self.waiting.append(req)
+        self._record(req, None, ReqStatus.WAITING)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        """Abort in any state; False if `rid` is unknown or already done. A request in the
+        batch in flight is released when that batch's result arrives (its pages stay valid
+        while the forward pass writes them)."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return False
+        if self._in_flight is not None and any(r is req for r in self._in_flight.reqs):
+            self._abort_pending.add(id(req))
+            return True
+        self._unlink(req)
+        self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
+        return True
+
+    def fail_in_flight(self, message: str) -> list[Req]:
+        """The batch in flight could not be computed (its forward, sampling or a stop checker
+        raised). Its live requests end with FinishReason.ERROR and release their KV: their
+        `kv_len` still counts only the tokens written by earlier steps, so only valid pages
+        reach the radix cache; the pages allocated for this step are freed. Returns them."""
+        batch, self._in_flight = self._in_flight, None
+        self._abort_pending.clear()
+        failed, self._finished_early = self._finished_early, []
+        if batch is None:
+            return failed
+        for req in batch.reqs:
+            if req.status not in (ReqStatus.RUNNING, ReqStatus.PREFILLING) or req.rid not in self.reqs:
+                continue
+            self._unlink(req)
+            req.error = message
+            self._release(req, ReqStatus.FINISHED, FinishReason.ERROR)
+            failed.append(req)
+        return failed
+
+    def _unlink(self, req: Req) -> None:
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req is self.chunked_req:
+            self.chunked_req = None
+        elif req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req is not None)
+
+    # -- one step -------------------------------------------------------------
+    def step(self, runner: ModelRunner) -> list[Req]:
+        """One step; if the runner raises, the batch's requests fail (see `fail_in_flight`) and
+        the exception propagates with the scheduler ready for the next step."""
+        batch = self.get_next_batch()
+        if batch is None:
+            done, self._finished_early = self._finished_early, []
+            return done
+        try:
+            tokens = runner.forward(batch)
+        except BaseException as exc:  # KeyboardInterrupt included: never leave a batch in flight
+            self.fail_in_flight(f"{type(exc).__name__}: {exc}")
+            raise
+        return self.process_batch_result(batch, tokens)
+
+    def get_next_batch(self) -> Batch | None:
+        if self._in_flight is not None:
+            raise RuntimeError("get_next_batch called before process_batch_result of the previous batch")
+        self.step_count += 1
+        k = self.config.max_prefill_rounds_between_decodes
+        decode_due = bool(self.running) and k is not None and self._prefill_rounds >= k
+        self._step_hits, n_retracted = 0, 0
+        batch = None if decode_due else self._prefill_batch()
+        if batch is not None and self.config.enable_mixed_chunk and self.running:
+            batch = self._mix(batch)
+        if batch is None and self.running:
+            n_retracted = self._make_room_for_decode()
+            if self.running:
+                batch = self._decode_batch(n_retracted)
+        if batch is None:
+            return None
+        self._prefill_rounds = self._prefill_rounds + 1 if batch.mode is ForwardMode.PREFILL and self.running else 0
+        self._in_flight = batch
+        self._record_step(batch, n_retracted)
+        return batch
+
+    def process_batch_result(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
+        """Apply one step's sampled tokens (batch order); returns the requests that finished
+        (including any finished while the batch was built, e.g. by outgrowing the pool)."""
+        if batch is not self._in_flight:
+            raise RuntimeError("process_batch_result: not the batch returned by the last get_next_batch")
+        if len(next_token_ids) != len(batch.reqs):
+            raise ValueError(f"expected {len(batch.reqs)} tokens, got {len(next_token_ids)}")
+        finished, self._finished_early = self._finished_early, []
+        try:
+            self._apply_tokens(batch, next_token_ids, finished)
+        except BaseException as exc:  # e.g. Ctrl-C in a stop checker: fail what was not applied yet
+            self._finished_early = finished + self.fail_in_flight(f"{type(exc).__name__}: {exc}")
+            raise
+        self._in_flight = None
+        return finished
+
+    def _apply_tokens(self, batch: Batch, next_token_ids: Sequence[int], finished: list[Req]) -> None:
+        running, prefilling = ReqStatus.RUNNING, ReqStatus.PREFILLING
+        pending, max_ctx, checker = self._abort_pending, self.config.max_context_len, self.stop_checker
+        for req, p, e, sampled, tok in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
+                                           batch.sampled, next_token_ids):
+            status = req.status
+            if status is not running and status is not prefilling:
+                continue
+            req.kv_len = p + e
+            if pending and id(req) in pending:
+                self._unlink(req)
+                self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
+                continue
+            if not sampled:  # a chunk that does not finish the prompt: the token is ignored
+                self._cache_unfinished(req)
+                continue
+            tok = int(tok)
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            sp = req.sampling
+            if (len(req.output_ids) >= sp.max_new_tokens or p + e + 1 >= max_ctx or checker is not None
+                    or tok in sp.stop_token_ids):
+                reason = self._finish_reason(req)
+                if reason is not None:
+                    if status is running:
+                        self.running.remove(req)
+                    self._release(req, ReqStatus.FINISHED, reason)
+                    finished.append(req)
+                    continue
+            if status is prefilling:
+                self._cache_unfinished(req)
+                self._set_status(req, running)
+                self.running.append(req)
+        pending.clear()
+
+    # -- batch building -------------------------------------------------------
+    def _prefill_batch(self) -> Batch | None:
+        cfg = self.config
+        if self.chunked_req is None and (not self.waiting or len(self.running) >= cfg.max_running_requests):
+            return None
+        adder = PrefillAdder(self.pool, self.tree, self.new_token_ratio, cfg.max_prefill_tokens, cfg.chunk_size,
+                             cfg.max_running_requests - len(self.running), self.running)
+        carried, self.chunked_req = self.chunked_req, None
+        if carried is not None and not adder.add_chunked_req(carried):
+            self.chunked_req = carried  # its pages do not fit yet: decode first
+            return None
+        if adder.new_chunked_req is None and self.waiting:
+            admitted, aging = [], self.policy.active(len(self.waiting)) != "fcfs"
+            for req in self.policy.order(self.waiting):
+                result = adder.add_one_req(req)
+                if adder.can_run and adder.can_run[-1] is req:
+                    admitted.append(req)
+                if result is not AddResult.CONTINUE:
+                    break
+            if admitted:
+                k = len(admitted)
+                if all(a is w for a, w in zip(admitted, self.waiting[:k])):  # FCFS: a prefix
+                    del self.waiting[:k]
+                else:
+                    ids = {id(r) for r in admitted}
+                    self.waiting = [r for r in self.waiting if id(r) not in ids]
+                if aging:  # count overtakes
+                    newest = max(r.arrival_seq for r in admitted)
+                    for r in self.waiting:
+                        if r.arrival_seq < newest:
+                            r.overtaken += 1
+                now = time.monotonic()
+                for req in admitted:
+                    if req.first_scheduled_time is None:
+                        req.first_scheduled_time = now
+                    self._set_status(req, ReqStatus.PREFILLING)
+        self.chunked_req = adder.new_chunked_req
+        self._step_hits = adder.cache_hit_tokens
+        if not adder.can_run:
+            return None
+        return Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, self.config.page_size)
+
+    def _mix(self, batch: Batch) -> Batch:
+        """Let the decode requests ride along with the prefill chunk if their pages fit."""
+        need = self.pool.decode_pages_needed(self.running)
+        if need > self.pool.num_free:
+            self.pool.free(self.tree.evict(need - self.pool.num_free))
+        if not self.pool.alloc_for_decode(self.running):
+            return batch
+        n = len(self.running)
+        return Batch(ForwardMode.MIXED, batch.reqs + self.running, batch.prefix_lens + [r.kv_len for r in self.running],
+                     batch.extend_lens + [1] * n, batch.page_size, batch.sampled + [True] * n, n)
+
+    def _decode_batch(self, n_retracted: int) -> Batch:
+        cfg = self.config
+        if n_retracted:
+            self.new_token_ratio = cfg.init_new_token_ratio
+        else:
+            self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
+        if not self.pool.alloc_for_decode(self.running):
+            raise RuntimeError("decode pages do not fit after retraction")  # _make_room_for_decode ensures they do
+        reqs = list(self.running)
+        n = len(reqs)
+        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
+
+    def _make_room_for_decode(self) -> int:
+        """Evict, then retract (fewest decoded tokens first, ties: longest prompt) until the
+        next decode step's pages fit. Returns the number of retracted requests."""
+        pool, retracted = self.pool, []
+        while True:
+            need = pool.decode_pages_needed(self.running)
+            if need > pool.num_free:
+                pool.free(self.tree.evict(need - pool.num_free))
+            if need <= pool.num_free or not self.running:
+                break
+            if len(self.running) == 1 and self.chunked_req is None:
+                # it alone outgrew the whole pool: nothing else holds pages
+                req = self.running.pop()
+                self._release(req, ReqStatus.FINISHED, FinishReason.LENGTH)
+                self._finished_early.append(req)
+                break
+            if len(self.running) == 1:
+                victim, self.chunked_req = self.chunked_req, None
+            else:
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+                self.running.remove(victim)
+            self._retract(victim)
+            retracted.append(victim)
+        if retracted:
+            self.waiting[:0] = retracted
+        return len(retracted)
+
+    # -- KV release -----------------------------------------------------------
+    def _retract(self, req: Req) -> None:
+        self._free_kv(req)
+        req.num_retractions += 1
+        self._set_status(req, ReqStatus.RETRACTED)
+        self._set_status(req, ReqStatus.WAITING)
+
+    def _release(self, req: Req, status: ReqStatus, reason: FinishReason) -> None:
+        """Finish or abort: KV into the radix cache, locks dropped, slot freed."""
+        self._free_kv(req)
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self._set_status(req, status, reason.value)
+        del self.reqs[req.rid]
+
+    def _free_kv(self, req: Req) -> None:
+        self.tree.cache_finished_req(req, self.pool)
+
+    def _cache_unfinished(self, req: Req) -> None:
+        self.tree.cache_unfinished_req(req, self.pool)
+
+    def _finish_reason(self, req: Req) -> FinishReason | None:
+        sp = req.sampling
+        if not sp.ignore_eos and req.output_ids[-1] in sp.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return FinishReason.MAX_NEW_TOKENS
+        if req.seq_len >= self.config.max_context_len:
+            return FinishReason.LENGTH
+        if self.stop_checker is not None:
+            try:
+                hit = self.stop_checker(req)
+            except Exception as exc:  # a broken checker ends this request, not the batch
+                req.error = f"stop checker failed: {type(exc).__name__}: {exc}"
+                return FinishReason.ERROR
+            if hit:
+                return FinishReason.STOP_STR
+        return None
+
+    # -- events and stats -----------------------------------------------------
+    def _record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:
+        self.events.append(Event(time.monotonic(), self.step_count, req.rid, src, dst, req.prompt_len,
+                                 len(req.output_ids), req.kv_len, req.cache_hit_tokens, note))
+
+    def _set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
+        self._record(req, req.status, dst, note)
+        req.status = dst
+
+    def _record_step(self, batch: Batch, n_retracted: int) -> None:
+        pool, tree = self.pool, self.tree
+        decode = batch.num_decode
+        self.step_stats.append(StepStats(
+            self.step_count, time.monotonic(), batch.mode.value, batch.batch_size, batch.num_tokens - decode, decode,
+            len(self.running), len(self.waiting), pool.num_free, tree.total_pages, tree.evictable_pages,
+            1 - (pool.num_free + tree.evictable_pages) / pool.num_pages, self._step_hits, n_retracted,
+            self.new_token_ratio))
+
+    # -- invariants -----------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless: free + cached + held pages == total, each page owned
+        once; lock refs == live requests locking each node; each request's state and token
+        counts agree with its queue. Call between steps (no batch in flight)."""
+        assert self._in_flight is None, "check_invariants called with a batch in flight"
+        queues = [(self.waiting, ReqStatus.WAITING), (self.running, ReqStatus.RUNNING),
+                  ([self.chunked_req] if self.chunked_req else [], ReqStatus.PREFILLING)]
+        assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, self.reqs.values())), \
+            "live requests != waiting + running + chunked"
+        locks: dict[int, int] = {}
+        held: list[int] = []
+        for queue, status in queues:
+            for r in queue:
+                assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
+                r.check(self.config.page_size, self.config.max_context_len)
+                if r.last_node is not None:
+                    assert self.tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree"
+                    node = r.last_node
+                    while node is not self.tree.root:
+                        locks[id(node)] = locks.get(id(node), 0) + 1
+                        node = node.parent
+                held.extend(r.page_ids[r.n_cached_pages:])
+        self.tree.check(locks)
+        self.pool.check_partition(self.tree.all_pages(), held)

@@ -1,0 +1,113 @@
+"""The CUDA kernels build for sm_90a without register spills or local memory.
+
+Reads the resource usage of every kernel in the built extension (minisched/_C*.so) with
+`cuobjdump -res-usage` (seconds); where the extension was built without CUDA, compiles the
+attention kernel file alone with nvcc (about half a minute). Skipped without nvcc or a CUDA
+build of torch. Runs on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cuda_home() -> str | None:
+    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if cand and os.path.exists(os.path.join(cand, "bin", "nvcc")):
+            return cand
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(nvcc)) if nvcc else None
+
+
+def _cuobjdump() -> str | None:
+    try:
+        import triton
+
+        cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        if os.access(cand, os.X_OK):
+            return cand
+    except ImportError:
+        pass
+    home = _cuda_home()
+    if home and os.access(os.path.join(home, "bin", "cuobjdump"), os.X_OK):
+        return os.path.join(home, "bin", "cuobjdump")
+    return shutil.which("cuobjdump")
+
+
+CUDA_HOME = _cuda_home()
+CUOBJDUMP = _cuobjdump()
+pytestmark = pytest.mark.skipif(torch.version.cuda is None or CUDA_HOME is None or CUOBJDUMP is None,
+                                reason="needs nvcc, cuobjdump and a CUDA build of torch")
+
+FUNC = re.compile(r"^\s*Function (\S+):\s*$")
+RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+def parse_res_usage(text: str) -> dict:
+    """{mangled kernel name: (REG, STACK, SHARED, LOCAL)} from `cuobjdump -res-usage` output."""
+    kernels, name = {}, None
+    for line in text.splitlines():
+        m = FUNC.match(line)
+        if m:
+            name = m.group(1)
+            continue
+        r = RES.search(line)
+        if r and name:
+            kernels[name] = tuple(int(x) for x in r.groups())
+            name = None
+    return kernels
+
+
+def _compile_attention_kernel(tmp_path) -> str:
+    from torch.utils.cpp_extension import include_paths
+
+    obj = str(tmp_path / "attention_kernel.o")
+    incs = [f"-I{p}" for p in include_paths()] + [f"-I{os.path.join(ROOT, 'csrc')}"]
+    for site in __import__("site").getsitepackages():
+        incs += [f"-I{p}" for p in glob.glob(os.path.join(site, "nvidia", "cu13", "include"))]
+    cmd = [os.path.join(CUDA_HOME, "bin", "nvcc"), "-std=c++20", "-gencode=arch=compute_90a,code=sm_90a", "-O3",
+           "--use_fast_math", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills,-Werror", "-c",
+           os.path.join(ROOT, "csrc", "cuda", "attention_kernel.cu"), "-o", obj, *incs]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    return obj
+
+
+def _demangle(name: str) -> str:
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt:
+        return name
+    out = subprocess.run([cxxfilt, name], capture_output=True, text=True).stdout.strip()
+    out = re.sub(r"minisched::cuda::\(anonymous namespace\)::", "", out)
+    return out.split("(")[0] if out else name
+
+
+def test_no_spills_or_local_memory(tmp_path):
+    sos = [p for p in glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))]
+    kernels = {}
+    for so in sos:
+        res = subprocess.run([CUOBJDUMP, "-res-usage", so], capture_output=True, text=True, timeout=120)
+        kernels.update(parse_res_usage(res.stdout))
+    source = ", ".join(os.path.basename(s) for s in sos)
+    if not kernels:  # a CPU-only build (or none): compile the attention kernels alone
+        obj = _compile_attention_kernel(tmp_path)
+        res = subprocess.run([CUOBJDUMP, "-res-usage", obj], capture_output=True, text=True, timeout=120)
+        kernels = parse_res_usage(res.stdout)
+        source = "csrc/cuda/attention_kernel.cu"
+    assert kernels, f"no kernels found in {source}"
+    print(f"\nkernel resource usage ({source}):", file=sys.stderr)
+    print(f"{'REG':>4} {'STACK':>5} {'LOCAL':>5}  kernel", file=sys.stderr)
+    for name, (reg, stack, _shared, local) in sorted(kernels.items(), key=lambda kv: _demangle(kv[0])):
+        print(f"{reg:>4} {stack:>5} {local:>5}  {_demangle(name)}", file=sys.stderr)
+    bad = {_demangle(n): r for n, r in kernels.items() if r[3] != 0 or r[1] > 0}
+    assert not bad, f"kernels with local memory / stack (register spills or dynamically indexed arrays): {bad}"
+    assert any("paged_attention_kernel" in n for n in kernels), "the paged attention kernel is missing"

@@ -1,0 +1,201 @@
+"""CUDA-only extra cases for the native kernels (skipped without a GPU): the target shapes scaled
+down, split-KV paths, NaN poisoning of bad page tables, GQA ratios, ragged lengths, cascade."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_paged_kv, poison, randn, to_ref
+from minisched import ops
+from minisched.ops import reference
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR)),
+]
+DTYPES = [torch.bfloat16, torch.float16]
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+
+def ref_decode(q, kv, scale):
+    q64, k64, v64 = to_ref(q, kv.k_cache, kv.v_cache)
+    out, lse = torch.empty_like(q64), torch.empty(q64.shape[:2])
+    reference.paged_decode_attention(q64, k64, v64, *to_ref(*kv.table), scale, out, lse)
+    return out, lse
+
+
+def ref_prefill(q, qo_indptr, kv, causal, scale):
+    q64, k64, v64 = to_ref(q, kv.k_cache, kv.v_cache)
+    out, lse = torch.empty_like(q64), torch.empty(q64.shape[:2])
+    reference.paged_prefill_attention(q64, qo_indptr.cpu(), k64, v64, *to_ref(*kv.table), causal, scale, out, lse)
+    return out, lse
+
+
+def check(out, lse, ref_out, ref_lse, dtype):
+    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) output rows"
+    torch.testing.assert_close(out.cpu().double(), ref_out, **TOL[dtype])
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 4), (32, 4), (96, 1)])
+def test_decode_long_context_split_kv(dtype, page_size, head_dim, hq, hkv, gen):
+    """Few requests with long contexts: the split-KV + merge path (and g > 64 rows for 96/1)."""
+    lens = [2048, 1, 777, 1500]
+    kv = make_paged_kv(lens, page_size, hkv, head_dim, dtype, "cuda", gen=gen)
+    q = randn((len(lens), hq, head_dim), dtype, "cuda", gen)
+    out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
+    check(out, lse, *ref_decode(q, kv, head_dim ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_target_shape_scaled(dtype, gen):
+    """B 16, ctx ~1024, 32/8 heads, d128 (the benchmark shape, smaller)."""
+    lens = [1024 - 7 * i for i in range(16)]
+    kv = make_paged_kv(lens, 16, 8, 128, dtype, "cuda", gen=gen)
+    q = randn((16, 32, 128), dtype, "cuda", gen)
+    out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
+    check(out, lse, *ref_decode(q, kv, 128 ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size,head_dim,hq,hkv", [(16, 128, 32, 8), (1, 64, 4, 4), (16, 64, 24, 3)])
+def test_prefill_ragged(dtype, causal, page_size, head_dim, hq, hkv, gen):
+    """Ragged prefill with cached prefixes: qo_len <= kv_len, an empty request, a 1-token request."""
+    kv_lens = [300, 17, 64, 5, 129]
+    qo_lens = [300, 9, 0, 1, 70]
+    kv = make_paged_kv(kv_lens, page_size, hkv, head_dim, dtype, "cuda", gen=gen)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = randn((sum(qo_lens), hq, head_dim), dtype, "cuda", gen)
+    out, lse = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal=causal,
+                                           return_lse=True)
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_target_shape_scaled(dtype, gen):
+    """2 x 512 causal, 32/8 heads, d128 (the benchmark shape, smaller)."""
+    kv = make_paged_kv([512, 512], 16, 8, 128, dtype, "cuda", gen=gen)
+    qo_indptr = torch.tensor([0, 512, 1024], dtype=torch.int32, device="cuda")
+    q = randn((1024, 32, 128), dtype, "cuda", gen)
+    out, lse = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, True, 128 ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cascade_equals_full_decode(dtype, page_size, gen):
+    """shared prefix + own suffix, merged == plain paged decode over the whole sequence."""
+    hq, hkv, d, prefix, n = 16, 4, 128, 320, 12  # the prefix is page aligned (shared pages)
+    suffix = [1 + 13 * i for i in range(n)]
+    kv = make_paged_kv([prefix] + suffix, page_size, hkv, d, dtype, "cuda", gen=gen)
+    pre_pages = kv.kv_indices[kv.kv_indptr[0]:kv.kv_indptr[1]]
+    full_idx, full_ptr, full_last, suf_idx, suf_ptr = [], [0], [], [], [0]
+    for i in range(n):
+        own = kv.kv_indices[kv.kv_indptr[i + 1]:kv.kv_indptr[i + 2]]
+        full_idx.append(torch.cat([pre_pages, own]))
+        full_ptr.append(full_ptr[-1] + len(pre_pages) + len(own))
+        suf_idx.append(own)
+        suf_ptr.append(suf_ptr[-1] + len(own))
+        full_last.append(int(kv.kv_last_page_len[i + 1]))
+    i32 = dict(dtype=torch.int32, device="cuda")
+    full = (torch.tensor(full_ptr, **i32), torch.cat(full_idx), torch.tensor(full_last, **i32))
+    suf = (torch.tensor(suf_ptr, **i32), torch.cat(suf_idx), torch.tensor(full_last, **i32))
+    pre = (kv.kv_indptr[:2].clone(), pre_pages.clone(), kv.kv_last_page_len[:1].clone())
+    q = randn((n, hq, d), dtype, "cuda", gen)
+    group = torch.tensor([0, n], **i32)
+    out = ops.cascade_decode_attention(q, group, kv.k_cache, kv.v_cache, pre, suf)
+    plain = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *full)
+    torch.testing.assert_close(out.float(), plain.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_prefix_many_rows_short_prefix(dtype, gen):
+    """More query rows than prefix tokens (non-causal: allowed), split over groups."""
+    kv = make_paged_kv([5, 40], 16, 2, 64, dtype, "cuda", gen=gen)
+    group = torch.tensor([0, 30, 33], dtype=torch.int32, device="cuda")
+    q = randn((33, 8, 64), dtype, "cuda", gen)
+    out, lse = ops.shared_prefix_attention(q, group, kv.k_cache, kv.v_cache, *kv.table)
+    check(out, lse, *ref_prefill(q, group, kv, False, 64 ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bad_page_index_poisons_only_its_request(dtype, gen):
+    """CUDA page tables are not value-checked (a sync): a bad page gives NaN rows, nothing else."""
+    kv = make_paged_kv([40, 40], 16, 2, 64, dtype, "cuda", gen=gen)
+    q = randn((2, 4, 64), dtype, "cuda", gen)
+    ref_out, _ = ref_decode(q, kv, 0.125)
+    bad = kv.kv_indices.clone()
+    bad[1] = kv.k_cache.shape[0] + 100  # request 0's second page
+    out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.kv_indptr, bad, kv.kv_last_page_len,
+                                          sm_scale=0.125, return_lse=True, check=False)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
+    torch.testing.assert_close(out[1].cpu().double(), ref_out[1], **TOL[dtype])
+    bad_last = kv.kv_last_page_len.clone()
+    bad_last[1] = 99
+    out = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.kv_indptr, kv.kv_indices, bad_last,
+                                     sm_scale=0.125, check=False)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+def test_merge_states_edge_lse(dtype, gen):
+    n, h, d = 5, 3, 64
+    va, vb = randn((n, h, d), dtype, "cuda", gen), randn((n, h, d), dtype, "cuda", gen)
+    la, lb = randn((n, h), torch.float32, "cuda", gen), randn((n, h), torch.float32, "cuda", gen)
+    la[0], lb[1], la[2], lb[2] = float("-inf"), float("-inf"), float("-inf"), float("-inf")
+    out, lse = ops.merge_attention_states(va, la, vb, lb)
+    ro, rl = torch.empty(n, h, d, dtype=torch.float64), torch.empty(n, h)
+    reference.merge_attention_states(*to_ref(va, la, vb, lb), ro, rl)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out.cpu().double(), ro, **tol)
+    torch.testing.assert_close(lse.cpu(), rl, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_rejects_float32(gen):
+    kv = make_paged_kv([5], 16, 2, 64, torch.float32, "cuda", gen=gen)
+    q = torch.randn(1, 4, 64, device="cuda")
+    with pytest.raises(TypeError, match="dtype"):
+        ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_strided_and_skips(dtype, gen):
+    """k/v as slices of a fused QKV tensor; slot -1 and an out-of-range slot are skipped."""
+    n, hkv, d, pages, ps = 7, 2, 64, 4, 16
+    qkv = randn((n, 6, d), dtype, "cuda", gen)
+    k, v = qkv[:, 2:4], qkv[:, 4:6]
+    kc, vc = (torch.zeros(pages, ps, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+    slots = torch.tensor([0, 5, -1, 17, 63, 2, 10_000], dtype=torch.int32, device="cuda")
+    ops.store_kv(k, v, kc, vc, slots, check=False)
+    rk, rv = kc.cpu().clone().zero_(), vc.cpu().clone().zero_()
+    ref_slots = slots.cpu().clone()
+    ref_slots[ref_slots >= pages * ps] = -1  # CUDA skips out-of-range slots (no host check: a sync)
+    reference.store_kv(k.cpu(), v.cpu(), rk, rv, ref_slots)
+    assert torch.equal(kc.cpu(), rk) and torch.equal(vc.cpu(), rv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("page_size,hkv,d", [(1, 1, 64), (16, 8, 128), (3, 3, 64)])
+def test_copy_gather_scatter_pinned(dtype, page_size, hkv, d, gen):
+    kv = randn((3, 2, 20, page_size, hkv, d), dtype, "cuda", gen)
+    pages = torch.randperm(16, generator=gen)[:7].to(torch.int32)  # copies below go to pages 17..19
+    host = poison(torch.empty((3, 2, 7, page_size, hkv, d), dtype=dtype, pin_memory=True))
+    ops.gather_kv_pages(kv, pages.cuda(), host)
+    torch.cuda.synchronize()
+    assert torch.equal(host, kv.cpu()[:, :, pages.long()])
+    pageable = poison(torch.empty_like(host, pin_memory=False))
+    ops.gather_kv_pages(kv, pages.cuda(), pageable)
+    assert torch.equal(pageable, host)
+    fresh = torch.zeros_like(kv)
+    ops.scatter_kv_pages(pageable, fresh, pages.cuda())
+    assert torch.equal(fresh.cpu()[:, :, pages.long()], host)
+    src, dst = pages[:3], torch.tensor([19, 18, 17], dtype=torch.int32)
+    before = kv.cpu().clone()
+    reference.copy_kv_pages(before, src, dst)
+    ops.copy_kv_pages(kv, src.cuda(), dst.cuda())
+    assert torch.equal(kv.cpu(), before)

@@ -1,0 +1,83 @@
+"""paged_prefill_attention: ragged queries over cached prefix + new tokens, causal bottom-right aligned."""
+
+import pytest
+import torch
+
+from conftest import ATTN_SHAPES, make_paged_kv, poison, randn, targets, to_ref
+from minisched import ops
+from minisched.ops import reference
+
+TARGETS = targets("paged_prefill_attention")
+
+
+def qo_indptr_of(qo_lens, device):
+    ip = [0]
+    for n in qo_lens:
+        ip.append(ip[-1] + n)
+    return torch.tensor(ip, dtype=torch.int32, device=device)
+
+
+def run(t, q, qo_indptr, kv, causal, scale):
+    out = poison(torch.empty_like(q))
+    lse = poison(q.new_empty(q.shape[:2], dtype=torch.float32))
+    ops.call_op("paged_prefill_attention",
+                (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, out, lse), t.backend)
+    return out, lse
+
+
+def expected(q, qo_indptr, kv, causal, scale):
+    q64, k64, v64 = to_ref(q, kv.k_cache, kv.v_cache)
+    out = torch.empty_like(q64)
+    lse = torch.empty(q64.shape[:2], dtype=torch.float32)
+    reference.paged_prefill_attention(q64, qo_indptr.cpu(), k64, v64, *to_ref(*kv.table), causal, scale, out, lse)
+    return out, lse
+
+
+def check(t, qo_lens, kv_lens, page_size, head_dim, hq, hkv, causal, gen):
+    kv = make_paged_kv(kv_lens, page_size, hkv, head_dim, t.dtype, t.device, gen=gen)
+    q = randn((sum(qo_lens), hq, head_dim), t.dtype, t.device, gen)
+    qo_indptr = qo_indptr_of(qo_lens, t.device)
+    scale = head_dim ** -0.5
+    out, lse = run(t, q, qo_indptr, kv, causal, scale)
+    ref_out, ref_lse = expected(q, qo_indptr, kv, causal, scale)
+    torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("t", TARGETS)
+@pytest.mark.parametrize("page_size,head_dim,hq,hkv", ATTN_SHAPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_matches_reference(t, page_size, head_dim, hq, hkv, causal, gen):
+    # request b: qo_len new tokens on top of (kv_len - qo_len) cached ones
+    long = 80 if t.interpreted else 300
+    kv_lens = [1, page_size, page_size + 1, long, page_size + 5]
+    qo_lens = [1, page_size, 1, long // 3, page_size + 5]  # full prompt, partly cached, pure prefill
+    check(t, qo_lens, kv_lens, page_size, head_dim, hq, hkv, causal, gen)
+
+
+@pytest.mark.parametrize("t", TARGETS)
+def test_requests_with_no_new_tokens(t, gen):
+    """qo_len 0 requests produce no rows and do not disturb their neighbours."""
+    check(t, [0, 7, 0, 3], [4, 20, 9, 3], 16, 64, 4, 2, True, gen)
+
+
+@pytest.mark.parametrize("t", TARGETS)
+def test_empty_batch(t, gen):
+    kv = make_paged_kv([3], 16, 2, 64, t.dtype, t.device, gen=gen)
+    q = randn((0, 4, 64), t.dtype, t.device, gen)
+    zero = torch.zeros(1, dtype=torch.int32, device=t.device)
+    empty = torch.zeros(0, dtype=torch.int32, device=t.device)
+    out = ops.paged_prefill_attention(q, zero, kv.k_cache, kv.v_cache, zero, empty, empty, backend=t.backend)
+    assert out.shape == (0, 4, 64)
+
+
+def test_opcheck(gen):
+    if not ops.native_available():
+        pytest.skip(ops.NATIVE_ERROR)
+    kv = make_paged_kv([5, 20], 16, 2, 64, torch.float32, "cpu", gen=gen)
+    q = torch.randn(9, 4, 64, generator=gen)
+    qo = qo_indptr_of([4, 5], "cpu")
+    out, lse = torch.empty_like(q), torch.empty(9, 4)
+    for causal, l in ((True, lse), (False, None)):
+        torch.library.opcheck(torch.ops.minisched.paged_prefill_attention.default,
+                              (q, qo, kv.k_cache, kv.v_cache, *kv.table, causal, 0.125, out, l))

@@ -1,0 +1,128 @@
+"""hypothesis stateful test: random arrivals (shared prefixes), output lengths, pool, page
+and chunk sizes, policies, mixed mode, aborts (also of in-flight requests), bad requests.
+Invariants hold after every rule; nothing is lost; every output equals the greedy reference
+(or a prefix of it for a length-limited request)."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
+from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 40
+BASES = [[(7 * i + 3 * j) % VOCAB for j in range(48)] for i in range(3)]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(page_size=st.sampled_from([1, 16]), pool_tokens=st.integers(64, 768),
+                chunk=st.sampled_from([None, 8, 16, 48]), policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof"]),
+                radix=st.booleans(), mixed=st.booleans(), guard=st.sampled_from([None, 1, 3]),
+                max_running=st.integers(1, 8), max_prefill=st.sampled_from([16, 64, 512]),
+                ratio=st.sampled_from([0.7, 0.2, 0.05]))
+    def setup(self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio):
+        self.cfg = SchedulerConfig(page_size=page_size, num_pages=max(1, pool_tokens // page_size), max_context_len=96,
+                                   chunk_size=chunk, max_prefill_tokens=max_prefill, max_running_requests=max_running,
+                                   policy=policy, enable_radix_cache=radix, enable_mixed_chunk=mixed,
+                                   max_prefill_rounds_between_decodes=guard, aging_rounds=3,
+                                   init_new_token_ratio=ratio, min_new_token_ratio=min(ratio, 0.05),
+                                   new_token_ratio_decay_steps=10)
+        self.sched = Scheduler(self.cfg)
+        self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
+        self.added: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.ended: dict[str, object] = {}
+        self.n = 0
+
+    def _finished(self, reqs):
+        for r in reqs:
+            assert r.rid not in self.ended, f"{r.rid} ended twice"
+            self.ended[r.rid] = r
+
+    @rule(base=st.integers(0, 2), shared=st.integers(0, 48), own=st.integers(0, 40),
+          max_new=st.integers(1, 30), stop=st.booleans(), copies=st.integers(1, 4))
+    def add(self, base, shared, own, max_new, stop, copies):
+        for _ in range(copies):
+            self._add(base, shared, own, max_new, stop)
+
+    def _add(self, base, shared, own, max_new, stop):
+        rid = f"r{self.n}"
+        self.n += 1
+        prompt = BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)]
+        sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=(5,) if stop else ())
+        too_long = len(prompt) >= self.cfg.max_context_len or len(prompt) > self.cfg.num_pages * self.cfg.page_size
+        if not prompt or too_long:
+            try:
+                self.sched.add_request(rid, prompt, sp)
+            except InvalidRequest:
+                return
+            raise AssertionError("bad request accepted")
+        self.sched.add_request(rid, prompt, sp)
+        self.added[rid] = (prompt, sp)
+
+    @rule()
+    def duplicate(self):
+        live = list(self.sched.reqs)
+        if live:
+            try:
+                self.sched.add_request(live[0], [1, 2], SamplingParams())
+            except InvalidRequest:
+                return
+            raise AssertionError("duplicate id accepted")
+
+    @rule(n=st.integers(1, 6))
+    def step(self, n):
+        for _ in range(n):
+            self._finished(self.sched.step(self.runner))
+            self.sched.check_invariants()
+
+    @precondition(lambda self: self.added)
+    @rule(i=st.integers(0, 10_000))
+    def abort(self, i):
+        rid = sorted(self.added)[i % len(self.added)]
+        live = rid in self.sched.reqs
+        assert self.sched.abort(rid) == live
+        if live:
+            self.ended[rid] = "aborted"
+
+    @precondition(lambda self: self.sched.has_work())
+    @rule(i=st.integers(0, 10_000))
+    def abort_in_flight(self, i):
+        batch = self.sched.get_next_batch()
+        if batch is None:
+            return
+        out = self.runner.forward(batch)
+        victim = batch.reqs[i % len(batch.reqs)]
+        if self.sched.abort(victim.rid):
+            self.ended[victim.rid] = "aborted"
+        self._finished([r for r in self.sched.process_batch_result(batch, out) if r.rid != victim.rid])
+
+    @invariant()
+    def invariants(self):
+        if hasattr(self, "sched"):
+            self.sched.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        self._finished(run(self.sched, self.runner, max_steps=5000).values())
+        assert set(self.ended) == set(self.added), "a request was lost"
+        for rid, (prompt, sp) in self.added.items():
+            r = self.ended[rid]
+            if r == "aborted":
+                continue
+            ref = greedy_reference(prompt, sp.max_new_tokens, VOCAB, sp.stop_token_ids, self.cfg.max_context_len)
+            if r.finish_reason is FinishReason.LENGTH:
+                assert r.output_ids == ref[:len(r.output_ids)]
+            else:
+                assert r.output_ids == ref, f"{rid}: {r.output_ids} != {ref}"
+            assert r.status is ReqStatus.FINISHED
+        check_lifecycles(self.sched.events)
+        assert self.sched.tree.protected_pages == 0
+        assert self.sched.pool.num_free + self.sched.tree.total_pages == self.cfg.num_pages
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestScheduler = SchedulerMachine.TestCase
