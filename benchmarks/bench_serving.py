@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from minisched.observe import workloads as bw  # noqa: E402
-from minisched.cli import format_summary  # noqa: E402
+from minisched.cli.bench import format_summary  # noqa: E402
 from minisched.engine import Engine  # noqa: E402
 from minisched.observe.run_record import RunRecord  # noqa: E402
 
