@@ -19,6 +19,7 @@ Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,14 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the step computing it failed (an exception in the model, sampling, a stop checker)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 class InvalidRequest(ValueError):
     """Raised by `Scheduler.add_request` for a request that can never run."""
 
@@ -65,16 +74,29 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(f"SamplingParams: {msg}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise bad(f"{name} must be a finite number, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
-            raise bad(f"top_k must be -1 or >= 1, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad(f"seed must be an int or None, got {self.seed!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise bad(f"top_k must be an int, -1 or >= 1, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise bad(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        for name in ("top_k", "seed", "max_new_tokens"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
