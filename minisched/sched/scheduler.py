@@ -159,6 +159,12 @@ class Scheduler:
             failed.append(req)
         return failed
 
+    def take_finished(self) -> list[Req]:
+        """Requests that ended outside `process_batch_result` (failed with a step, or outgrew
+        the pool while a batch was built) and were not reported yet; reported once."""
+        done, self._finished_early = self._finished_early, []
+        return done
+
     def _unlink(self, req: Req) -> None:
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
@@ -176,12 +182,11 @@ class Scheduler:
         the exception propagates with the scheduler ready for the next step."""
         batch = self.get_next_batch()
         if batch is None:
-            done, self._finished_early = self._finished_early, []
-            return done
+            return self.take_finished()
         try:
             tokens = runner.forward(batch)
         except BaseException as exc:  # KeyboardInterrupt included: never leave a batch in flight
-            self.fail_in_flight(f"{type(exc).__name__}: {exc}")
+            self._finished_early = self.fail_in_flight(f"{type(exc).__name__}: {exc}")
             raise
         return self.process_batch_result(batch, tokens)
 
