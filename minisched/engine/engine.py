@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from minisched import ops
@@ -61,6 +63,10 @@ class StreamChunk:
     token_ids: list[int]  # new tokens
     finished: bool
     output: Optional[Output] = None  # set on the last chunk
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def pick_backend(backend: str, device: torch.device) -> str:
@@ -107,13 +113,19 @@ class Engine:
             self.model_name = model or weights.DEFAULT_MODEL
         self.cfg: ModelConfig = self.model.cfg
         if tokenizer is None:
-            tokenizer = (MiniTokenizer.byte_level(self.cfg.vocab_size) if isinstance(model, LlamaModel)
-                         else load_tokenizer(model))
+            if isinstance(model, LlamaModel):  # a byte-level guess would decode garbage silently
+                raise ValueError("Engine(model_object) needs tokenizer=...: a LlamaModel carries no tokenizer "
+                                 "(pass MiniTokenizer.byte_level(vocab_size) explicitly for byte-level tests)")
+            tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
         self.backend = pick_backend(backend, self.device)
         num_pages = self._pool_pages(page_size, num_pages, mem_fraction)
+        if max_context_len is None:
+            max_context_len = min(self.cfg.max_position, num_pages * page_size)
+        elif not _is_int(max_context_len) or not 2 <= max_context_len <= self.cfg.max_position:
+            raise ValueError(f"max_context_len must be an int in [2, {self.cfg.max_position}] (the model's "
+                             f"position limit), got {max_context_len!r}")
         self.kv_cache = self.model.new_kv_cache(num_pages, page_size)
-        max_context_len = max_context_len or min(self.cfg.max_position, num_pages * page_size)
         self.sched_config = SchedulerConfig(
             page_size=page_size, num_pages=num_pages, max_context_len=max_context_len, chunk_size=chunk_size,
             max_prefill_tokens=max_prefill_tokens, max_running_requests=max_running_requests, policy=policy,
@@ -123,16 +135,22 @@ class Engine:
         self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
         self._ids = itertools.count()
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
+        self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
 
     # -- setup ------------------------------------------------------------------------------------------
     def _pool_pages(self, page_size: int, num_pages: Optional[int], mem_fraction: Optional[float]) -> int:
-        if not isinstance(page_size, int) or page_size < 1:
+        if not _is_int(page_size) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if num_pages is not None and mem_fraction is not None:
+            raise ValueError("give num_pages or mem_fraction, not both")
+        if num_pages is not None and not _is_int(num_pages):
+            raise ValueError(f"num_pages must be an int, got {num_pages!r}")
         per_page = self.cfg.kv_bytes_per_token(self.model.embed.element_size()) * page_size
         avail = _available_bytes(self.device)
         if num_pages is None:
             if mem_fraction is not None:
-                if not 0 < mem_fraction <= 1:
+                if isinstance(mem_fraction, bool) or not isinstance(mem_fraction, (int, float)) \
+                        or not 0 < mem_fraction <= 1:
                     raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
                 num_pages = int(avail * mem_fraction) // per_page
             elif self.device.type == "cuda":
@@ -150,17 +168,27 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Text, chat messages, or token ids (a list of ints, a NumPy integer array, a 1-D integer tensor)."""
         if isinstance(prompt, str):
             if chat:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor) or hasattr(prompt, "__array__"):
+            arr = prompt.detach().cpu().numpy() if isinstance(prompt, torch.Tensor) else np.asarray(prompt)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise InvalidRequest(f"a token-id array prompt must be 1-D integers, got shape {arr.shape} "
+                                     f"dtype {arr.dtype}")
+            prompt = arr.tolist()
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
             return self.tokenizer.encode_chat(items)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            if any(t >= self.cfg.vocab_size for t in items):
-                raise InvalidRequest(f"prompt token id out of range (vocab {self.cfg.vocab_size})")
-            return items
+        if all(_is_int(t) for t in items):
+            vocab = self.cfg.vocab_size
+            for pos, tok in enumerate(items):
+                if not 0 <= tok < vocab:
+                    raise InvalidRequest(f"prompt token {tok} at position {pos} is out of range "
+                                         f"(vocabulary of {vocab})")
+            return [int(t) for t in items]
         raise InvalidRequest("a prompt must be a string, a list of token ids or a list of chat messages")
 
     def _with_eos(self, sampling: SamplingParams) -> SamplingParams:
@@ -189,10 +217,20 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Req]:
-        """One scheduled forward step; returns the requests that finished in it."""
+        """One scheduled forward step; returns the requests that finished in it.
+
+        An exception in the model, sampling or a stop checker does not escape: the requests of the
+        step's batch end with finish_reason "error" (`req.error` says why), their pages are
+        released, they are returned here, and the engine stays usable. KeyboardInterrupt (any
+        BaseException) gets the same cleanup and then propagates."""
         t0 = time.monotonic()
-        done = self.scheduler.step(self.runner)
-        self.step_times.append((t0, time.monotonic()))
+        try:
+            done = self.scheduler.step(self.runner)
+        except Exception as exc:
+            self.last_error = exc
+            done = self.scheduler.take_finished()
+        finally:
+            self.step_times.append((t0, time.monotonic()))
         return done
 
     # -- stop strings and text --------------------------------------------------------------------------
@@ -215,51 +253,82 @@ class Engine:
         t0 = req.arrival_time
         return Output(index=index, rid=req.rid, prompt_ids=list(req.prompt_ids), token_ids=list(req.output_ids),
                       text=self._final_text(req), finish_reason=req.finish_reason.value if req.finish_reason else None,
+                      error=req.error,
                       ttft=None if req.first_token_time is None else req.first_token_time - t0,
                       e2e_latency=None if req.finish_time is None else req.finish_time - t0,
                       cached_tokens=req.cache_hit_tokens, num_retractions=req.num_retractions)
 
     # -- batch APIs -------------------------------------------------------------------------------------
     def _submit(self, prompts: Sequence[Prompt], sampling, chat: bool) -> tuple[list[Output], dict[str, int]]:
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("prompts must be a list (of strings, token-id lists or chat message lists)")
+        if isinstance(prompts, (str, dict, torch.Tensor, np.ndarray)) or (
+                isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])):
+            raise TypeError("prompts must be a list of prompts (strings, token-id lists or arrays, chat message "
+                            "lists); wrap a single prompt in a list")
+        prompts = list(prompts)
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         outputs, live = [], {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                req = self.add_request(p, sp, chat=chat)
-                live[req.rid] = i
-                outputs.append(Output(index=i, rid=req.rid, prompt_ids=list(req.prompt_ids)))
-            except (InvalidRequest, ValueError, TypeError) as exc:
-                outputs.append(Output(index=i, rid="", error=str(exc), finish_reason="error"))
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    req = self.add_request(p, sp, chat=chat)
+                    live[req.rid] = i
+                    outputs.append(Output(index=i, rid=req.rid, prompt_ids=list(req.prompt_ids)))
+                except (InvalidRequest, ValueError, TypeError) as exc:
+                    outputs.append(Output(index=i, rid="", error=str(exc), finish_reason="error"))
+        except BaseException:  # e.g. Ctrl-C while tokenizing: nothing of this call stays queued
+            self._abort_all(live)
+            raise
         return outputs, live
 
-    def generate(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False) -> list[Output]:
-        """Run every prompt to completion; one Output per prompt, in order (bad ones carry `error`)."""
+    def _abort_all(self, live: dict[str, int]) -> None:
+        for rid in list(live):
+            self.abort(rid)
+        live.clear()
+
+    def _drive(self) -> list[Req]:
+        if not self.has_work():  # cannot happen while requests are live; never spin
+            raise RuntimeError("scheduler idle with unfinished requests")
+        return self.step()
+
+    def generate(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False,
+                 progress: Optional[Callable[[int, int], None]] = None) -> list[Output]:
+        """Run every prompt to completion; one Output per prompt, in order (bad ones carry `error`).
+        `progress(done, total)` is called after each step. If the call is interrupted (Ctrl-C),
+        its requests are aborted and their pages released before the exception propagates."""
         outputs, live = self._submit(prompts, sampling, chat)
-        while live:
-            if not self.has_work():
-                raise RuntimeError("scheduler idle with unfinished requests")
-            for req in self.step():
-                i = live.pop(req.rid, None)
-                if i is not None:
-                    outputs[i] = self.output_of(req, i)
+        total = len(live)
+        try:
+            while live:
+                for req in self._drive():
+                    i = live.pop(req.rid, None)
+                    if i is not None:
+                        outputs[i] = self.output_of(req, i)
+                if progress is not None:
+                    progress(total - len(live), total)
+        except BaseException:
+            self._abort_all(live)
+            raise
         return outputs
 
     def stream(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False) -> Iterator[StreamChunk]:
-        """Yield new text per request as tokens arrive (after each step); a final chunk per request."""
+        """Yield new text per request as tokens arrive (after each step); a final chunk per request.
+        Closing the iterator early (break, `close()`, garbage collection) aborts its requests."""
         outputs, live = self._submit(prompts, sampling, chat)
+        try:
+            yield from self._stream(outputs, live)
+        finally:
+            self._abort_all(live)
+
+    def _stream(self, outputs: list[Output], live: dict[str, int]) -> Iterator[StreamChunk]:
         for out in outputs:
             if out.error is not None:
                 yield StreamChunk(out.index, out.rid, "", [], True, out)
         sent: dict[str, tuple[int, str]] = {rid: (0, "") for rid in live}
         reqs = {rid: self.scheduler.reqs[rid] for rid in live}
         while live:
-            if not self.has_work():
-                raise RuntimeError("scheduler idle with unfinished requests")
-            finished = {r.rid for r in self.step()}
+            finished = {r.rid for r in self._drive()}
             for rid in list(live):
                 req = reqs[rid]
                 n, old = sent[rid]
@@ -275,6 +344,6 @@ class Engine:
                 delta = text[len(old):] if text.startswith(old) else ""
                 sent[rid] = (len(req.output_ids), text if text.startswith(old) else old)
                 out = self.output_of(req, live[rid]) if done else None
-                yield StreamChunk(live[rid], rid, delta, list(req.output_ids[n:]), done, out)
                 if done:
                     del live[rid]
+                yield StreamChunk(out.index if out else live[rid], rid, delta, list(req.output_ids[n:]), done, out)

@@ -15,6 +15,7 @@ from minisched.model import weights
 from minisched.model.config import preset
 from minisched.engine import Engine
 from minisched.model.llama import LlamaModel, dense_forward
+from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.req import InvalidRequest, SamplingParams
 
 NEW = 8
@@ -27,6 +28,11 @@ BACKENDS = [pytest.param("torch"),
 def tiny() -> LlamaModel:
     cfg, state = weights.dummy_weights(preset("tiny"), seed=0)
     return LlamaModel.from_state_dict(cfg, state)
+
+
+def make_engine(model: LlamaModel, **kw) -> Engine:
+    """A random-weights model has no tokenizer of its own: byte-level, explicitly."""
+    return Engine(model, tokenizer=MiniTokenizer.byte_level(model.cfg.vocab_size), **kw)
 
 
 _REF_CACHE: dict = {}
@@ -61,7 +67,7 @@ def check_greedy(model, engine, ps, sampling=GREEDY):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("chunk_size", [None, 7])
 def test_greedy_matches_dense(tiny, backend, page_size, chunk_size):
-    engine = Engine(tiny, backend=backend, page_size=page_size, chunk_size=chunk_size, check=True)
+    engine = make_engine(tiny, backend=backend, page_size=page_size, chunk_size=chunk_size, check=True)
     check_greedy(tiny, engine, prompts([1, 5, 16, 17, 40]))
 
 
@@ -72,7 +78,7 @@ def test_prefix_cache_hits_and_cascade(tiny, backend, page_size):
     ps = [system + p for p in prompts([3, 9, 20, 1], seed=2)]
     results = {}
     for cascade in (False, True):
-        engine = Engine(tiny, backend=backend, page_size=page_size, cascade=cascade, check=True)
+        engine = make_engine(tiny, backend=backend, page_size=page_size, cascade=cascade, check=True)
         check_greedy(tiny, engine, ps[:1])  # warms the radix cache with the system prompt
         outs = check_greedy(tiny, engine, ps[1:])
         assert all(o.cached_tokens >= 37 // page_size * page_size for o in outs)
@@ -82,14 +88,14 @@ def test_prefix_cache_hits_and_cascade(tiny, backend, page_size):
 
 
 def test_mixed_chunks_and_lpm(tiny):
-    engine = Engine(tiny, page_size=4, chunk_size=6, enable_mixed_chunk=True, policy="lpm")
+    engine = make_engine(tiny, page_size=4, chunk_size=6, enable_mixed_chunk=True, policy="lpm")
     check_greedy(tiny, engine, prompts([30, 2, 11, 25, 4], seed=3))
     assert any(s.mode == "mixed" for s in engine.scheduler.step_stats)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_keeps_output(tiny, page_size):
-    engine = Engine(tiny, page_size=page_size, num_pages=48 // page_size,
+    engine = make_engine(tiny, page_size=page_size, num_pages=48 // page_size,
                     init_new_token_ratio=0.01, min_new_token_ratio=0.0)
     ps = prompts([5, 17, 1, 10], seed=4)
     outs = check_greedy(tiny, engine, ps, SamplingParams(max_new_tokens=12, ignore_eos=True))
@@ -97,7 +103,7 @@ def test_retraction_keeps_output(tiny, page_size):
 
 
 def test_bad_requests_do_not_disturb_others(tiny):
-    engine = Engine(tiny, num_pages=8, page_size=16)  # 128-token pool
+    engine = make_engine(tiny, num_pages=8, page_size=16)  # 128-token pool
     good = prompts([6, 9], seed=5)
     batch = [good[0], [], list(range(3, 203)), good[1], [3, 4, 99999]]
     outs = engine.generate(batch, GREEDY)
@@ -117,20 +123,20 @@ def test_bad_requests_do_not_disturb_others(tiny):
 
 def test_bad_engine_args(tiny):
     with pytest.raises(ValueError, match="GiB"):
-        Engine(tiny, num_pages=10**9)
+        make_engine(tiny, num_pages=10**9)
     with pytest.raises(ValueError, match="at least 2 pages"):
-        Engine(tiny, num_pages=1)
+        make_engine(tiny, num_pages=1)
     with pytest.raises(ValueError, match="backend"):
-        Engine(tiny, backend="cuda-magic")
+        make_engine(tiny, backend="cuda-magic")
     with pytest.raises(ValueError, match="policy"):
-        Engine(tiny, policy="random")
+        make_engine(tiny, policy="random")
     with pytest.raises(FileNotFoundError, match="not found"):
         Engine("/no/such/model.gguf")
 
 
 def test_stream_equals_generate(tiny):
     ps = prompts([4, 12], seed=6)
-    engine = Engine(tiny)
+    engine = make_engine(tiny)
     chunks = list(engine.stream(ps, GREEDY))
     assert sum(c.finished for c in chunks) == 2
     for i, p in enumerate(ps):
@@ -142,7 +148,7 @@ def test_stream_equals_generate(tiny):
 def test_stop_tokens_and_strings(tiny):
     p = prompts([9], seed=7)[0]
     want = reference(tiny, p)
-    engine = Engine(tiny)
+    engine = make_engine(tiny)
     out = engine.generate([p], SamplingParams(max_new_tokens=NEW, stop_token_ids=(want[2],), ignore_eos=False))[0]
     assert out.token_ids == want[:want.index(want[2]) + 1] and out.finish_reason == "stop_token"
     full = engine.tokenizer.decode(want)
@@ -154,7 +160,7 @@ def test_stop_tokens_and_strings(tiny):
 
 def test_seeded_sampling_is_reproducible(tiny):
     ps = prompts([5, 8, 13], seed=8)
-    engine = Engine(tiny)
+    engine = make_engine(tiny)
     # the tiny model's logits are very peaked (tied N(0,1) embeddings): a high temperature spreads them
     sp = SamplingParams(temperature=30.0, top_k=50, top_p=0.9, seed=123, max_new_tokens=NEW, ignore_eos=True)
     a = engine.generate(ps, sp)
@@ -165,7 +171,7 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_abort(tiny):
-    engine = Engine(tiny)
+    engine = make_engine(tiny)
     ps = prompts([6, 7, 8], seed=9)
     reqs = [engine.add_request(p, GREEDY) for p in ps]
     engine.step()
