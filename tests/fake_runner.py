@@ -90,6 +90,7 @@ def check_lifecycles(events: list[Event]) -> None:
         (ReqStatus.PREFILLING, ReqStatus.RETRACTED), (ReqStatus.RETRACTED, ReqStatus.WAITING),
         (ReqStatus.WAITING, ReqStatus.ABORTED), (ReqStatus.PREFILLING, ReqStatus.ABORTED),
         (ReqStatus.RUNNING, ReqStatus.ABORTED),
+        (ReqStatus.WAITING, ReqStatus.FINISHED),  # failed by the stall guard
     }
     state: dict[int, ReqStatus | None] = {}
     rid_gen: dict[str, int] = {}

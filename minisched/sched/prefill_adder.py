@@ -7,9 +7,16 @@ Budgets (tokens), as in SGLang's schedule_policy.PrefillAdder:
   fit runs its first (page-aligned) part and is carried to the next round
   (`new_chunked_req`), where `add_chunked_req` puts it first;
 - total: `(free + evictable pages) * page_size - reserved`, where `reserved` sums the
-  future decode tokens (`remaining max_new_tokens * new_token_ratio`) of running and
-  admitted requests. When nothing runs and nothing is admitted yet, the first request
-  is admitted as long as its pages fit at all, so a small pool never deadlocks.
+  future decode tokens (`min(remaining max_new_tokens, clip_estimate) * new_token_ratio`)
+  of running and admitted requests; the clip (SGLang's CLIP_MAX_NEW_TOKENS) keeps one
+  huge request from reserving the whole pool. When nothing runs and nothing is admitted
+  yet, the first request is admitted as long as its pages fit at all, so a small pool
+  never deadlocks.
+- mixed: `mixed_decode_tokens` decode rows ride along with this batch, so they come off
+  the input and chunk budgets first (a mixed batch never exceeds `chunk_size`).
+
+`defer` (deferral.py): a request sharing a long uncached prefix with one already in the
+batch is skipped (DEFERRED) and runs next round with a cache hit.
 
 Each admitted request gets its radix prefix (locked) and its new pages here, evicting
 the cache when the free list is short, so what was admitted can run.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.kv_pool import KVPool, cdiv
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import Req
@@ -26,6 +34,7 @@ from minisched.sched.req import Req
 
 class AddResult(enum.Enum):
     CONTINUE = "continue"  # admitted; try the next request
+    DEFERRED = "deferred"  # skipped this round (in-batch prefix); try the next request
     NO_TOKEN = "no_token"  # out of KV budget; stop
     OTHER = "other"  # batch full (input/chunk/request budget); stop
 
@@ -39,6 +48,9 @@ class PrefillAdder:
     rem_chunk_tokens: int | None  # None: chunking disabled
     max_new_reqs: int
     running: list[Req]
+    clip_estimate: int = 4096
+    mixed_decode_tokens: int = 0
+    defer: InBatchPrefixes | None = None
     reserved: float = 0.0
     can_run: list[Req] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
@@ -47,8 +59,14 @@ class PrefillAdder:
     cache_hit_tokens: int = 0
 
     def __post_init__(self) -> None:
-        ratio = self.new_token_ratio
-        self.reserved += sum(r.remaining_new_tokens for r in self.running) * ratio
+        clip = self.clip_estimate
+        self.reserved += sum(min(r.remaining_new_tokens, clip) for r in self.running) * self.new_token_ratio
+        self.rem_input_tokens -= self.mixed_decode_tokens
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= self.mixed_decode_tokens
+
+    def _future(self, req: Req) -> float:
+        return min(req.remaining_new_tokens, self.clip_estimate) * self.new_token_ratio
 
     @property
     def rem_total_tokens(self) -> float:
@@ -78,11 +96,15 @@ class PrefillAdder:
         if truncated:
             self.new_chunked_req = req
         else:
-            self.reserved += req.remaining_new_tokens * self.new_token_ratio
+            self.reserved += self._future(req)
+        if self.defer is not None:
+            self.defer.add(req.fill_ids if req.output_ids else req.prompt_ids)
 
     def add_chunked_req(self, req: Req) -> bool:
         """The request carried from last round goes first; False if its pages do not fit."""
         extend = req.seq_len - req.kv_len
+        if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
+            return False
         n, truncated = self._chunk_len(extend)
         if n <= 0 or not self._alloc(req, n):
             return False
@@ -94,8 +116,11 @@ class PrefillAdder:
             return AddResult.OTHER
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
             return AddResult.OTHER
-        pages, node = self.tree.match_prefix(req.fill_ids if req.output_ids else req.prompt_ids, req.seq_len - 1)
+        key = req.fill_ids if req.output_ids else req.prompt_ids
+        pages, node = self.tree.match_prefix(key, req.seq_len - 1)
         prefix = len(pages) * self.pool.page_size
+        if self.defer is not None and self.defer.should_defer(key[:req.seq_len - 1], prefix):
+            return AddResult.DEFERRED
         n, truncated = self._chunk_len(req.seq_len - prefix)
         if self.can_run and n > self.rem_input_tokens:
             return AddResult.OTHER
@@ -103,7 +128,7 @@ class PrefillAdder:
         need_pages = cdiv(prefix + n, self.pool.page_size) - len(pages)
         need_tokens = need_pages * self.pool.page_size
         if not truncated:
-            need_tokens += req.remaining_new_tokens * self.new_token_ratio
+            need_tokens += self._future(req)
         first = not self.can_run and not self.running
         fits = need_tokens <= self.rem_total_tokens
         if not fits and not (first and need_pages <= self.pool.num_free + self.tree.evictable_pages):

@@ -6,6 +6,7 @@ A request moves through
        ^          |  (chunked: stays PREFILLING over several rounds)
        +--- RETRACTED <-- RUNNING        (memory pressure; KV freed, back to the queue head)
     any live state -> ABORTED            (`Scheduler.abort`)
+    WAITING -> FINISHED                  (ended by the scheduler's stall guard)
 
 Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
 
@@ -39,7 +40,7 @@ class FinishReason(enum.Enum):
     STOP_TOKEN = "stop_token"
     STOP_STR = "stop_str"
     MAX_NEW_TOKENS = "max_new_tokens"
-    LENGTH = "length"  # context limit reached, or the whole KV pool is not enough
+    LENGTH = "length"  # the context or pool limit (max_new_tokens clipped on arrival), or max_new_tokens=0
     ABORT = "abort"
     ERROR = "error"  # the step computing it failed (an exception in the model, sampling, a stop checker)
 
@@ -87,8 +88,8 @@ class SamplingParams:
             raise bad(f"top_k must be an int, -1 or >= 1, got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise bad(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise bad(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:  # 0: prefill only (fills the cache)
+            raise bad(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         for name in ("top_k", "seed", "max_new_tokens"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
@@ -119,6 +120,7 @@ class Req:
     n_cached_pages: int = 0  # leading page_ids shared with the radix cache (locked)
     last_node: Any = None  # radix node whose path is locked for this request
     # scheduling state
+    max_new_tokens: int = -1  # sampling.max_new_tokens clipped to the context and the pool (-1: unclipped)
     arrival_seq: int = 0  # order of arrival at the scheduler
     overtaken: int = 0  # prefill rounds that admitted a later arrival while this one waited (aging)
     num_retractions: int = 0
@@ -129,6 +131,10 @@ class Req:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            self.max_new_tokens = self.sampling.max_new_tokens
 
     @property
     def prompt_len(self) -> int:
@@ -148,11 +154,11 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return self.sampling.max_new_tokens - len(self.output_ids)
+        return self.max_new_tokens - len(self.output_ids)
 
     def check(self, page_size: int, max_context_len: int) -> None:
         """State/token-count consistency of a live request; raises AssertionError."""
-        assert len(self.output_ids) <= self.sampling.max_new_tokens and self.seq_len <= max_context_len, \
+        assert len(self.output_ids) <= self.max_new_tokens and self.seq_len <= max_context_len, \
             f"{self.rid}: too many tokens ({len(self.output_ids)} out, {self.seq_len} total)"
         assert len(self.page_ids) == -(-self.kv_len // page_size), \
             f"{self.rid}: {len(self.page_ids)} pages for kv_len {self.kv_len}"
@@ -172,7 +178,12 @@ class Req:
 
 def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, max_context_len: int,
                 pool_tokens: int) -> Req:
-    """Validate a new request; raises InvalidRequest (a ValueError) naming the problem."""
+    """Validate a new request; raises InvalidRequest (a ValueError) naming the problem.
+
+    `max_new_tokens` is clipped (SGLang clips on arrival too) so that the request fits both
+    the context and the whole pool on its own: its last token is sampled, never stored, so
+    it needs at most `prompt + max_new - 1` tokens of KV. Without the pool bound a request
+    could outgrow the pool while other requests share its pages and wait forever."""
     sampling = SamplingParams() if sampling is None else sampling
     if isinstance(sampling, dict):
         sampling = SamplingParams(**sampling)
@@ -192,4 +203,5 @@ def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, ma
     if len(prompt) > pool_tokens:
         raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens exceeds the whole KV pool "
                              f"({pool_tokens} tokens)")
-    return Req(rid=rid, prompt_ids=prompt, sampling=sampling)
+    max_new = min(sampling.max_new_tokens, max_context_len - len(prompt), pool_tokens + 1 - len(prompt))
+    return Req(rid=rid, prompt_ids=prompt, sampling=sampling, max_new_tokens=max_new)

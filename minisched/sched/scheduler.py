@@ -6,10 +6,12 @@ Engine-facing API (pure Python; no torch):
     req = sched.add_request(rid, prompt_ids, SamplingParams(...))  # InvalidRequest on bad input
     while sched.has_work():
         batch = sched.get_next_batch()            # Batch | None
-        if batch is None: continue
-        tokens = runner.forward(batch)            # one token per request, batch order
-        finished = sched.process_batch_result(batch, tokens)
-    # or simply: finished = sched.step(runner)
+        if batch is None:                         # nothing to run this step, but requests may
+            finished = sched.take_finished()     # have ended while it was built (see below)
+        else:
+            tokens = runner.forward(batch)        # one token per request, batch order
+            finished = sched.process_batch_result(batch, tokens)
+    # or simply: finished = sched.step(runner)    # the same loop body
     sched.abort(rid)                              # any state; False if unknown/done
     sched.fail_in_flight("why")                   # the forward/sampling of `batch` raised: end its
                                                   # requests with FinishReason.ERROR, release their KV
@@ -18,13 +20,26 @@ Engine-facing API (pure Python; no torch):
 `stop_checker(req) -> bool` is called after each new token (engine-side stop strings;
 finish reason STOP_STR). Request ids must be unique among live requests.
 
+Arrival: `max_new_tokens` is clipped so the request fits the context and the whole pool on
+its own (`Req.max_new_tokens`; reaching the clip ends it with LENGTH), so no request can
+wait for more pages than exist. `max_new_tokens=0` prefills the prompt into the cache and
+ends with LENGTH and no tokens.
+
 One step (`get_next_batch`): prefill first — the carried chunked request, then waiting
-requests in policy order through the PrefillAdder; optionally decode requests ride
-along (MIXED); otherwise decode the running requests, retracting some first if their
-next pages do not fit even after evicting the radix cache. With
-`max_prefill_rounds_between_decodes = K`, at most K prefill-only rounds run while
-requests wait to decode. `process_batch_result` appends tokens, finishes requests and
-moves completed prefills into the running (decode) batch.
+requests in policy order through the PrefillAdder (skipping, for one round, requests whose
+uncached prefix another request in the batch is computing: deferral.py); with
+`enable_mixed_chunk` the decode requests ride along and count against the chunk budget;
+otherwise decode the running requests, retracting some first if their next pages do not
+fit even after evicting the radix cache (retraction.py). At most
+`max_prefill_rounds_between_decodes` prefill-only rounds run while requests wait to decode.
+`process_batch_result` appends tokens, finishes requests and moves completed prefills into
+the running (decode) batch.
+
+Requests can also end inside `get_next_batch`, which then may return None: a lone running
+request whose next page does not exist (only if pages leaked), or, after `max_stalled_steps`
+steps with work but no batch, every request that is not running (FinishReason.ERROR with
+`req.error`). They are returned by the next `process_batch_result`, or by `take_finished()`
+when no batch was formed; `step()` does both, so callers never lose or spin on a request.
 
 KV: after each prefill chunk a request's full pages are shared through the radix cache
 (its `page_ids` then start with locked tree pages); when it finishes, aborts or is
@@ -39,55 +54,21 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from minisched.sched.batch import Batch, ForwardMode
+from minisched.sched.config import SchedulerConfig
+from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.events import Event, StepStats
-from minisched.sched.kv_pool import KVPool
-from minisched.sched.policy import POLICIES, SchedulePolicy
+from minisched.sched.kv_pool import KVPool, cdiv
+from minisched.sched.policy import SchedulePolicy
 from minisched.sched.prefill_adder import AddResult, PrefillAdder
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, new_request
+from minisched.sched.retraction import headroom_pages, pick_victim, reestimate_ratio
+
+__all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
 
 
 class ModelRunner(Protocol):
     def forward(self, batch: Batch) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Frozen, validated (ValueError). Token budgets are per prefill batch; the ratio
-    fields are SGLang's new_token_ratio schedule; `aging_rounds`: see policy.py."""
-
-    page_size: int = 16
-    num_pages: int = 4096
-    max_context_len: int = 4096
-    chunk_size: int | None = 512  # None: no chunked prefill
-    max_prefill_tokens: int = 8192
-    max_running_requests: int = 256
-    policy: str = "fcfs"
-    enable_radix_cache: bool = True
-    enable_mixed_chunk: bool = False
-    max_prefill_rounds_between_decodes: int | None = None
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.098
-    new_token_ratio_decay_steps: int = 600
-    lpm_fallback_len: int = 128
-    aging_rounds: int = 32
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"SchedulerConfig: {msg}")
-
-        for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running_requests",
-                     "new_token_ratio_decay_steps", "lpm_fallback_len", "aging_rounds"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
-        need(isinstance(self.max_context_len, int) and self.max_context_len >= 2, "max_context_len must be >= 2")
-        need(self.chunk_size is None or (isinstance(self.chunk_size, int) and self.chunk_size >= 1),
-             "chunk_size must be None or >= 1")
-        need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
-        k = self.max_prefill_rounds_between_decodes
-        need(k is None or (isinstance(k, int) and k >= 1), "max_prefill_rounds_between_decodes must be None or >= 1")
-        need(0 <= self.min_new_token_ratio <= self.init_new_token_ratio,
-             "need 0 <= min_new_token_ratio <= init_new_token_ratio")
 
 
 class Scheduler:
@@ -111,6 +92,7 @@ class Scheduler:
         self._step_hits = 0
         self._num_arrivals = 0
         self._abort_pending: set[int] = set()  # id(req) of in-flight requests to abort
+        self._stalled = 0  # consecutive steps with work but no batch
         self._finished_early: list[Req] = []  # finished inside get_next_batch (pool outgrown)
 
     # -- requests -------------------------------------------------------------
@@ -205,7 +187,11 @@ class Scheduler:
             if self.running:
                 batch = self._decode_batch(n_retracted)
         if batch is None:
+            self._stalled = self._stalled + 1 if self.has_work() else 0
+            if self._stalled >= self.config.max_stalled_steps:
+                self._fail_stalled()
             return None
+        self._stalled = 0
         self._prefill_rounds = self._prefill_rounds + 1 if batch.mode is ForwardMode.PREFILL and self.running else 0
         self._in_flight = batch
         self._record_step(batch, n_retracted)
@@ -243,12 +229,16 @@ class Scheduler:
             if not sampled:  # a chunk that does not finish the prompt: the token is ignored
                 self._cache_unfinished(req)
                 continue
+            if req.max_new_tokens == 0:  # prefill only: the prompt is now cached, no token is kept
+                self._release(req, ReqStatus.FINISHED, FinishReason.LENGTH)
+                finished.append(req)
+                continue
             tok = int(tok)
             req.output_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             sp = req.sampling
-            if (len(req.output_ids) >= sp.max_new_tokens or p + e + 1 >= max_ctx or checker is not None
+            if (len(req.output_ids) >= req.max_new_tokens or p + e + 1 >= max_ctx or checker is not None
                     or tok in sp.stop_token_ids):
                 reason = self._finish_reason(req)
                 if reason is not None:
@@ -268,8 +258,13 @@ class Scheduler:
         cfg = self.config
         if self.chunked_req is None and (not self.waiting or len(self.running) >= cfg.max_running_requests):
             return None
+        defer = None
+        if cfg.in_batch_prefix_defer_tokens is not None and not self.tree.disable:
+            defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
+        mixed = len(self.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
         adder = PrefillAdder(self.pool, self.tree, self.new_token_ratio, cfg.max_prefill_tokens, cfg.chunk_size,
-                             cfg.max_running_requests - len(self.running), self.running)
+                             cfg.max_running_requests - len(self.running), self.running,
+                             cfg.clip_max_new_tokens_estimation, mixed, defer)
         carried, self.chunked_req = self.chunked_req, None
         if carried is not None and not adder.add_chunked_req(carried):
             self.chunked_req = carried  # its pages do not fit yet: decode first
@@ -280,7 +275,7 @@ class Scheduler:
                 result = adder.add_one_req(req)
                 if adder.can_run and adder.can_run[-1] is req:
                     admitted.append(req)
-                if result is not AddResult.CONTINUE:
+                if result is not AddResult.CONTINUE and result is not AddResult.DEFERRED:
                     break
             if admitted:
                 k = len(admitted)
@@ -318,9 +313,7 @@ class Scheduler:
 
     def _decode_batch(self, n_retracted: int) -> Batch:
         cfg = self.config
-        if n_retracted:
-            self.new_token_ratio = cfg.init_new_token_ratio
-        else:
+        if not n_retracted:  # (after a retraction _make_room_for_decode re-estimated it)
             self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
         if not self.pool.alloc_for_decode(self.running):
             raise RuntimeError("decode pages do not fit after retraction")  # _make_room_for_decode ensures they do
@@ -329,31 +322,54 @@ class Scheduler:
         return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
 
     def _make_room_for_decode(self) -> int:
-        """Evict, then retract (fewest decoded tokens first, ties: longest prompt) until the
-        next decode step's pages fit. Returns the number of retracted requests."""
-        pool, retracted = self.pool, []
+        """Evict, then retract (retraction.py) until the next decode step's pages fit and, once
+        retracting, until the rest have room for `retract_decode_steps` more tokens each; then
+        re-estimate new_token_ratio. Returns the number of retracted requests."""
+        pool, running, retracted = self.pool, self.running, []
+        steps, ps = self.config.retract_decode_steps, self.config.page_size
         while True:
-            need = pool.decode_pages_needed(self.running)
+            next_need = pool.decode_pages_needed(running)
+            need = max(next_need, headroom_pages(running, ps, steps)) if retracted else next_need
             if need > pool.num_free:
                 pool.free(self.tree.evict(need - pool.num_free))
-            if need <= pool.num_free or not self.running:
+            if need <= pool.num_free or (len(running) == 1 and next_need <= pool.num_free):
                 break
-            if len(self.running) == 1 and self.chunked_req is None:
-                # it alone outgrew the whole pool: nothing else holds pages
-                req = self.running.pop()
+            if len(running) == 1 and self.chunked_req is None:
+                # it alone outgrew the pool: only possible if pages leaked (arrival clips max_new_tokens)
+                req = running.pop()
                 self._release(req, ReqStatus.FINISHED, FinishReason.LENGTH)
                 self._finished_early.append(req)
                 break
-            if len(self.running) == 1:
+            if len(running) == 1:
                 victim, self.chunked_req = self.chunked_req, None
             else:
-                victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
-                self.running.remove(victim)
+                victim = pick_victim(running)
+                running.remove(victim)
             self._retract(victim)
             retracted.append(victim)
         if retracted:
             self.waiting[:0] = retracted
+            if running:
+                self.new_token_ratio = reestimate_ratio(running, steps)
         return len(retracted)
+
+    def _fail_stalled(self) -> None:
+        """Defence in depth: work but no batch for `max_stalled_steps` steps with nothing running
+        cannot resolve itself (no running request will free pages), so end the stuck requests:
+        LENGTH if one cannot fit even the whole pool, else ERROR with the reason in `req.error`."""
+        pool, tree, n = self.pool, self.tree, self._stalled
+        stuck = ([self.chunked_req] if self.chunked_req is not None else []) + list(self.waiting)
+        for req in stuck:
+            self._unlink(req)
+            if cdiv(req.seq_len, pool.page_size) > pool.num_pages:
+                reason = FinishReason.LENGTH
+            else:
+                reason = FinishReason.ERROR
+                req.error = (f"scheduler stalled: no batch could be formed for {n} steps with nothing running "
+                             f"({pool.num_free} free + {tree.evictable_pages} evictable of {pool.num_pages} pages)")
+            self._release(req, ReqStatus.FINISHED, reason)
+            self._finished_early.append(req)
+        self._stalled = 0
 
     # -- KV release -----------------------------------------------------------
     def _retract(self, req: Req) -> None:
@@ -380,8 +396,8 @@ class Scheduler:
         sp = req.sampling
         if not sp.ignore_eos and req.output_ids[-1] in sp.stop_token_ids:
             return FinishReason.STOP_TOKEN
-        if len(req.output_ids) >= sp.max_new_tokens:
-            return FinishReason.MAX_NEW_TOKENS
+        if len(req.output_ids) >= req.max_new_tokens:  # the clip (context or pool) is a LENGTH end
+            return FinishReason.MAX_NEW_TOKENS if len(req.output_ids) >= sp.max_new_tokens else FinishReason.LENGTH
         if req.seq_len >= self.config.max_context_len:
             return FinishReason.LENGTH
         if self.stop_checker is not None:

@@ -170,7 +170,7 @@ def test_lpm_aging_bounds_wait(aging_rounds, bounded):
 
 
 def test_retraction_victim_order_and_ratio():
-    sched, runner = make(page_size=1, num_pages=100, chunk_size=None)
+    sched, runner = make(page_size=1, num_pages=100, chunk_size=None, retract_decode_steps=1)
     for rid, n in [("short", 4), ("long", 9), ("mid", 6)]:
         sched.add_request(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=30, ignore_eos=True))
     sched.step(runner)
@@ -179,7 +179,8 @@ def test_retraction_victim_order_and_ratio():
     batch = sched.get_next_batch()
     # equal decoded tokens, so the longest prompt goes first; its KV, now evictable, makes room
     assert [r.rid for r in sched.waiting] == ["long"] and [r.rid for r in batch.reqs] == ["short", "mid"]
-    assert sched.new_token_ratio == sched.config.init_new_token_ratio
+    # re-estimated as SGLang: (decoded + steps * batch) / sum(max_new) over the two that stay
+    assert sched.new_token_ratio == pytest.approx((1 + 1 + 1 * 2) / 60)
     assert sched.step_stats[-1].num_retracted == 1
     assert transitions(sched.events, "long")[-2:] == [(S.RUNNING, S.RETRACTED), (S.RETRACTED, S.WAITING)]
     sched.process_batch_result(batch, runner.forward(batch))
@@ -320,7 +321,7 @@ def test_invalid_requests_are_rejected_alone():
         with pytest.raises(InvalidRequest):
             sched.add_request(rid, prompt, sp if sp is not None else SamplingParams())
         sched.check_invariants()
-    for kw in [{"max_new_tokens": 0}, {"temperature": -1}, {"top_k": 0}, {"top_p": 0}, {"top_p": 1.5}, {"seed": 1.5}]:
+    for kw in [{"max_new_tokens": -1}, {"temperature": -1}, {"top_k": 0}, {"top_p": 0}, {"top_p": 1.5}, {"seed": 1.5}]:
         with pytest.raises(InvalidRequest):
             SamplingParams(**kw)
     assert issubclass(InvalidRequest, ValueError)

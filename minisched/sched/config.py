@@ -1,0 +1,71 @@
+"""`SchedulerConfig`: the scheduler's knobs, frozen and validated (ValueError).
+
+Token budgets are per prefill batch. The ratio fields are SGLang's `new_token_ratio`
+schedule; `aging_rounds`: see policy.py. The rest, with the reason for each default:
+
+- `max_prefill_rounds_between_decodes` (2): with a steady stream of arrivals, prefill-first
+  scheduling would never decode (a running request went 187 steps without a token); two
+  prefill rounds per decode keeps the gap between a running request's tokens at most 3
+  steps, while a queue of prompts still fills the batch two chunks at a time.
+  None: prefill always first (SGLang's default without mixed chunks).
+- `clip_max_new_tokens_estimation` (4096, SGLang's CLIP_MAX_NEW_TOKENS): the most future
+  tokens one request reserves for admission, so a client's "no limit" cannot block it.
+- `retract_decode_steps` (20, SGLang's retract_decode_steps): a retraction frees room for
+  this many decode steps of the requests that stay, and `new_token_ratio` is re-estimated
+  from what they have decoded: min(1, (decoded + steps * batch) / sum(max_new_tokens)).
+- `in_batch_prefix_defer_tokens` (32, SGLang's IN_BATCH_PREFIX_CACHING_*_THRESHOLD): a
+  waiting request that shares at least this many uncached tokens with a request already in
+  the batch waits one round and then hits the cache instead of computing them again.
+  None: off.
+- `max_stalled_steps` (32): after this many consecutive steps with work but no batch
+  (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
+  FinishReason.ERROR so callers never spin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisched.sched.policy import POLICIES
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int = 16
+    num_pages: int = 4096
+    max_context_len: int = 4096
+    chunk_size: int | None = 512  # None: no chunked prefill
+    max_prefill_tokens: int = 8192
+    max_running_requests: int = 256
+    policy: str = "fcfs"
+    enable_radix_cache: bool = True
+    enable_mixed_chunk: bool = False
+    max_prefill_rounds_between_decodes: int | None = 2
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    clip_max_new_tokens_estimation: int = 4096
+    retract_decode_steps: int = 20
+    in_batch_prefix_defer_tokens: int | None = 32
+    lpm_fallback_len: int = 128
+    aging_rounds: int = 32
+    max_stalled_steps: int = 32
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"SchedulerConfig: {msg}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running_requests",
+                     "new_token_ratio_decay_steps", "clip_max_new_tokens_estimation", "retract_decode_steps",
+                     "lpm_fallback_len", "aging_rounds", "max_stalled_steps"):
+            need(is_int(getattr(self, name)) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
+        need(is_int(self.max_context_len) and self.max_context_len >= 2, "max_context_len must be >= 2")
+        for name in ("chunk_size", "max_prefill_rounds_between_decodes", "in_batch_prefix_defer_tokens"):
+            v = getattr(self, name)
+            need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")
+        need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        need(0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,
+             "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
