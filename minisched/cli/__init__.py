@@ -1,6 +1,7 @@
 """The `minisched` command line (also `python -m minisched`).
 
     minisched generate "prompt" ... [--chat] [--file prompts.jsonl] [--stream] [--max-new-tokens N] ...
+    minisched chat                    interactive, multi-turn; each turn reuses the cached conversation
     minisched bench --workload {mixed,shared-prefix,long-prompt,poisson} --num-requests N --rate R
                     [--compare static] [--json out.json]
     minisched report run.json -o report.png [--html ...] [--trace ...]
@@ -14,35 +15,58 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minisched.cli.common import CLIError, engine_args, sampling_args
+from minisched.cli.common import CLIError, Formatter, engine_args, sampling_args
+
+
+def _version() -> str:
+    import minisched
+
+    return f"minisched {minisched.__version__}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minisched", description="paged-attention LLM serving on a compact scheduler")
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for prompts")
+    p = argparse.ArgumentParser(prog="minisched", description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=Formatter)
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    g = sub.add_parser("generate", help="generate text for prompts", formatter_class=Formatter,
+                       description=generate_doc())
     g.add_argument("prompts", nargs="*", help="prompt texts")
     g.add_argument("--file", default=None, help="JSON-lines prompts file ('-' for stdin)")
     g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
-    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    g.add_argument("--json", action="store_true", help="print one JSON object per output")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--json", action="store_true", help="print one JSON object per output (per chunk with --stream)")
+    g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sampling_args(g)
     engine_args(g)
-    b = sub.add_parser("bench", help="serving benchmark on a synthetic workload")
-    b.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "poisson"])
-    b.add_argument("--num-requests", type=int, default=64)
+    c = sub.add_parser("chat", help="interactive multi-turn chat (each turn reuses the cached conversation)",
+                       formatter_class=Formatter)
+    c.add_argument("--system", default=None, help="system prompt")
+    sampling_args(c)
+    engine_args(c)
+    c.set_defaults(max_new_tokens=256)
+    b = sub.add_parser("bench", help="serving benchmark on a synthetic workload", formatter_class=Formatter)
+    b.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "poisson"],
+                   help="request mix (see minisched.observe.workloads)")
+    b.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     b.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s (<= 0: all at once)")
     b.add_argument("--compare", default=None, choices=["static"], help="also run the static-batching baseline")
-    b.add_argument("--static-batch", type=int, default=8)
+    b.add_argument("--static-batch", type=int, default=8, help="batch size of the static baseline")
     b.add_argument("--scale", type=float, default=1.0, help="scale prompt/output lengths (quick runs)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="workload seed")
     b.add_argument("--json", default=None, help="write summary + per-request timeline (RunRecord layout) here")
     b.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of every request and step here")
-    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--no-progress", action="store_true", help="no live status line")
     engine_args(b)
-    r = sub.add_parser("report", help="lifecycle report of a bench JSON (see minisched.observe.report)", add_help=False)
-    r.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("report", help="lifecycle report of a bench JSON (minisched report -h for its options)",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     return p
+
+
+def generate_doc() -> str:
+    from minisched.cli import generate
+
+    return generate.__doc__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             from minisched.cli.generate import cmd_generate
 
             return cmd_generate(args)
+        if args.command == "chat":
+            from minisched.cli.chat import cmd_chat
+
+            return cmd_chat(args)
         from minisched.cli.bench import cmd_bench
 
         return cmd_bench(args)
@@ -64,9 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minisched: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("minisched: interrupted", file=sys.stderr)
         return 130
-
-
 
 
 if __name__ == "__main__":

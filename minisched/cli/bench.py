@@ -1,10 +1,8 @@
 """`minisched bench`: a synthetic serving workload, live status, summary, run JSON and trace."""
 from __future__ import annotations
 
-import sys
-import time
-
-from minisched.cli.common import CLIError, make_engine, make_engine_like
+from minisched.cli.common import CLIError, check_output_path, make_engine, make_engine_like
+from minisched.cli.status import StatusLine
 
 
 def _fmt_ms(d: dict) -> str:
@@ -19,32 +17,13 @@ def format_summary(s: dict) -> str:
             f"retractions {s['retractions']} | scheduler {s['scheduler_overhead_share']:.1%}")
 
 
-class StatusLine:
-    """Live progress on stderr: one \r-rewritten line on a terminal (4 updates/s), else a line every 10 s."""
-
-    def __init__(self, label: str, enabled: bool):
-        self.label, self.enabled, self.tty, self.last = label, enabled, sys.stderr.isatty(), 0.0
-
-    def __call__(self, p: dict) -> None:
-        now = time.monotonic()
-        if not self.enabled or now - self.last < (0.25 if self.tty else 10.0):
-            return
-        self.last = now
-        line = (f"{self.label}: {p['elapsed']:6.1f}s  done {p['done']}/{p['total']}  "
-                f"running {p['running']:3d}  waiting {p['waiting']:3d}")
-        sys.stderr.write(f"\r{line}   " if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-
-
 def cmd_bench(args) -> int:
     from minisched.observe import workloads as bw
 
     if args.num_requests < 1:
         raise CLIError("--num-requests must be >= 1")
+    check_output_path(args.json, "--json")
+    check_output_path(args.trace, "--trace")
     engine = make_engine(args)
     workload = bw.make_workload(args.workload, args.num_requests, args.rate, vocab=engine.cfg.vocab_size,
                                 seed=args.seed, scale=args.scale)
@@ -62,11 +41,15 @@ def cmd_bench(args) -> int:
         status.close()
         s = bw.summarize(result)
         runs.append(s)
-        print(format_summary(s))
+        print(format_summary(s) + (" (interrupted: partial)" if result.interrupted else ""))
         records.append(bw.run_record(engine, result, config={"workload": args.workload, "mode": mode,
                                                             "model": args.model or "smollm2",
                                                             "backend": engine.backend, "rate": args.rate,
-                                                            "workload_stats": bw.workload_stats(workload)}))
+                                                            "workload_stats": bw.workload_stats(workload),
+                                                            "interrupted": result.interrupted}))
+        if result.interrupted:
+            break
+    interrupted = records and records[-1].config.get("interrupted")
     if len(runs) == 2:
         a, b = runs
         print(f"continuous vs static: throughput x{a['output_tok_s'] / max(b['output_tok_s'], 1e-9):.2f}, "
@@ -81,4 +64,4 @@ def cmd_bench(args) -> int:
 
         write_chrome_trace(args.trace, records if len(records) > 1 else records[0])
         print(f"wrote {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
-    return 0
+    return 130 if interrupted else 0

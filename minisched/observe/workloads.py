@@ -115,17 +115,20 @@ class RunResult:
     step_time: float  # seconds inside model forward steps (engine.step)
     retractions: int
     scheduler_time: float  # seconds in the scheduler (get_next_batch + process_batch_result)
+    interrupted: bool = False  # Ctrl-C ended the run early: unfinished requests were aborted
 
     def summary(self) -> dict:
         return summarize(self)
 
 
 def percentiles(values: list[float]) -> dict:
+    """Mean and p50/p90/p99 with the one percentile definition the report uses too
+    (linear interpolation between order statistics)."""
+    from minisched.observe.run_record import percentile
+
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99))}
+    return {"mean": sum(values) / len(values), **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
 
 
 def summarize(run: RunResult) -> dict:
@@ -173,7 +176,6 @@ def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous",
     reqs, results = {}, {}
     timed = _TimedScheduler(engine.runner)
     sched = engine.scheduler
-    step_time = 0.0
     retract0 = sum(s.num_retracted for s in sched.step_stats)
     start = time.monotonic()
 
@@ -181,9 +183,40 @@ def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous",
         for br in items:
             sp = SamplingParams(max_new_tokens=br.max_new_tokens, ignore_eos=True)
             req = engine.add_request(list(br.prompt_ids), sp, rid=br.rid)
+            # Latencies count from the scheduled arrival: a request due while a step ran waited
+            # for it, and its arrival event (the report's Gantt bar) says so as well.
             req.arrival_time = start + br.arrival
+            ev = sched.events[-1]
+            if ev.rid == req.rid and ev.src is None:
+                sched.events[-1] = dataclasses.replace(ev, time=req.arrival_time)
             reqs[br.rid] = req
 
+    interrupted, step_times = False, []
+    try:
+        _replay(sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, len(workload),
+                step_times)
+    except KeyboardInterrupt:  # Ctrl-C: keep what finished, abort the rest (their pages come back)
+        interrupted = True
+        for rid in list(reqs):
+            if rid not in results:
+                engine.abort(rid)
+    step_time = sum(step_times)
+    duration = time.monotonic() - start
+    out = []
+    for br in workload:
+        req = results.get(br.rid)
+        rel = lambda t: None if t is None else t - start  # noqa: E731
+        out.append(RequestResult(br.rid, len(br.prompt_ids), len(req.output_ids) if req else 0, br.arrival,
+                                 rel(req.first_token_time) if req else None, rel(req.finish_time) if req else None,
+                                 req.cache_hit_tokens if req else 0, req.num_retractions if req else 0,
+                                 list(req.output_ids) if req else []))
+    retractions = sum(s.num_retracted for s in sched.step_stats) - retract0
+    return RunResult(name or mode, out, duration, start, step_time, retractions, step_time - timed.forward_time,
+                     interrupted)
+
+
+def _replay(sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, total,
+            step_times: list) -> None:
     while pending or queue or sched.has_work():
         now = time.monotonic() - start
         while pending and pending[0].arrival <= now:
@@ -201,21 +234,10 @@ def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous",
         t = time.monotonic()
         for req in sched.step(timed):
             results[req.rid] = req
-        step_time += time.monotonic() - t
+        step_times.append(time.monotonic() - t)
         if progress is not None:
-            progress({"elapsed": time.monotonic() - start, "done": len(results), "total": len(workload),
+            progress({"elapsed": time.monotonic() - start, "done": len(results), "total": total,
                       "running": len(sched.running), "waiting": len(sched.waiting) + len(queue) + len(pending)})
-    duration = time.monotonic() - start
-    out = []
-    for br in workload:
-        req = results.get(br.rid)
-        rel = lambda t: None if t is None else t - start  # noqa: E731
-        out.append(RequestResult(br.rid, len(br.prompt_ids), len(req.output_ids) if req else 0, br.arrival,
-                                 rel(req.first_token_time) if req else None, rel(req.finish_time) if req else None,
-                                 req.cache_hit_tokens if req else 0, req.num_retractions if req else 0,
-                                 list(req.output_ids) if req else []))
-    retractions = sum(s.num_retracted for s in sched.step_stats) - retract0
-    return RunResult(name or mode, out, duration, start, step_time, retractions, step_time - timed.forward_time)
 
 
 def run_record(engine, result: RunResult, config: Optional[dict] = None):
