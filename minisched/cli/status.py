@@ -9,7 +9,8 @@ import time
 class StatusLine:
     def __init__(self, label: str, enabled: bool = True):
         self.label, self.enabled, self.tty = label, enabled, sys.stderr.isatty()
-        self.start, self.last, self.shown = time.monotonic(), 0.0, False
+        self.start = self.last = time.monotonic()  # short work stays silent
+        self.shown = False
 
     def __call__(self, p: dict) -> None:
         now = time.monotonic()
