@@ -1,0 +1,271 @@
+"""The engine on its own thread: the only code that touches the `Engine` once the server runs.
+
+    loop = EngineLoop(engine); loop.start()
+    loop.submit(rid, prompt_ids, sampling, sink)    # from any thread; sink: a `Sink`
+    loop.abort(rid)                                 # from any thread; idempotent
+    loop.call(fn) -> concurrent.futures.Future      # fn(engine) run on the engine thread between steps
+    loop.stop(); loop.join()                        # aborts what is left, ends the thread
+
+Messages travel one way in and one way out:
+
+- in: a FIFO inbox (`queue.SimpleQueue`) of add / abort / call / stop messages. The thread
+  drains it before every step, blocks on it only when the engine has no work, and never
+  waits for anything else -- not for HTTP, not for a client.
+- out: after every step, each live request with new tokens or a finish gets one `Update`
+  (new token ids, and on the last one the finish reason, the error and the radix-cache
+  hit). All updates of a step go to each event loop in ONE `call_soon_threadsafe` call;
+  the sink (`Sink.deliver`) runs there, so per-request state on the HTTP side is touched
+  only by its event loop.
+
+Anything a request can do -- an invalid add, an abort in any state, a failing step -- ends
+that request with an `Update` and leaves the thread running. A request aborted here never
+comes back from `engine.step()`, so the abort itself publishes its finish.
+
+`static_batch=N` (benchmarks only) runs the seed's static-batching baseline: new requests
+wait here until the engine is idle, then up to N of them start together.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
+
+log = logging.getLogger("minisched.serve")
+HISTORY_LIMIT = 4096  # scheduler events / step stats kept (the server runs for days; the lists would grow)
+
+
+@dataclass
+class Update:
+    """What the engine thread tells a request after a step."""
+
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # a FinishReason value; None while the request runs
+    error: Optional[str] = None
+    error_type: Optional[str] = None  # "invalid_request_error" (rejected at add) or "server_error"
+    cached_tokens: int = 0
+    num_retractions: int = 0
+
+
+class Sink(Protocol):
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, update: Update) -> None: ...
+
+
+@dataclass
+class Stats:
+    """A snapshot of the engine's state, replaced (never mutated) after every step: the HTTP side
+    reads it for /metrics without touching the engine."""
+
+    time: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0  # in the scheduler's queue (incl. a carried chunked prefill) + held for static batching
+    pages_total: int = 0
+    pages_free: int = 0
+    pages_cached: int = 0
+    pages_evictable: int = 0
+    retractions: int = 0
+    step_errors: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine, *, check_invariants: bool = False, static_batch: Optional[int] = None,
+                 keep_history: bool = False):
+        self.engine = engine
+        self.check = check_invariants
+        self.static_batch = static_batch
+        self.keep_history = keep_history
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = Stats(pages_total=engine.sched_config.num_pages, pages_free=engine.sched_config.num_pages)
+        self.invariant_errors: list[str] = []
+        self._live: dict[str, tuple[Any, Sink, int]] = {}  # rid -> (Req, sink, tokens published)
+        self._held: collections.deque = collections.deque()  # static batching: (rid, ids, sampling, sink)
+        self._stats_seen = 0
+        self._retractions = 0
+        self._step_errors = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="minisched-engine", daemon=True)
+
+    # -- any thread -----------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, sink: Sink) -> None:
+        self.inbox.put(("add", rid, prompt_ids, sampling, sink))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between two steps (tests, admin)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(("call", fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self.inbox.put(("stop",))
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self._thread.join(timeout)
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                self._handle_messages(block=not engine.has_work() and not self._held)
+                if self._stopping:
+                    self._abort_everything()
+                    return
+                self._admit_held()
+                if not engine.has_work():
+                    continue
+                self._step()
+            except Exception:  # a bug here must not kill the server: log it and go on
+                log.error("engine loop error:\n%s", traceback.format_exc())
+                self._step_errors += 1
+                time.sleep(0.01)
+
+    def _handle_messages(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            kind = msg[0]
+            if kind == "add":
+                if self.static_batch:
+                    self._held.append(msg[1:])
+                else:
+                    self._add(*msg[1:])
+            elif kind == "abort":
+                self._abort(msg[1])
+            elif kind == "call":
+                _, fn, fut = msg
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+                        fut.set_exception(exc)
+            elif kind == "stop":
+                self._stopping = True
+
+    def _add(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, sink: Sink) -> None:
+        try:
+            req = self.engine.add_request(prompt_ids, sampling, rid=rid)
+        except InvalidRequest as exc:
+            self._publish([(sink, Update([], "error", str(exc), "invalid_request_error"))])
+        except Exception as exc:
+            self._publish([(sink, Update([], "error", f"{type(exc).__name__}: {exc}", "server_error"))])
+        else:
+            self._live[rid] = (req, sink, 0)
+
+    def _abort(self, rid: str) -> None:
+        for i, held in enumerate(self._held):
+            if held[0] == rid:
+                del self._held[i]
+                self._publish([(held[3], Update([], "abort"))])
+                return
+        entry = self._live.get(rid)
+        if entry is None:  # finished already (its finish is on its way) or never added
+            return
+        self.engine.abort(rid)
+        self._publish_progress()  # the abort is a finish the step will not report
+
+    def _admit_held(self) -> None:
+        if self._held and not self.engine.has_work():
+            for _ in range(min(self.static_batch, len(self._held))):
+                self._add(*self._held.popleft())
+
+    def _abort_everything(self) -> None:
+        while self._held:
+            self._publish([(self._held.popleft()[3], Update([], "abort"))])
+        for rid in list(self._live):
+            self.engine.abort(rid)
+        self._publish_progress()
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            engine.step()  # finished requests are found by their status below, whatever step() returned
+        finally:
+            if self.check:
+                try:
+                    engine.scheduler.check_invariants()
+                except AssertionError as exc:
+                    self.invariant_errors.append(str(exc))
+                    log.error("scheduler invariant broken: %s", exc)
+            self._publish_progress()
+            self._update_stats()
+
+    def _publish_progress(self) -> None:
+        """One Update per live request with new tokens or a finish; drop the finished ones."""
+        out, done = [], []
+        for rid, (req, sink, sent) in self._live.items():
+            n = len(req.output_ids)
+            finished = req.status in (ReqStatus.FINISHED, ReqStatus.ABORTED)
+            if n == sent and not finished:
+                continue
+            upd = Update(req.output_ids[sent:n])
+            if finished:
+                upd.finish_reason = req.finish_reason.value if req.finish_reason else "error"
+                upd.error = req.error
+                upd.error_type = "server_error" if upd.finish_reason == "error" else None
+                upd.cached_tokens = req.cache_hit_tokens
+                upd.num_retractions = req.num_retractions
+                done.append(rid)
+            else:
+                self._live[rid] = (req, sink, n)
+            out.append((sink, upd))
+        for rid in done:
+            del self._live[rid]
+        self._publish(out)
+
+    @staticmethod
+    def _publish(items: list[tuple[Sink, Update]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sink, upd in items:
+            by_loop.setdefault(sink.loop, []).append((sink, upd))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+
+    def _update_stats(self) -> None:
+        sched = self.engine.scheduler
+        new = sched.step_stats[self._stats_seen:]
+        self._retractions += sum(s.num_retracted for s in new)
+        self._stats_seen = len(sched.step_stats)
+        if not self.keep_history and self._stats_seen > HISTORY_LIMIT:
+            del sched.step_stats[:], sched.events[:], self.engine.step_times[:]
+            self._stats_seen = 0
+        tree = sched.tree
+        self.stats = Stats(steps=self.stats.steps + 1, running=len(sched.running),
+                           waiting=len(sched.waiting) + (sched.chunked_req is not None) + len(self._held),
+                           pages_total=sched.config.num_pages, pages_free=sched.pool.num_free,
+                           pages_cached=tree.total_pages, pages_evictable=tree.evictable_pages,
+                           retractions=self._retractions, step_errors=self._step_errors)
+
+
+def _deliver_all(batch: list[tuple[Sink, Update]]) -> None:
+    for sink, upd in batch:
+        try:
+            sink.deliver(upd)
+        except Exception:  # one broken sink must not starve the others
+            log.error("sink error:\n%s", traceback.format_exc())

@@ -1,0 +1,185 @@
+"""The HTTP side's state: one `ServerState` per server, one `RequestHandle` per live request.
+
+Everything here is touched only by the server's asyncio event loop (the engine thread reaches
+a handle only through `EngineLoop` publishing to `RequestHandle.deliver` with
+`call_soon_threadsafe`), so nothing needs a lock.
+
+Admission, in order: draining -> 503; prompt and sampling checks (`prepare`) -> 400; more
+than `max_queued_requests` requests queued -> 429 with Retry-After. A request counts as
+queued from its admission until its first token (or its end); one that already streams
+does not. Each admitted request is in `live` until its finish arrives from the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from minisched.sched.req import InvalidRequest, SamplingParams
+from minisched.serve.engine_loop import EngineLoop, Update
+from minisched.serve.metrics import ServerMetrics
+from minisched.serve.protocol import APIError
+
+OPENAI_FINISH = {"stop_token": "stop", "stop_str": "stop", "max_new_tokens": "length", "length": "length",
+                 "abort": "abort", "error": "error"}
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+class RequestHandle:
+    """One request on the HTTP side: the queue its engine updates land in, and its timings."""
+
+    def __init__(self, state: "ServerState", rid: str, prompt_len: int):
+        self.state, self.rid, self.prompt_len = state, rid, prompt_len
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.created = int(time.time())
+        self.first_token_at: Optional[float] = None
+        self.num_tokens = 0
+        self.final: Optional[Update] = None  # the finishing update, once it arrived
+        self.queued = True
+
+    # called on the event loop by the engine thread's publish
+    def deliver(self, upd: Update) -> None:
+        now = time.monotonic()
+        if upd.token_ids and self.first_token_at is None:
+            self.first_token_at = now
+        self.num_tokens += len(upd.token_ids)
+        if self.queued and (upd.token_ids or upd.finish_reason):
+            self.queued = False
+            self.state.queued -= 1
+        if upd.finish_reason is not None:
+            self.final = upd
+            self.state.request_done(self, now)
+        self.queue.put_nowait(upd)
+
+    @property
+    def finished(self) -> bool:
+        return self.final is not None
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Engine updates, those already waiting merged into one, until the finishing one."""
+        while True:
+            upd = await self.queue.get()
+            while not self.queue.empty() and upd.finish_reason is None:
+                nxt = self.queue.get_nowait()
+                nxt.token_ids = upd.token_ids + nxt.token_ids
+                upd = nxt
+            yield upd
+            if upd.finish_reason is not None:
+                return
+
+    def abort_unless_finished(self) -> None:
+        """The client went away (or the response ended early): release the request in the engine."""
+        if self.final is None:
+            self.state.engine_loop.abort(self.rid)
+
+
+class ServerState:
+    def __init__(self, engine, engine_loop: EngineLoop, *, model_name: str, api_key: Optional[str] = None,
+                 max_queued_requests: int = 512):
+        if max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        self.engine_loop = engine_loop
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.cfg.vocab_size
+        cfg = engine.sched_config  # frozen: safe to read from this thread
+        self.max_context_len = cfg.max_context_len
+        self.pool_tokens = cfg.num_pages * cfg.page_size
+        self.model_name, self.api_key = model_name, api_key
+        self.max_queued_requests = max_queued_requests
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(lambda: engine_loop.stats)
+        self.live: dict[str, RequestHandle] = {}
+        self.queued = 0
+        self.draining = False
+        self._e2e_sum, self._e2e_count = 0.0, 0
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:12]
+
+    # -- admission ------------------------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def prepare(self, prompt_ids: list[int], *, max_tokens: Optional[int], default_max_tokens: Optional[int],
+                temperature: Optional[float], top_p: Optional[float], top_k: Optional[int], seed: Optional[int],
+                stop: tuple[str, ...], ignore_eos: bool, param: str) -> Prepared:
+        """Check a tokenized prompt and build its SamplingParams; APIError(400) names the problem."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise APIError(400, f"{param} is empty", param=param)
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range (vocabulary of {self.vocab_size})", param=param)
+        room = min(self.max_context_len, self.pool_tokens + 1) - n
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.max_context_len} tokens; the prompt "
+                                f"has {n} tokens and leaves no room to generate.", param=param,
+                           code="context_length_exceeded")
+        want = max_tokens if max_tokens is not None else (default_max_tokens or room)
+        try:
+            sampling = SamplingParams(
+                temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
+                top_k=-1 if top_k is None else top_k, seed=seed, max_new_tokens=min(want, room), stop=stop,
+                ignore_eos=ignore_eos)
+        except (InvalidRequest, ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from exc
+        return Prepared(prompt_ids, sampling)
+
+    def admit(self, prepared: Prepared, kind: str) -> RequestHandle:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if self.queued >= self.max_queued_requests:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, f"too many queued requests ({self.queued}); retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(self.retry_after())})
+        rid = f"{kind}-{self._prefix}{next(self._ids):x}"
+        handle = RequestHandle(self, rid, len(prepared.prompt_ids))
+        self.live[rid] = handle
+        self.queued += 1
+        self.engine_loop.submit(rid, prepared.prompt_ids, prepared.sampling, handle)
+        return handle
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely moved on: one mean e2e latency, at least 1 s."""
+        mean = self._e2e_sum / self._e2e_count if self._e2e_count else 1.0
+        return max(1, min(60, math.ceil(mean)))
+
+    def request_done(self, handle: RequestHandle, now: float) -> None:
+        self.live.pop(handle.rid, None)
+        upd = handle.final
+        ttft = None if handle.first_token_at is None else handle.first_token_at - handle.arrival
+        self._e2e_sum += now - handle.arrival
+        self._e2e_count += 1
+        self.metrics.request_done(finish_reason=OPENAI_FINISH.get(upd.finish_reason, upd.finish_reason),
+                                  prompt_tokens=handle.prompt_len, cached_tokens=upd.cached_tokens,
+                                  output_tokens=handle.num_tokens, ttft=ttft, e2e=now - handle.arrival,
+                                  first_token_at=handle.first_token_at, done_at=now)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    async def drain(self, grace: float) -> int:
+        """Refuse new requests, let live ones finish for `grace` seconds, then abort the rest and
+        wait (briefly) for their abort to arrive. Returns how many were aborted."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = list(self.live)
+        for rid in aborted:
+            self.engine_loop.abort(rid)
+        deadline = time.monotonic() + 5.0
+        while self.live and time.monotonic() < deadline and self.engine_loop.is_alive():
+            await asyncio.sleep(0.02)
+        return len(aborted)
