@@ -202,3 +202,20 @@ def test_chat_reuses_the_conversation(capsys, monkeypatch):
     assert len(cached) == 3 and cached[0] == 0
     assert cached[1] >= 20  # the second turn reuses the first turn's prompt and reply
     assert cached[2] > 0  # after /reset the same first turn is still in the radix cache
+
+
+def test_bench_summary_and_report_agree_on_latencies(tmp_path, capsys):
+    """Both count from each request's scheduled arrival and use one percentile definition."""
+    from minisched.observe.run_record import derived_summary, load_runs
+
+    run_json = tmp_path / "run.json"
+    rc, _, _ = run(["bench", "--workload", "poisson", "--num-requests", "8", "--rate", "40", "--scale", "0.1",
+                    "--json", str(run_json), "--no-progress", *TINY], capsys)
+    assert rc == 0
+    rec = load_runs(run_json)[0]
+    derived = derived_summary(rec)
+    for q in (50, 90, 99):
+        assert derived[f"TTFT p{q} (s)"] == pytest.approx(rec.summary["ttft_s"][f"p{q}"], abs=2e-3)
+        assert derived[f"e2e p{q} (s)"] == pytest.approx(rec.summary["e2e_latency_s"][f"p{q}"], abs=2e-3)
+    arrivals = sorted(r["arrival"] for r in rec.requests)
+    assert arrivals[-1] > arrivals[0]  # scheduled Poisson arrivals, not the admission times of one step
