@@ -5,6 +5,7 @@
     minisched bench --workload {mixed,shared-prefix,long-prompt,poisson} --num-requests N --rate R
                     [--compare static] [--json out.json]
     minisched report run.json -o report.png [--html ...] [--trace ...]
+    minisched serve [--host 127.0.0.1] [--port 30000] [--api-key KEY]   OpenAI-compatible HTTP server
 
 `--file` takes JSON lines: a string, or an object with "prompt" (text or token ids) or
 "messages" (chat), and optional sampling fields ("max_new_tokens", "temperature", ...).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minisched.cli import serve as serve_cli
 from minisched.cli.common import CLIError, Formatter, engine_args, sampling_args
 
 
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of every request and step here")
     b.add_argument("--no-progress", action="store_true", help="no live status line")
     engine_args(b)
+    serve_cli.add_parser(sub).formatter_class = Formatter
     sub.add_parser("report", help="lifecycle report of a bench JSON (minisched report -h for its options)",
                    add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             from minisched.cli.chat import cmd_chat
 
             return cmd_chat(args)
+        if args.command == "serve":
+            return serve_cli.cmd_serve(args)
         from minisched.cli.bench import cmd_bench
 
         return cmd_bench(args)
