@@ -62,7 +62,7 @@ from minisched.sched.policy import SchedulePolicy
 from minisched.sched.prefill_adder import AddResult, PrefillAdder
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, new_request
-from minisched.sched.retraction import headroom_pages, pick_victim, reestimate_ratio
+from minisched.sched.retraction import pick_victim, reestimate_ratio
 
 __all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
 
@@ -322,17 +322,14 @@ class Scheduler:
         return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
 
     def _make_room_for_decode(self) -> int:
-        """Evict, then retract (retraction.py) until the next decode step's pages fit and, once
-        retracting, until the rest have room for `retract_decode_steps` more tokens each; then
+        """Evict, then retract (retraction.py) until the next decode step's pages fit, then
         re-estimate new_token_ratio. Returns the number of retracted requests."""
         pool, running, retracted = self.pool, self.running, []
-        steps, ps = self.config.retract_decode_steps, self.config.page_size
         while True:
-            next_need = pool.decode_pages_needed(running)
-            need = max(next_need, headroom_pages(running, ps, steps)) if retracted else next_need
+            need = pool.decode_pages_needed(running)
             if need > pool.num_free:
                 pool.free(self.tree.evict(need - pool.num_free))
-            if need <= pool.num_free or (len(running) == 1 and next_need <= pool.num_free):
+            if need <= pool.num_free:
                 break
             if len(running) == 1 and self.chunked_req is None:
                 # it alone outgrew the pool: only possible if pages leaked (arrival clips max_new_tokens)
@@ -350,7 +347,7 @@ class Scheduler:
         if retracted:
             self.waiting[:0] = retracted
             if running:
-                self.new_token_ratio = reestimate_ratio(running, steps)
+                self.new_token_ratio = reestimate_ratio(running, self.config.retract_decode_steps)
         return len(retracted)
 
     def _fail_stalled(self) -> None:
