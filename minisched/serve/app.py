@@ -90,8 +90,7 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
         final_ids = await _collect(handle, request)
         if final_ids is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        detok.add(final_ids)
-        detok.finish(handle.final.finish_reason)
+        detok.finish(handle.final.finish_reason, final_ids)
         choice = p.CompletionChoice(text=detok.text, finish_reason=_finish(handle),
                                     token_ids=final_ids if body.return_token_ids else None)
         return JSONResponse(p.CompletionResponse(id=handle.rid, model=state.model_name, choices=[choice],
@@ -113,8 +112,7 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
         final_ids = await _collect(handle, request)
         if final_ids is None:
             return Response(status_code=499)
-        detok.add(final_ids)
-        detok.finish(handle.final.finish_reason)
+        detok.finish(handle.final.finish_reason, final_ids)
         choice = p.ChatChoice(message=p.AssistantMessage(content=detok.text), finish_reason=_finish(handle))
         return p.ChatCompletionResponse(id=handle.rid, model=state.model_name, choices=[choice], usage=_usage(handle))
 
@@ -227,11 +225,8 @@ async def _completion_chunks(state: ServerState, body: p.CompletionRequest, hand
         if upd.finish_reason == "error":
             yield _sse_error(handle)
             break
-        text = detok.add(upd.token_ids)
-        reason = None
-        if upd.finish_reason is not None:
-            text += detok.finish(upd.finish_reason)
-            reason = _finish(handle)
+        reason = None if upd.finish_reason is None else _finish(handle)
+        text = detok.add(upd.token_ids) if reason is None else detok.finish(upd.finish_reason, upd.token_ids)
         if text or reason or body.return_token_ids:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             if body.return_token_ids:
@@ -255,9 +250,7 @@ async def _chat_chunks(state: ServerState, body: p.ChatCompletionRequest, handle
         if upd.finish_reason == "error":
             yield _sse_error(handle)
             break
-        text = detok.add(upd.token_ids)
-        if upd.finish_reason is not None:
-            text += detok.finish(upd.finish_reason)
+        text = detok.add(upd.token_ids) if upd.finish_reason is None else detok.finish(upd.finish_reason, upd.token_ids)
         if text:
             yield chunk({"content": text})
         if upd.finish_reason is not None:
@@ -269,8 +262,24 @@ async def _chat_chunks(state: ServerState, body: p.ChatCompletionRequest, handle
 
 
 # -- errors and auth -----------------------------------------------------------------------------
+_TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def _field_path(loc) -> list[str]:
+    """The request field of a pydantic error location: the "body" root dropped, cut before the first
+    union-member tag ("str", "list[int]", "TextPart") that pydantic inserts for union fields."""
+    out = []
+    for x in loc:
+        if x == "body" and not out:
+            continue
+        if isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or x[:1].isupper() or x.startswith("function")):
+            break
+        out.append(str(x))
+    return out
+
+
 def _validation_message(err: dict) -> tuple[str, Optional[str]]:
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = _field_path(err.get("loc", ()))
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":

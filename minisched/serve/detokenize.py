@@ -9,8 +9,10 @@
   stop string (the engine checks stop strings; a stop string can only complete within
   that tail, so nothing of it is ever sent).
 
-`finish(reason)` decodes the whole output once and returns the rest, cut at the first stop
-string when the engine finished on one -- the same text as `Engine._final_text`.
+`finish(reason, last_ids)` takes the finishing update's tokens (never pass them to `add`: the
+token that completes a stop string must not release held-back text), decodes the whole output
+once and returns the rest, cut at the first stop string when the engine finished on one --
+the same text as `Engine._final_text`.
 """
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ class IncrementalDetokenizer:
         delta, self.sent = self.text[self.sent:safe], safe
         return delta
 
-    def finish(self, reason: str | None) -> str:
+    def finish(self, reason: str | None, last_ids: Iterable[int] = ()) -> str:
         """The unsent rest of the final text (`reason`: the engine's FinishReason value)."""
+        self.ids.extend(last_ids)
         final = self.tokenizer.decode(self.ids)
         if reason == "stop_str":
             cuts = [final.find(s) for s in self.stop if s in final]

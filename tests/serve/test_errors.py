@@ -1,0 +1,176 @@
+"""Bad input, the API key, overload and a failing engine step: each gets OpenAI's error body with
+the right status, and the server (and the other requests) carry on."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from minisched.engine import Engine
+from serve_helpers import running_server
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"] and "Traceback" not in r.text
+    return body["error"]
+
+
+BAD_COMPLETIONS = [  # (id, body, status, param)
+    ("wrong-type-temperature", {"temperature": "0.5"}, 400, "temperature"),
+    ("wrong-type-max-tokens-bool", {"max_tokens": True}, 400, "max_tokens"),
+    ("wrong-type-prompt", {"prompt": 5}, 400, "prompt"),
+    ("wrong-type-stream", {"stream": "yes"}, 400, "stream"),
+    ("unknown-field", {"best_of_all": 2}, 400, "best_of_all"),
+    ("missing-model", {"model": None}, 400, "model"),
+    ("temperature-too-high", {"temperature": 2.5}, 400, "temperature"),
+    ("temperature-negative", {"temperature": -1}, 400, "temperature"),
+    ("top-p-zero", {"top_p": 0}, 400, "top_p"),
+    ("top-p-above-one", {"top_p": 1.5}, 400, "top_p"),
+    ("top-k-zero", {"top_k": 0}, 400, "top_k"),
+    ("max-tokens-zero", {"max_tokens": 0}, 400, "max_tokens"),
+    ("seed-negative", {"seed": -1}, 400, "seed"),
+    ("seed-too-big", {"seed": 2**64}, 400, "seed"),
+    ("too-many-stops", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty-stop", {"stop": [""]}, 400, "stop"),
+    ("empty-prompt", {"prompt": ""}, 400, "prompt"),
+    ("empty-token-prompt", {"prompt": []}, 400, "prompt"),
+    ("token-out-of-vocab", {"prompt": [5, 512]}, 400, "prompt"),
+    ("negative-token", {"prompt": [5, -1]}, 400, "prompt"),
+    ("prompt-longer-than-context", {"prompt": "x" * 2048}, 400, "prompt"),
+    ("n-above-one", {"n": 2}, 400, "n"),
+    ("logprobs", {"logprobs": 2}, 400, "logprobs"),
+    ("penalty", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("batched-prompts", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("unknown-model", {"model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("patch,status,param", [c[1:] for c in BAD_COMPLETIONS], ids=[c[0] for c in BAD_COMPLETIONS])
+def test_bad_completion_requests(tiny_server, patch, status, param):
+    body = {k: v for k, v in {"model": "tiny", "prompt": "hello", "max_tokens": 4, **patch}.items() if v is not None}
+    with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
+        err = error_of(c.post("/v1/completions", json=body), status)
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    if patch.get("prompt") == "x" * 2048:
+        assert err["code"] == "context_length_exceeded"
+
+
+BAD_CHATS = [
+    ("empty-messages", {"messages": []}, "messages"),
+    ("no-messages", {"messages": None}, "messages"),
+    ("bad-role", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ("message-unknown-field", {"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages.0.mood"),
+    ("content-wrong-type", {"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+    ("json-mode", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ("tools", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat-too-long", {"messages": [{"role": "user", "content": "y" * 2100}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("patch,param", [c[1:] for c in BAD_CHATS], ids=[c[0] for c in BAD_CHATS])
+def test_bad_chat_requests(tiny_server, patch, param):
+    body = {k: v for k, v in {"model": "tiny", "messages": CHAT, "max_tokens": 4, **patch}.items() if v is not None}
+    with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
+        err = error_of(c.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == param
+
+
+def test_malformed_bodies_and_routes(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
+        json_h = {"content-type": "application/json"}
+        assert "parse the JSON" in error_of(c.post("/v1/completions", content=b'{"model": "tiny", ', headers=json_h),
+                                             400)["message"]
+        assert "JSON object" in error_of(c.post("/v1/chat/completions", content=b"[1, 2]", headers=json_h),
+                                         400)["message"]
+        error_of(c.post("/v1/completions", content=b"\xff\xfe", headers=json_h), 400)
+        error_of(c.post("/v1/completions"), 400)
+        error_of(c.get("/v1/nothing-here"), 404)
+        error_of(c.get("/v1/completions"), 405)
+        # the server still answers normally
+        ok = c.post("/v1/completions", json={"model": "tiny", "prompt": "fine", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_api_key():
+    engine = Engine("dummy:tiny", num_pages=64)
+    with running_server(engine, api_key="sekrit") as live:
+        with httpx.Client(base_url=live.url, timeout=10) as c:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            assert error_of(c.post("/v1/completions", json=body), 401)["code"] == "invalid_api_key"
+            error_of(c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+            error_of(c.post("/v1/completions", content=b"{bad", headers={"Authorization": "sekrit"}), 401)
+            error_of(c.get("/v1/models"), 401)
+            # the stated rule: /health and /metrics need no key
+            assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        ok = openai.OpenAI(base_url=live.v1, api_key="sekrit", max_retries=0).completions.create(
+            model="tiny", prompt="hi", max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=live.v1, api_key="nope", max_retries=0).models.list()
+
+
+def test_queue_limit_gives_429_with_retry_after():
+    engine = Engine("dummy:tiny", num_pages=64)
+    with running_server(engine, max_queued_requests=2) as live:
+        gate = threading.Event()
+        blocked = live.loop.call(lambda e: gate.wait(30))  # hold the engine thread: requests stay queued
+        results = []
+
+        def post():
+            with httpx.Client(base_url=live.url, timeout=30) as c:
+                results.append(c.post("/v1/completions", json={"model": "tiny", "prompt": "q", "max_tokens": 2}))
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        for t in threads:
+            t.start()
+        with httpx.Client(base_url=live.url, timeout=10) as c:
+            for _ in range(200):  # until both are admitted (queued) on the server
+                if live.state.queued == 2:
+                    break
+                threading.Event().wait(0.01)
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": "q", "max_tokens": 2})
+            err = error_of(r, 429)
+            assert err["type"] == "rate_limit_error" and int(r.headers["Retry-After"]) >= 1
+            assert c.get("/health").status_code == 200  # overload is not ill health
+        gate.set()
+        blocked.result(10)
+        for t in threads:
+            t.join(30)
+        assert [x.status_code for x in results] == [200, 200]
+        assert live.state.queued == 0
+        assert 'minisched_requests_rejected_total{reason="queue_full"} 1.0' in httpx.get(live.url + "/metrics").text
+
+
+def test_failing_step_is_an_error_for_its_requests_only():
+    engine = Engine("dummy:tiny", num_pages=64)
+    with running_server(engine) as live:
+        def break_next_forward(e):
+            real = e.runner.forward
+
+            def forward(batch):
+                e.runner.forward = real  # fail once
+                raise RuntimeError("injected fault")
+            e.runner.forward = forward
+
+        live.call(break_next_forward)
+        with httpx.Client(base_url=live.url, timeout=30) as c:
+            err = error_of(c.post("/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 4}), 500)
+            assert err["type"] == "server_error" and "injected fault" in err["message"]
+            ok = c.post("/v1/completions", json={"model": "tiny", "prompt": "fine", "max_tokens": 4})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+            live.call(break_next_forward)
+            with c.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 4,
+                                                           "stream": True}) as r:
+                lines = [x for x in r.iter_lines() if x]
+            assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        free, cached, total = live.call(lambda e: (e.scheduler.pool.num_free, e.scheduler.tree.total_pages,
+                                                   e.sched_config.num_pages))
+        assert free + cached == total
