@@ -1,7 +1,10 @@
-"""hypothesis stateful test: random arrivals (shared prefixes), output lengths, pool, page
-and chunk sizes, policies, mixed mode, aborts (also of in-flight requests), bad requests.
-Invariants hold after every rule; nothing is lost; every output equals the greedy reference
-(or a prefix of it for a length-limited request)."""
+"""hypothesis stateful test: random arrivals (shared prefixes, prompts continuing one document
+as in a multi-turn chat), output lengths (0, and a client's "no limit"), pools smaller than
+the context, page and chunk sizes, policies, mixed mode, the prefill guard, deferral, aborts
+(also of in-flight requests), bad requests. Invariants hold after every rule; every run ends
+within a step bound; every request ends exactly once; the pool is whole once the cache is
+evicted; every output equals the greedy reference of an unconstrained run (or a prefix of it
+for a length-limited request), so tiny and ample pools give the same tokens."""
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
@@ -14,21 +17,24 @@ from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 40
 BASES = [[(7 * i + 3 * j) % VOCAB for j in range(48)] for i in range(3)]
+DOC = [(5 * j + j * j) % VOCAB for j in range(120)]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 16]), pool_tokens=st.integers(64, 768),
+    @initialize(page_size=st.sampled_from([1, 4, 16]), pool_tokens=st.integers(16, 768),
                 chunk=st.sampled_from([None, 8, 16, 48]), policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof"]),
                 radix=st.booleans(), mixed=st.booleans(), guard=st.sampled_from([None, 1, 3]),
                 max_running=st.integers(1, 8), max_prefill=st.sampled_from([16, 64, 512]),
-                ratio=st.sampled_from([0.7, 0.2, 0.05]))
-    def setup(self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio):
+                ratio=st.sampled_from([0.7, 0.2, 0.05]), defer=st.sampled_from([None, 4, 32]))
+    def setup(self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio,
+              defer):
         self.cfg = SchedulerConfig(page_size=page_size, num_pages=max(1, pool_tokens // page_size), max_context_len=96,
                                    chunk_size=chunk, max_prefill_tokens=max_prefill, max_running_requests=max_running,
                                    policy=policy, enable_radix_cache=radix, enable_mixed_chunk=mixed,
                                    max_prefill_rounds_between_decodes=guard, aging_rounds=3,
                                    init_new_token_ratio=ratio, min_new_token_ratio=min(ratio, 0.05),
-                                   new_token_ratio_decay_steps=10)
+                                   new_token_ratio_decay_steps=10, in_batch_prefix_defer_tokens=defer,
+                                   clip_max_new_tokens_estimation=64)
         self.sched = Scheduler(self.cfg)
         self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
         self.added: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -41,15 +47,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.ended[r.rid] = r
 
     @rule(base=st.integers(0, 2), shared=st.integers(0, 48), own=st.integers(0, 40),
-          max_new=st.integers(1, 30), stop=st.booleans(), copies=st.integers(1, 4))
+          max_new=st.one_of(st.integers(0, 30), st.just(100_000)), stop=st.booleans(), copies=st.integers(1, 4))
     def add(self, base, shared, own, max_new, stop, copies):
         for _ in range(copies):
-            self._add(base, shared, own, max_new, stop)
+            self._add(BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)], max_new, stop)
 
-    def _add(self, base, shared, own, max_new, stop):
+    @rule(lens=st.lists(st.integers(1, 120), min_size=1, max_size=4),
+          max_new=st.one_of(st.integers(0, 30), st.just(100_000)))
+    def add_continuations(self, lens, max_new):
+        """Turns of one conversation: each prompt continues the previous ones."""
+        for n in sorted(lens):
+            self._add(DOC[:n], max_new, False)
+
+    def _add(self, prompt, max_new, stop):
         rid = f"r{self.n}"
         self.n += 1
-        prompt = BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)]
         sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=(5,) if stop else ())
         too_long = len(prompt) >= self.cfg.max_context_len or len(prompt) > self.cfg.num_pages * self.cfg.page_size
         if not prompt or too_long:
@@ -112,15 +124,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             r = self.ended[rid]
             if r == "aborted":
                 continue
-            ref = greedy_reference(prompt, sp.max_new_tokens, VOCAB, sp.stop_token_ids, self.cfg.max_context_len)
+            assert r.finish_reason is not FinishReason.ERROR, r.error
+            if sp.max_new_tokens == 0:
+                assert r.output_ids == [] and r.finish_reason is FinishReason.LENGTH
+                continue
+            ref = greedy_reference(prompt, min(sp.max_new_tokens, 500), VOCAB, sp.stop_token_ids,
+                                   self.cfg.max_context_len)
             if r.finish_reason is FinishReason.LENGTH:
                 assert r.output_ids == ref[:len(r.output_ids)]
             else:
                 assert r.output_ids == ref, f"{rid}: {r.output_ids} != {ref}"
             assert r.status is ReqStatus.FINISHED
         check_lifecycles(self.sched.events)
-        assert self.sched.tree.protected_pages == 0
-        assert self.sched.pool.num_free + self.sched.tree.total_pages == self.cfg.num_pages
+        tree, pool = self.sched.tree, self.sched.pool
+        assert tree.protected_pages == 0
+        pool.free(tree.evict(tree.total_pages))
+        assert pool.num_free == self.cfg.num_pages and tree.total_pages == 0
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None,
