@@ -93,8 +93,8 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
         detok.finish(handle.final.finish_reason, final_ids)
         choice = p.CompletionChoice(text=detok.text, finish_reason=_finish(handle),
                                     token_ids=final_ids if body.return_token_ids else None)
-        return JSONResponse(p.CompletionResponse(id=handle.rid, model=state.model_name, choices=[choice],
-                                                 usage=_usage(handle)).model_dump(exclude_none=True))
+        resp = p.CompletionResponse(id=handle.rid, model=state.model_name, choices=[choice], usage=_usage(handle))
+        return JSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": handle.rid})
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatCompletionRequest, request: Request):
@@ -114,7 +114,8 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
             return Response(status_code=499)
         detok.finish(handle.final.finish_reason, final_ids)
         choice = p.ChatChoice(message=p.AssistantMessage(content=detok.text), finish_reason=_finish(handle))
-        return p.ChatCompletionResponse(id=handle.rid, model=state.model_name, choices=[choice], usage=_usage(handle))
+        resp = p.ChatCompletionResponse(id=handle.rid, model=state.model_name, choices=[choice], usage=_usage(handle))
+        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": handle.rid})
 
     return app
 
@@ -197,7 +198,7 @@ class _EngineStream(StreamingResponse):
 
     def __init__(self, content, handle: RequestHandle):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": handle.rid})
         self.handle = handle
 
     async def __call__(self, scope, receive, send) -> None:
