@@ -57,6 +57,7 @@ from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.config import SchedulerConfig
 from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.events import Event, StepStats
+from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool, cdiv
 from minisched.sched.policy import SchedulePolicy
 from minisched.sched.prefill_adder import AddResult, PrefillAdder
@@ -427,26 +428,6 @@ class Scheduler:
 
     # -- invariants -----------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError unless: free + cached + held pages == total, each page owned
-        once; lock refs == live requests locking each node; each request's state and token
-        counts agree with its queue. Call between steps (no batch in flight)."""
-        assert self._in_flight is None, "check_invariants called with a batch in flight"
-        queues = [(self.waiting, ReqStatus.WAITING), (self.running, ReqStatus.RUNNING),
-                  ([self.chunked_req] if self.chunked_req else [], ReqStatus.PREFILLING)]
-        assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, self.reqs.values())), \
-            "live requests != waiting + running + chunked"
-        locks: dict[int, int] = {}
-        held: list[int] = []
-        for queue, status in queues:
-            for r in queue:
-                assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
-                r.check(self.config.page_size, self.config.max_context_len)
-                if r.last_node is not None:
-                    assert self.tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree"
-                    node = r.last_node
-                    while node is not self.tree.root:
-                        locks[id(node)] = locks.get(id(node), 0) + 1
-                        node = node.parent
-                held.extend(r.page_ids[r.n_cached_pages:])
-        self.tree.check(locks)
-        self.pool.check_partition(self.tree.all_pages(), held)
+        """Raise AssertionError unless the pool, the radix cache and the queues agree
+        (invariants.py). Call between steps (no batch in flight)."""
+        check_scheduler(self)

@@ -1,0 +1,41 @@
+"""The scheduler's invariants, checked between steps (tests call them after every step).
+
+- free + cached + held pages == total, each page owned exactly once;
+- each radix node's lock count == the live requests whose prefix passes through it;
+- each live request sits in exactly the queue its status names (waiting, running, the
+  carried chunk), and its token counts and page table agree with that state (`Req.check`).
+
+Pure Python; raises AssertionError.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from minisched.sched.req import ReqStatus
+
+if TYPE_CHECKING:
+    from minisched.sched.scheduler import Scheduler
+
+
+def check_scheduler(sched: Scheduler) -> None:
+    assert sched._in_flight is None, "check_invariants called with a batch in flight"
+    tree, cfg = sched.tree, sched.config
+    queues = [(sched.waiting, ReqStatus.WAITING), (sched.running, ReqStatus.RUNNING),
+              ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING)]
+    assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, sched.reqs.values())), \
+        "live requests != waiting + running + chunked"
+    locks: dict[int, int] = {}
+    held: list[int] = []
+    for queue, status in queues:
+        for r in queue:
+            assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
+            r.check(cfg.page_size, cfg.max_context_len)
+            if r.last_node is not None:
+                assert tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree"
+                node = r.last_node
+                while node is not tree.root:
+                    locks[id(node)] = locks.get(id(node), 0) + 1
+                    node = node.parent
+            held.extend(r.page_ids[r.n_cached_pages:])
+    tree.check(locks)
+    sched.pool.check_partition(tree.all_pages(), held)
