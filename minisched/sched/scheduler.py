@@ -50,7 +50,6 @@ abort of a request in the batch in flight takes effect at `process_batch_result`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from minisched.sched.batch import Batch, ForwardMode
