@@ -12,6 +12,11 @@ under torch.compile. The grid is an upper bound on the tile count; spare program
 When the tiles cannot fill the GPU (few queries over a long KV, e.g. a shared prefix), the KV
 range is split too and the fp32 partials are merged by paged_decode_attention's reduce kernel.
 shared_prefix_attention runs the same kernel non-causally (see _launch).
+
+No recompiles as batches change: the tile shape depends on head_dim only (prefill_tile), the
+split count and request count are runtime ints that Triton does not specialize on. Tiles give
+each warpgroup its own 64 query rows (BLOCK_M 64 / 4 warps, BLOCK_M 128 / 8 warps). A request
+with no KV pages is an empty range (kv_len 0): its rows, if any, get o = 0, lse = -inf.
 """
 
 from typing import Optional
@@ -21,21 +26,21 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .paged_decode_attention import LOG2E, _dot, _reduce_splits_kernel
+from .paged_decode_attention import LOG2E, _dot, reduce_splits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_ln", "stride_lh"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,
     tile_req_ptr, tile_first_ptr,
     o_ptr, lse_ptr,
-    num_reqs, qk_scale, page_size,
+    num_reqs, qk_scale, page_size, num_splits,
     stride_qn, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_on, stride_oh, stride_os,
     stride_ln, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -47,7 +52,8 @@ def _prefill_kernel(
     q_start = tl.load(qo_indptr_ptr + b)
     qo_len = tl.load(qo_indptr_ptr + b + 1) - q_start
     page0 = tl.load(kv_indptr_ptr + b)
-    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page0 - 1) * page_size + tl.load(kv_last_ptr + b)
+    npages = tl.load(kv_indptr_ptr + b + 1) - page0
+    kv_len = tl.where(npages > 0, (npages - 1) * page_size + tl.load(kv_last_ptr + b), 0)  # no pages: empty
 
     # -- this tile's packed rows: (token, head in group) --
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,7 +71,7 @@ def _prefill_kernel(
     else:
         kv_end = kv_len
     # -- this split's KV range [kv_start, kv_stop) --
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * chunk
     kv_stop = tl.minimum(kv_start + chunk, kv_end)
 
@@ -119,9 +125,7 @@ def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
     assert lse is None or lse.stride(1) == 1
     group = hq // hkv
-    block_m = max(16, min(64, triton.next_power_of_2(nq * group)))
-    block_n = 64
-    num_warps = 8 if d > 64 else 4  # D=128 with 4 warps needs ~254 registers (split-KV variant)
+    block_m, block_n, num_warps = prefill_tile(d)
     # -- device-side plan: tile t belongs to request tile_req[t] (== batch: spare program) --
     tiles = (qo_indptr[1:] - qo_indptr[:-1]) * group
     tiles = (tiles + (block_m - 1)) // block_m
@@ -132,10 +136,10 @@ def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_
     tile_req = torch.searchsorted(tile_last, tile_ids, right=True, out_int32=True)
     splits = _num_splits(triton.cdiv(nq * group, block_m) * hkv, kv_indices.shape[0] * page_size, block_n)
     has_lse = lse is not None
-    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, CAUSAL=bool(causal),
-                  IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps)
+    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+                  IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps, num_stages=PREFILL_STAGES)
     args = (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_req, tile_first)
-    scalars = (batch, sm_scale * LOG2E, page_size,
+    scalars = (batch, sm_scale * LOG2E, page_size, splits,
                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     grid = (max_tiles, hkv, splits)
     if splits == 1:
@@ -156,15 +160,16 @@ def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         HAS_LSE=True, **common,
     )
-    lse_t = lse if has_lse else out
-    wrap_triton(_reduce_splits_kernel)[(nq, hq)](
-        part_o, part_lse, out, lse_t,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=d, HAS_LSE=has_lse,
-        num_warps=4,
-    )
+    reduce_splits(part_o, part_lse, out, lse)
+
+
+PREFILL_STAGES = 3
+
+
+def prefill_tile(head_dim: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps): one warpgroup per 64 query rows, so no two warpgroups repeat
+    the same QK^T / softmax (BLOCK_M 64 with 8 warps did). Fixed per head_dim: never batch-dependent."""
+    return (128, 64, 8) if head_dim > 64 else (64, 64, 4)
 
 
 def _num_splits(programs: int, max_kv_len: int, block_n: int) -> int:

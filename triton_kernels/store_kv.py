@@ -10,7 +10,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # N is the batch in decode: no recompiles
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_tokens, num_heads,
@@ -45,7 +45,7 @@ def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     assert slot_mapping.dtype == torch.int32 and slot_mapping.is_contiguous()
     block_d = triton.next_power_of_2(d)
     block_h = max(1, min(triton.next_power_of_2(hkv), 2048 // block_d))  # <= 2048 elements: no spills
-    block_t = max(1, min(triton.next_power_of_2(n), 2048 // (block_h * block_d)))
+    block_t = max(1, 2048 // (block_h * block_d))  # never from n: one compiled variant for every batch
     grid = (triton.cdiv(n, block_t), triton.cdiv(hkv, block_h))
     wrap_triton(_store_kv_kernel)[grid](
         k, v, k_cache, v_cache, slot_mapping,
