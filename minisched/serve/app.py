@@ -228,7 +228,7 @@ async def _completion_chunks(state: ServerState, body: p.CompletionRequest, hand
             break
         reason = None if upd.finish_reason is None else _finish(handle)
         text = detok.add(upd.token_ids) if reason is None else detok.finish(upd.finish_reason, upd.token_ids)
-        if text or reason or body.return_token_ids:
+        if upd.token_ids or reason:  # a chunk per engine update, even with no text yet (TTFT, token counts)
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             if body.return_token_ids:
                 choice["token_ids"] = upd.token_ids
@@ -251,11 +251,14 @@ async def _chat_chunks(state: ServerState, body: p.ChatCompletionRequest, handle
         if upd.finish_reason == "error":
             yield _sse_error(handle)
             break
-        text = detok.add(upd.token_ids) if upd.finish_reason is None else detok.finish(upd.finish_reason, upd.token_ids)
+        if upd.finish_reason is None:
+            if upd.token_ids:  # a chunk per engine update, even with no text yet (TTFT, token counts)
+                yield chunk({"content": detok.add(upd.token_ids)})
+            continue
+        text = detok.finish(upd.finish_reason, upd.token_ids)
         if text:
             yield chunk({"content": text})
-        if upd.finish_reason is not None:
-            yield chunk({}, _finish(handle))
+        yield chunk({}, _finish(handle))
     else:
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(handle).model_dump()})

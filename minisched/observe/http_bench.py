@@ -1,0 +1,165 @@
+"""The serving benchmark over HTTP: the same workloads as the in-process bench, sent to any
+OpenAI-compatible server (minisched serve, vLLM, SGLang) and measured on the client side.
+
+    summary, record = run_http_bench("http://127.0.0.1:30000", make_workload("poisson", 64, 4.0))
+    save_runs("run.json", [record])       # `minisched report run.json -o report.png` draws it
+
+Each request is a streaming `POST /v1/completions` with the workload's token-id prompt,
+`max_tokens`, `temperature: 0`, `ignore_eos: true` (a vLLM / SGLang / minisched extension that
+forces the output length) and `stream_options.include_usage`, sent at its Poisson arrival time
+(one connection per request). Measured per request, in seconds from its scheduled arrival:
+TTFT (first streamed choice), e2e (the `[DONE]`), TPOT ((e2e - TTFT) / (tokens - 1)) and
+the inter-token latencies (gaps between streamed chunks; a server that coalesces tokens
+sends fewer, larger gaps). Output tokens and cached prompt tokens come from the final
+`usage` (streamed chunks are counted when a server sends none).
+
+The summary has the in-process bench's keys (`minisched.observe.workloads.summarize`) plus
+`itl_s`, `failed` and `errors`; server-side quantities it cannot see (scheduler share,
+retractions) are 0. The RunRecord's lifecycle is the client's view: waiting until the first
+token (queueing and prefill together), then decoding, then finished (or aborted on an error).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import httpx
+
+from minisched.observe.run_record import RunRecord
+from minisched.observe.workloads import BenchRequest, RequestResult, RunResult, percentiles, summarize
+from minisched.sched.events import Event
+from minisched.sched.req import ReqStatus
+
+
+@dataclass
+class _Trace:
+    sent: Optional[float] = None
+    first: Optional[float] = None
+    chunks: list[float] = field(default_factory=list)
+    done: Optional[float] = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    error: Optional[str] = None
+
+
+def _base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise RuntimeError("the server lists no models (GET /v1/models)")
+    return data[0]["id"]
+
+
+async def _one(client: httpx.AsyncClient, model: str, br: BenchRequest, start: float, tr: _Trace) -> None:
+    await asyncio.sleep(max(0.0, start + br.arrival - time.monotonic()))
+    body = {"model": model, "prompt": list(br.prompt_ids), "max_tokens": br.max_new_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    tr.sent = time.monotonic()
+    chunk_tokens = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                tr.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    tr.done = time.monotonic()
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    tr.error = str(msg["error"].get("message", msg["error"]))[:200]
+                    return
+                now = time.monotonic()
+                for ch in msg.get("choices") or []:
+                    if tr.first is None:
+                        tr.first = now
+                    tr.chunks.append(now)
+                    chunk_tokens += 1
+                    tr.finish_reason = ch.get("finish_reason") or tr.finish_reason
+                usage = msg.get("usage")
+                if usage:
+                    tr.output_tokens = usage.get("completion_tokens", 0)
+                    tr.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+    except httpx.HTTPError as exc:
+        tr.error = f"{type(exc).__name__}: {exc}"[:200]
+        return
+    if tr.done is None:
+        tr.error = "the stream ended without [DONE]"
+    elif not tr.output_tokens:
+        tr.output_tokens = chunk_tokens
+
+
+async def _run(url: str, workload: list[BenchRequest], model: Optional[str], api_key: Optional[str],
+               progress: Optional[Callable[[dict], None]], timeout: float) -> tuple[str, float, float, list[_Trace]]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(workload))
+    async with httpx.AsyncClient(base_url=_base(url), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(timeout, connect=30.0)) as client:
+        model = model or await _first_model(client)
+        traces = [_Trace() for _ in workload]
+        start = time.monotonic()
+        tasks = [asyncio.ensure_future(_one(client, model, br, start, tr)) for br, tr in zip(workload, traces)]
+        if progress is not None:
+            while not all(t.done() for t in tasks):
+                await asyncio.wait(tasks, timeout=0.25)
+                done = sum(t.done() for t in tasks)
+                sent = sum(tr.sent is not None for tr in traces)
+                progress({"elapsed": time.monotonic() - start, "done": done, "total": len(tasks),
+                          "running": sent - done, "waiting": len(tasks) - sent})
+        await asyncio.gather(*tasks)
+        return model, start, time.monotonic(), traces
+
+
+def run_http_bench(url: str, workload: list[BenchRequest], model: Optional[str] = None,
+                   api_key: Optional[str] = None, progress: Optional[Callable[[dict], None]] = None,
+                   name: str = "http", timeout: float = 600.0) -> tuple[dict, RunRecord]:
+    """Replay `workload` against the OpenAI-compatible server at `url` (with or without /v1);
+    `model`: default the first of GET /v1/models. Returns (summary, RunRecord)."""
+    model, start, end, traces = asyncio.run(_run(url, workload, model, api_key, progress, timeout))
+    results, events, itl = [], [], []
+    for br, tr in zip(workload, traces):
+        ok = tr.error is None
+        arrival = br.arrival
+        first = tr.first - start if ok and tr.first is not None else None
+        finish = tr.done - start if ok else None
+        results.append(RequestResult(br.rid, len(br.prompt_ids), tr.output_tokens if ok else 0, arrival, first,
+                                     finish, tr.cached_tokens))
+        itl += [b - a for a, b in zip(tr.chunks, tr.chunks[1:])] if ok else []
+        events += _events(br, tr, start)
+    run = RunResult(name, results, end - start, start, 0.0, 0, 0.0)
+    summary = summarize(run)
+    failed = [tr.error for tr in traces if tr.error is not None]
+    summary.update(itl_s=percentiles(itl), failed=len(failed), errors=sorted(set(failed))[:5], url=url, model=model)
+    config = {"client": "http", "url": url, "model": model, "mode": name,
+              "lifecycle": "client view: waiting = time to first token (queue + prefill)"}
+    record = RunRecord.from_events(name, sorted(events, key=lambda e: e.time), [], 0, 0, config=config,
+                                   summary=summary, start_time=start)
+    return summary, record
+
+
+def _events(br: BenchRequest, tr: _Trace, start: float) -> list[Event]:
+    """The client's view of one request as lifecycle events (absolute times)."""
+    n, arrival = len(br.prompt_ids), start + br.arrival
+    out = [Event(arrival, 0, br.rid, None, ReqStatus.WAITING, n, 0, 0, 0)]
+    if tr.error is not None:
+        end = max(tr.first or arrival, tr.sent or arrival)
+        return out + [Event(end, 0, br.rid, ReqStatus.WAITING, ReqStatus.ABORTED, n, 0, 0, 0, "error")]
+    first = tr.first if tr.first is not None else tr.done
+    out += [Event(first, 0, br.rid, ReqStatus.WAITING, ReqStatus.PREFILLING, n, 0, 0, tr.cached_tokens),
+            Event(first, 0, br.rid, ReqStatus.PREFILLING, ReqStatus.RUNNING, n, 1, n, tr.cached_tokens),
+            Event(tr.done, 0, br.rid, ReqStatus.RUNNING, ReqStatus.FINISHED, n, tr.output_tokens, n, tr.cached_tokens,
+                  tr.finish_reason)]
+    return out
