@@ -215,6 +215,10 @@ def render_figure(runs: list[RunRecord]):
         gantt_ax.tick_params(labelbottom=True)
         queue_ax.set_xlabel(f"time since run start ({unit})")
     columns[0][1].set_xlim(0, t_max * 1.01 if t_max > 0 else 1.0)
+    # the latency axes are shared across runs: fit the slowest run's latencies, not the first's
+    lat_max = max((v for rec in runs for r in rec.requests for v in (r["ttft"], r["e2e_latency"]) if v is not None),
+                  default=0.0) * scale
+    columns[0][4].set_xlim(0, lat_max * 1.03 if lat_max > 0 else 1.0)
     if len(runs) > 1:
         kv_top = max(max(r.num_pages for r in runs), 1)
         columns[0][2].set_ylim(0, kv_top * HEADROOM)
