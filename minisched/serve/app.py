@@ -287,7 +287,8 @@ def _validation_message(err: dict) -> tuple[str, Optional[str]]:
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
-        return f"We could not parse the JSON body of your request ({err.get('ctx', {}).get('error', 'invalid JSON')}).", None
+        why = err.get("ctx", {}).get("error", "invalid JSON")
+        return f"We could not parse the JSON body of your request ({why}).", None
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if not loc and kind in ("model_attributes_type", "dict_type"):
@@ -319,8 +320,8 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return JSONResponse(p.APIError(500, f"internal server error ({type(exc).__name__})", type="server_error").body(),
-                            status_code=500)
+        err = p.APIError(500, f"internal server error ({type(exc).__name__})", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
 
 
 class BearerAuth:

@@ -35,7 +35,7 @@ class _EngineCollector:
                 ("minisched_num_requests_running", "requests in the decode batch", s.running),
                 ("minisched_num_requests_waiting", "requests waiting for prefill", s.waiting),
                 ("minisched_kv_pages_total", "pages in the KV pool", s.pages_total),
-                ("minisched_kv_pages_used", "KV pages allocated (requests + radix cache)", s.pages_total - s.pages_free),
+                ("minisched_kv_pages_used", "KV pages allocated (requests + cache)", s.pages_total - s.pages_free),
                 ("minisched_kv_pages_cached", "KV pages held by the radix cache", s.pages_cached),
                 ("minisched_kv_pages_evictable", "radix-cache pages no live request locks", s.pages_evictable),
                 ("minisched_kv_pages_free", "free KV pages", s.pages_free),
@@ -43,6 +43,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("minisched_retractions", "requests retracted under KV pressure", value=s.retractions)
         yield CounterMetricFamily("minisched_engine_steps", "engine steps", value=s.steps)
+        yield CounterMetricFamily("minisched_engine_loop_errors", "errors the engine thread survived",
+                                  value=s.step_errors)
 
 
 class ServerMetrics:

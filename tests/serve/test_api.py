@@ -7,7 +7,6 @@ import json
 
 import httpx
 import openai
-import pytest
 
 from minisched.engine import Engine
 from minisched.sched.req import SamplingParams
