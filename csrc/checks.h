@@ -124,16 +124,16 @@ inline std::string head_str(const int32_t* p, int64_t n) {
   return os.str();
 }
 
-// CSR page table: indptr starts at 0, gives every request >= 1 page, ends at len(indices);
-// 1 <= last_page_len <= page_size; indices in [0, num_pages).
+// CSR page table: indptr starts at 0, is non-decreasing (a request with no pages is an empty KV
+// range, length 0), ends at len(indices); 1 <= last_page_len <= page_size; indices in [0, num_pages).
 inline void check_page_table_values(const char* op, const std::string& prefix, const at::Tensor& indptr,
                                     const at::Tensor& indices, const at::Tensor& last, int64_t num_pages,
                                     int64_t page_size) {
   const int32_t* ip = host_ints(op, "kv_indptr", indptr);
   const int64_t batch = indptr.numel() - 1;
   bool ok = ip[0] == 0 && ip[batch] == indices.numel();
-  for (int64_t b = 0; ok && b < batch; ++b) ok = ip[b + 1] - ip[b] >= 1;
-  TORCH_CHECK_VALUE(ok, op, ": ", prefix, "kv_indptr must start at 0, give every request >= 1 page and end at "
+  for (int64_t b = 0; ok && b < batch; ++b) ok = ip[b + 1] >= ip[b];
+  TORCH_CHECK_VALUE(ok, op, ": ", prefix, "kv_indptr must start at 0, be non-decreasing and end at "
                     "len(kv_indices)=", indices.numel(), "; got ", head_str(ip, indptr.numel()));
   const int32_t* lp = host_ints(op, "kv_last_page_len", last);
   for (int64_t b = 0; b < batch; ++b)
@@ -160,7 +160,7 @@ inline void check_qo_len_values(const char* op, const at::Tensor& qo_indptr, con
   const int32_t* lp = host_ints(op, "kv_last_page_len", last);
   for (int64_t b = 0; b + 1 < qo_indptr.numel(); ++b) {
     const int64_t qo_len = qo[b + 1] - qo[b];
-    const int64_t kv_len = int64_t(kv[b + 1] - kv[b] - 1) * page_size + lp[b];
+    const int64_t kv_len = kv[b + 1] > kv[b] ? int64_t(kv[b + 1] - kv[b] - 1) * page_size + lp[b] : 0;
     TORCH_CHECK_VALUE(qo_len <= kv_len, op, ": request ", b, ": qo_len ", qo_len, " > kv_len ", kv_len);
   }
 }

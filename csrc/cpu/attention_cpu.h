@@ -88,7 +88,8 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
   const int64_t t0 = it.t0, t1 = std::min<int64_t>(qo_len, t0 + tq);
   const int64_t rows = (t1 - t0) * g;
   const int32_t* pages = p.kv_indices + p.kv_indptr[it.b];
-  const int64_t kv_len = int64_t(p.kv_indptr[it.b + 1] - p.kv_indptr[it.b] - 1) * ps + p.kv_last_page_len[it.b];
+  const int64_t npages = p.kv_indptr[it.b + 1] - p.kv_indptr[it.b];  // 0: an empty range (o = 0, lse = -inf)
+  const int64_t kv_len = npages > 0 ? (npages - 1) * ps + p.kv_last_page_len[it.b] : 0;
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* kc = static_cast<const scalar_t*>(p.k_cache);
   const auto* vc = static_cast<const scalar_t*>(p.v_cache);

@@ -12,6 +12,7 @@
 #include "cuda/attention_utils.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace minisched::cuda {
@@ -35,6 +36,37 @@ size_t smem_bytes(int warps) {
   return size_t(16 * warps + 2 * kStages * kBlockN) * pitch<D>() * 2;
 }
 
+// Which request and which row tile of it CTA column x works on (decode: x = b * tiles_per_request
+// + tile; ragged: the device tile map, a request's last tiles first). ok = false: a spare CTA.
+struct TileLoc {
+  int b, tile, q_start, qo_len;
+  bool ok;
+};
+__device__ __forceinline__ TileLoc locate_tile(const AttentionParams& p, int x) {
+  TileLoc t{};
+  if (p.qo_indptr == nullptr) {
+    t.b = x / p.tiles_per_request;
+    t.tile = x % p.tiles_per_request;
+    t.q_start = t.b;
+    t.qo_len = 1;
+    t.ok = true;
+    return t;
+  }
+  t.ok = x < p.tile_offsets[p.batch];
+  if (!t.ok) return t;
+  int lo = 0, hi = p.batch - 1;  // largest b with tile_offsets[b] <= x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.tile_offsets[mid] <= x) lo = mid; else hi = mid - 1;
+  }
+  t.b = lo;
+  const int ntiles = p.tile_offsets[lo + 1] - p.tile_offsets[lo];
+  t.tile = ntiles - 1 - (x - p.tile_offsets[lo]);  // the last (heaviest when causal) tiles first
+  t.q_start = p.qo_indptr[lo];
+  t.qo_len = p.qo_indptr[lo + 1] - t.q_start;  // the tile map gave 0 tiles to invalid ranges
+  return t;
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const AttentionParams p) {
   constexpr int SP = pitch<D>();
@@ -56,34 +88,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const A
   const int g = p.group;
 
   // -- which request and which tile of its rows -------------------------------------------------
-  int b, tile, q_start, qo_len;
-  if (p.qo_indptr == nullptr) {
-    b = blockIdx.x / p.tiles_per_request;
-    tile = blockIdx.x % p.tiles_per_request;
-    q_start = b;
-    qo_len = 1;
-  } else {
-    const int x = blockIdx.x;
-    if (x >= p.tile_offsets[p.batch]) return;
-    int lo = 0, hi = p.batch - 1;  // largest b with tile_offsets[b] <= x
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.tile_offsets[mid] <= x) lo = mid; else hi = mid - 1;
-    }
-    b = lo;
-    const int ntiles = p.tile_offsets[b + 1] - p.tile_offsets[b];
-    tile = ntiles - 1 - (x - p.tile_offsets[b]);  // the last (heaviest when causal) tiles first
-    q_start = p.qo_indptr[b];
-    qo_len = p.qo_indptr[b + 1] - q_start;  // the tile map gave 0 tiles to invalid ranges
-  }
+  const TileLoc loc = locate_tile(p, blockIdx.x);
+  if (!loc.ok) return;
+  const int b = loc.b, tile = loc.tile, q_start = loc.q_start, qo_len = loc.qo_len;
   const int rows_total = qo_len * g;
   const int row_beg = tile * rows_tile;
   const int rows_valid = min(rows_tile, rows_total - row_beg);
 
   // -- request validity (never dereference a bad page table) -------------------------------------
   const int kv_beg = p.kv_indptr[b], kv_endp = p.kv_indptr[b + 1], last = p.kv_last_page_len[b];
-  bool bad = !(kv_beg >= 0 && kv_beg < kv_endp && kv_endp <= p.nnz && last >= 1 && last <= p.page_size);
-  const long long kv_len_ll = (long long)(kv_endp - kv_beg - 1) * p.page_size + last;
+  // no pages (kv_beg == kv_endp) is an empty KV range: kv_len 0, so o = 0 and lse = -inf
+  bool bad = !(kv_beg >= 0 && kv_beg <= kv_endp && kv_endp <= p.nnz && last >= 1 && last <= p.page_size);
+  const long long kv_len_ll = kv_endp > kv_beg ? (long long)(kv_endp - kv_beg - 1) * p.page_size + last : 0;
   bad = bad || kv_len_ll > 0x7fffffffLL || (p.causal && kv_len_ll < qo_len);  // causal rows need >= 1 key
   const int kv_len = bad ? 0 : int(kv_len_ll);
 
@@ -282,17 +298,23 @@ __global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const A
   }
 }
 
-// Merge the splits' partial (out, lse) by log-sum-exp: one thread per 4 output elements.
+// Merge the splits' partial (out, lse) by log-sum-exp over the same (tile, kv head) grid as the
+// attention kernel, so exactly the rows some tile computed are written (a row of an invalid
+// qo range has no tile, and its output stays untouched, as with one split). All splits empty
+// (an empty KV range) gives out = 0, lse = -inf; a NaN partial (bad page table) stays NaN.
 template <typename T, int D>
-__global__ void __launch_bounds__(256) merge_splits_kernel(const AttentionParams p) {
-  const long long rows = (long long)p.num_qo * p.num_heads;
-  const long long total = rows * (D / 4);
-  const long long split_stride = rows;
+__global__ void __launch_bounds__(256) merge_splits_kernel(const AttentionParams p, int rows_tile) {
+  const TileLoc loc = locate_tile(p, blockIdx.x);
+  if (!loc.ok) return;
+  const int g = p.group, kvh = blockIdx.y;
+  const int row_beg = loc.tile * rows_tile;
+  const int rows_valid = min(rows_tile, loc.qo_len * g - row_beg);
+  const long long split_stride = (long long)p.num_qo * p.num_heads;
   T* out = reinterpret_cast<T*>(p.out);
-  for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-       idx += (long long)gridDim.x * blockDim.x) {
-    const long long rh = idx / (D / 4);
-    const int d = int(idx % (D / 4)) * 4;
+  for (int idx = threadIdx.x; idx < rows_valid * (D / 4); idx += blockDim.x) {
+    const int pr = row_beg + idx / (D / 4);
+    const int d = (idx % (D / 4)) * 4;
+    const long long rh = (long long)(loc.q_start + pr / g) * p.num_heads + kvh * g + pr % g;
     float m = kNegInf;
     for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.part_lse[s * split_stride + rh]);
     const float m_use = m == kNegInf ? 0.f : m;
@@ -366,6 +388,32 @@ int choose_splits(long long base_ctas, int slots, long long est_kv_len) {
   return best;
 }
 
+// Once per kernel configuration (T, D, warps) and device, not per call: opt in to the dynamic
+// shared memory and query the occupancy. Benign race: two first callers both compute the same value.
+template <typename T, int D>
+cudaError_t kernel_setup(int warps, size_t smem, int* per_sm) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> cache[kDevices][kMaxWarps + 1];  // 0: not yet; else CTAs per SM + 1
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  std::atomic<int>* slot = dev >= 0 && dev < kDevices ? &cache[dev][warps] : nullptr;
+  if (slot != nullptr) {
+    const int v = slot->load(std::memory_order_relaxed);
+    if (v > 0) {
+      *per_sm = v - 1;
+      return cudaSuccess;
+    }
+  }
+  auto kernel = paged_attention_kernel<T, D>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, warps * 32, smem);
+  if (err != cudaSuccess) return err;
+  if (slot != nullptr) slot->store(*per_sm + 1, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
 template <typename T, int D>
 cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, WorkspaceAllocator& alloc,
                          cudaStream_t stream) {
@@ -374,7 +422,8 @@ cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, Wor
   const int rows_tile = 16 * warps;
   const size_t smem = smem_bytes<D>(warps);
   auto kernel = paged_attention_kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  int per_sm = 0;
+  cudaError_t err = kernel_setup<T, D>(warps, smem, &per_sm);
   if (err != cudaSuccess) return err;
 
   long long grid_x;
@@ -391,9 +440,6 @@ cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, Wor
   if (grid_x == 0 || p.num_qo == 0) return cudaSuccess;
   est_ctas = std::max<long long>(1, est_ctas) * p.num_kv_heads;
 
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem);
-  if (err != cudaSuccess) return err;
   p.num_splits = choose_splits(est_ctas, std::max(1, per_sm) * num_sms, est_kv_len);
 
   if (ragged) {
@@ -409,9 +455,7 @@ cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, Wor
   dim3 grid(unsigned(grid_x), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, warps * 32, smem, stream>>>(p);
   if (p.num_splits > 1) {
-    const long long total = (long long)p.num_qo * p.num_heads * (D / 4);
-    const int blocks = int(std::min<long long>((total + 255) / 256, (long long)num_sms * 16));
-    merge_splits_kernel<T, D><<<blocks, 256, 0, stream>>>(p);
+    merge_splits_kernel<T, D><<<dim3(unsigned(grid_x), unsigned(p.num_kv_heads)), 128, 0, stream>>>(p, rows_tile);
   }
   return cudaGetLastError();
 }

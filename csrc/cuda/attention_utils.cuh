@@ -106,7 +106,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // Bad page-table entries (page index outside [0, num_pages), indptr/last_page_len/qo_indptr
 // inconsistent with the pool or the query count) are never dereferenced: that request's output
 // rows (and LSE) are written as NaN instead. The host wrappers cannot check index values of
-// CUDA tensors without a device sync, so this is the documented CUDA behaviour.
+// CUDA tensors without a device sync, so this is the documented CUDA behaviour. A request with
+// no pages (kv_indptr[b] == kv_indptr[b+1]) is not bad: an empty KV range, out 0 and lse -inf.
 struct AttentionParams {
   const void* q;          // [num_qo, Hq, D]
   const void* k_cache;    // [num_pages, page_size, Hkv, D]

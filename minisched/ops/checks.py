@@ -94,8 +94,8 @@ def check_page_table(op: str, prefix: str, indptr, indices, last, batch: int, nu
     if not values:
         return
     ip = indptr.cpu()
-    if int(ip[0]) != 0 or bool((ip[1:] - ip[:-1] < 1).any()) or int(ip[-1]) != indices.shape[0]:
-        _fail(ValueError, op, f"{prefix}kv_indptr must start at 0, give every request >= 1 page and end at "
+    if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) != indices.shape[0]:
+        _fail(ValueError, op, f"{prefix}kv_indptr must start at 0, be non-decreasing and end at "
               f"len(kv_indices)={indices.shape[0]}; got {ip.tolist()[:8]}...")
     if last.numel() and (int(last.min()) < 1 or int(last.max()) > page_size):
         _fail(ValueError, op, f"{prefix}kv_last_page_len must be in 1..page_size={page_size}")
@@ -103,7 +103,9 @@ def check_page_table(op: str, prefix: str, indptr, indices, last, batch: int, nu
 
 
 def kv_lens(indptr: torch.Tensor, last: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (indptr[1:] - indptr[:-1] - 1).long() * page_size + last.long()
+    """KV length per request; a request with no pages is an empty range (length 0)."""
+    npages = (indptr[1:] - indptr[:-1]).long()
+    return torch.where(npages > 0, (npages - 1) * page_size + last.long(), 0)
 
 
 def check_query(op: str, q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> None:

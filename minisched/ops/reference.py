@@ -22,11 +22,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def gather_request_kv(
     cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, b: int
 ) -> torch.Tensor:
-    """Request b's tokens from one layer's K or V cache, in order: [kv_len, Hkv, D]."""
+    """Request b's tokens from one layer's K or V cache, in order: [kv_len, Hkv, D] (no pages: kv_len 0)."""
     page_size = cache.shape[1]
     start, end = int(kv_indptr[b]), int(kv_indptr[b + 1])
     pages = kv_indices[start:end].long()
-    kv_len = (end - start - 1) * page_size + int(kv_last_page_len[b])
+    kv_len = (end - start - 1) * page_size + int(kv_last_page_len[b]) if end > start else 0
     return cache[pages].reshape(-1, *cache.shape[2:])[:kv_len]
 
 

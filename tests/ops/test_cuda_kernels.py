@@ -142,6 +142,43 @@ def test_bad_page_index_poisons_only_its_request(dtype, gen):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[4000, 3000], [40, 30]], ids=["split-kv", "one-split"])
+def test_empty_kv_range_gives_zero_and_neg_inf(dtype, lens, gen):
+    """A request with no pages (an empty suffix in cascade decode) gives out 0, lse -inf, not NaN,
+    through the direct epilogue and through the split merge (every split empty)."""
+    kv = make_paged_kv(lens, 16, 2, 128, dtype, "cuda", gen=gen)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    n0 = int(kv.kv_indptr[1])
+    indptr = torch.tensor([0, 0, n0, n0], **i32)  # requests 0 and 2 empty, request 1 = the old request 0
+    last = torch.tensor([1, int(kv.kv_last_page_len[0]), 16], **i32)
+    indices = kv.kv_indices[:n0].contiguous()
+    q = randn((3, 16, 128), dtype, "cuda", gen)
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(3, 16, device="cuda"))
+    ops.call_op("paged_decode_attention", (q, kv.k_cache, kv.v_cache, indptr, indices, last, 0.1, out, lse), "native")
+    q64, k64, v64 = to_ref(q, kv.k_cache, kv.v_cache)
+    ro, rl = torch.empty_like(q64), torch.empty(3, 16)
+    reference.paged_decode_attention(q64, k64, v64, *to_ref(indptr, indices, last), 0.1, ro, rl)
+    assert bool((out[[0, 2]] == 0).all()) and bool((lse[[0, 2]] == float("-inf")).all())
+    check(out, lse, ro, rl, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_merge_writes_only_computed_rows(dtype, gen):
+    """Split-KV prefill (few rows, long KV) with an invalid qo range (check=False: CUDA does not read index
+    values on the host): the rows no tile computed stay as they were; the valid request is right."""
+    kv = make_paged_kv([3000, 3000], 16, 2, 64, dtype, "cuda", gen=gen)
+    q = randn((8, 4, 64), dtype, "cuda", gen)
+    qo_indptr = torch.tensor([0, 4, 2], dtype=torch.int32, device="cuda")  # request 1: qo range 4..2, invalid
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(8, 4, device="cuda"))
+    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, False, 0.125, out, lse),
+                "native", check=False)
+    assert torch.isnan(out[4:]).all() and torch.isnan(lse[4:]).all(), "rows of no tile were written"
+    ref_qo = torch.tensor([0, 4], dtype=torch.int32)
+    ro, rl = ref_prefill(q[:4], ref_qo, kv, False, 0.125)  # only request 0 (same KV table prefix)
+    check(out[:4], lse[:4], ro, rl, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
 def test_merge_states_edge_lse(dtype, gen):
     n, h, d = 5, 3, 64

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ATTN_SHAPES, make_paged_kv, poison, ragged_lens, randn, targets, to_ref
+from conftest import ATTN_SHAPES, PagedKV, make_paged_kv, poison, ragged_lens, randn, targets, to_ref
 from minisched import ops
 from minisched.ops import reference
 
@@ -34,6 +34,32 @@ def test_matches_reference(t, page_size, head_dim, hq, hkv, gen):
     scale = head_dim ** -0.5
     out, lse = run_decode(t, q, kv, scale)
     ref_out, ref_lse = expected(q, kv, scale)
+    torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def without_pages(kv, empty) -> PagedKV:
+    """The same caches with requests `empty` given no pages: an empty KV range (kv_len 0; last_page_len kept)."""
+    ip, idx = kv.kv_indptr.cpu().tolist(), kv.kv_indices.cpu()
+    lists = [[] if b in empty else idx[ip[b]:ip[b + 1]].tolist() for b in range(len(ip) - 1)]
+    indptr = torch.tensor([0] + [sum(map(len, lists[:b + 1])) for b in range(len(lists))], dtype=torch.int32)
+    indices = torch.tensor([p for pages in lists for p in pages], dtype=torch.int32)
+    dev = kv.kv_indptr.device
+    return PagedKV(kv.k_cache, kv.v_cache, indptr.to(dev), indices.to(dev), kv.kv_last_page_len,
+                   [0 if b in empty else n for b, n in enumerate(kv.kv_lens)])
+
+
+@pytest.mark.parametrize("t", TARGETS)
+@pytest.mark.parametrize("long", [40, 300], ids=["one-split", "split-kv"])
+@pytest.mark.parametrize("page_size,hq,hkv", [(16, 8, 2), (1, 4, 4)])
+def test_empty_kv_range(t, long, page_size, hq, hkv, gen):
+    """A request with no pages gives out 0 and lse -inf on every backend (and its neighbours are right),
+    whether the kernel writes the output directly or merges split-KV partials (all empty)."""
+    kv = without_pages(make_paged_kv([5, 3, long, 7], page_size, hkv, 64, t.dtype, t.device, gen=gen), {1, 3})
+    q = randn((4, hq, 64), t.dtype, t.device, gen)
+    out, lse = run_decode(t, q, kv, 0.125)
+    ref_out, ref_lse = expected(q, kv, 0.125)
+    assert bool((ref_out[[1, 3]] == 0).all()) and bool((ref_lse[[1, 3]] == float("-inf")).all())
     torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-3)
 

@@ -62,6 +62,21 @@ def test_requests_with_no_new_tokens(t, gen):
 
 
 @pytest.mark.parametrize("t", TARGETS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_empty_kv_range(t, causal, gen):
+    """Requests with no KV pages (so no queries) beside normal ones: only the normal rows are written."""
+    from test_paged_decode_attention import without_pages
+
+    kv = without_pages(make_paged_kv([9, 4, 30, 2], 16, 2, 64, t.dtype, t.device, gen=gen), {1, 3})
+    q = randn((12, 4, 64), t.dtype, t.device, gen)
+    qo_indptr = qo_indptr_of([5, 0, 7, 0], t.device)
+    out, lse = run(t, q, qo_indptr, kv, causal, 0.125)
+    ref_out, ref_lse = expected(q, qo_indptr, kv, causal, 0.125)
+    torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("t", TARGETS)
 def test_empty_batch(t, gen):
     kv = make_paged_kv([3], 16, 2, 64, t.dtype, t.device, gen=gen)
     q = randn((0, 4, 64), t.dtype, t.device, gen)

@@ -37,6 +37,25 @@ def test_matches_reference(t, page_size, head_dim, hq, hkv, gen):
 
 
 @pytest.mark.parametrize("t", TARGETS)
+@pytest.mark.parametrize("long", [20, 300], ids=["one-split", "split-kv"])
+def test_empty_prefix(t, long, gen):
+    """A group whose prefix has no pages: its rows get out 0, lse -inf (merging it then keeps the suffix only)."""
+    from test_paged_decode_attention import without_pages
+
+    kv = without_pages(make_paged_kv([long, 5, 16], 16, 2, 64, t.dtype, t.device, gen=gen), {1})
+    q = randn((6, 4, 64), t.dtype, t.device, gen)
+    gi = indptr_of([2, 3, 1], t.device)
+    out, lse = poison(torch.empty_like(q)), poison(q.new_empty(q.shape[:2], dtype=torch.float32))
+    ops.call_op("shared_prefix_attention", (q, gi, kv.k_cache, kv.v_cache, *kv.table, 0.1, out, lse), t.backend)
+    q64, k64, v64 = to_ref(q, kv.k_cache, kv.v_cache)
+    ref_out, ref_lse = torch.empty_like(q64), torch.empty(q.shape[:2])
+    reference.shared_prefix_attention(q64, gi.cpu(), k64, v64, *to_ref(*kv.table), 0.1, ref_out, ref_lse)
+    assert bool((ref_out[2:5] == 0).all()) and bool((ref_lse[2:5] == float("-inf")).all())
+    torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("t", TARGETS)
 def test_empty_groups(t, gen):
     kv = make_paged_kv([16, 5], 16, 2, 64, t.dtype, t.device, gen=gen)
     q = randn((0, 4, 64), t.dtype, t.device, gen)
