@@ -3,7 +3,8 @@ static batching over HTTP. Writes JSON (default benchmarks/results/http_serving.
 
     .venv/bin/python benchmarks/bench_http.py [--model smollm2] [--pairs 2] [--num-requests 16] [--scale 0.5]
 
-1. in-process vs HTTP: the same workload (poisson, all requests at t=0: the engine saturated),
+1. in-process vs HTTP: the same workload (poisson; all requests at t=0, the engine saturated, and
+   at a Poisson rate for TTFT without a queue),
    run A = `run_workload` on an Engine in this process (stepped from a worker thread, like the
    server's engine loop), B = `run_http_bench` against
    `minisched serve` in a subprocess (same model and pool), interleaved A,B,A,B; pair i uses
@@ -121,6 +122,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--num-pages", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 2.0],
+                    help="arrival rates of the in-process vs HTTP runs (0: all at once, saturated)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--static-batch", type=int, default=4)
@@ -148,8 +151,8 @@ def main() -> int:
         warm = make_workload("poisson", 2, 0, vocab=vocab, seed=99, scale=0.1)
         in_thread(lambda: run_workload(engine, warm))
         run_http_bench(server.url, warm)
-        for i in range(args.pairs):
-            wl = make_workload("poisson", args.num_requests, 0, vocab=vocab, seed=i, scale=args.scale)
+        for rate, i in [(r, i) for r in args.rates for i in range(args.pairs)]:
+            wl = make_workload("poisson", args.num_requests, rate, vocab=vocab, seed=i, scale=args.scale)
             la = load()
             a = summarize(in_thread(lambda: run_workload(engine, wl)))
             lb = load()
@@ -157,7 +160,7 @@ def main() -> int:
                 b, _ = run_http_bench(server.url, wl)
             lat = sorted(probe.lat)
             pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 2) if lat else None  # noqa: E731
-            row = {"pair": i, "in_process": {**headline(a), "load": la}, "http": {**headline(b), "load": lb},
+            row = {"rate": rate, "pair": i, "in_process": {**headline(a), "load": la}, "http": {**headline(b), "load": lb},
                    "health_ms": {"n": len(lat), "p50": pct(0.5), "p99": pct(0.99),
                                  "max": round(lat[-1] * 1e3, 2) if lat else None},
                    "throughput_ratio": round(b["output_tok_s"] / a["output_tok_s"], 3)}

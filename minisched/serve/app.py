@@ -83,8 +83,8 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
         ids = _completion_prompt(state, body.prompt)
         prepared = state.prepare(ids, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_COMPLETION_TOKENS,
                                  **_sampling(body), param="prompt")
-        handle = state.admit(prepared, "cmpl")
         detok = IncrementalDetokenizer(state.tokenizer, prepared.sampling.stop)
+        handle = state.admit(prepared, "cmpl")  # from here on the request is in the engine
         if body.stream:
             return _stream(handle, _completion_chunks(state, body, handle, detok))
         final_ids = await _collect(handle, request)
@@ -101,12 +101,12 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
         _check_common(state, body)
         try:
             ids = state.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        except ValueError as exc:
+        except Exception as exc:  # the template's raise_exception (ValueError) or a jinja2 TemplateError
             raise p.APIError(400, f"messages: {exc}", param="messages") from exc
         prepared = state.prepare(ids, max_tokens=body.max_new_tokens(), default_max_tokens=None,
                                  **_sampling(body), param="messages")
-        handle = state.admit(prepared, "chatcmpl")
         detok = IncrementalDetokenizer(state.tokenizer, prepared.sampling.stop)
+        handle = state.admit(prepared, "chatcmpl")
         if body.stream:
             return _stream(handle, _chat_chunks(state, body, handle, detok))
         final_ids = await _collect(handle, request)
