@@ -15,7 +15,23 @@ imported until one of them is first used, so `import minisched` stays cheap.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING
+
+# OpenMP wait policy -- the one environment setting minisched makes, and why it lives here:
+# torch's CPU kernels and MKL run on libgomp, which reads OMP_WAIT_POLICY once, when torch is
+# first imported, and by default spins on every fork/join barrier. On a machine whose cores are
+# shared (another busy process, a laptop), a spinning thread holds a core that the descheduled
+# thread it waits for needs, and each of a step's ~150 parallel regions waits a scheduler tick:
+# SmolLM2 decode fell tenfold (27 -> 1.9 tok/s, issue 14). PASSIVE makes idle threads sleep.
+# It must be in the environment before torch loads, so it is set on importing this package
+# (every entry point -- the CLI, the server, `from minisched import Engine` -- passes here) and
+# never overrides a value the user set. If torch was imported before minisched, it has no
+# effect; `CPU_WAIT_POLICY_APPLIED` says whether it did. Thread counts are an Engine option
+# (`num_threads`), not an environment variable.
+CPU_WAIT_POLICY_APPLIED = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
     from minisched.engine.engine import Engine, Output, StreamChunk

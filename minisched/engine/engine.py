@@ -33,7 +33,7 @@ from minisched.model import weights
 from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
-from minisched.engine.runner import ModelRunner
+from minisched.engine.runner import ModelRunner, default_num_threads
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 
@@ -106,8 +106,13 @@ class Engine:
                  max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
                  enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
                  num_threads: Optional[int] = None, check: bool = False, seed: int = 0, **scheduler_kwargs):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        # CPU threads (process-wide in torch): default_num_threads() -- the cores this process may use.
+        # The OpenMP wait policy that goes with it is set in minisched/__init__.py (issue 14).
+        if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
+            raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+        self.num_threads = num_threads or default_num_threads()
+        if self.num_threads != torch.get_num_threads():
+            torch.set_num_threads(self.num_threads)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA device is available")

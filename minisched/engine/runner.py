@@ -13,6 +13,7 @@ paged decode. Greedy output is identical either way (test_engine checks it).
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Optional
 
@@ -51,6 +52,25 @@ def cascade_groups(page_lists: list[list[int]], kv_lens: list[int], page_size: i
             shared += 1
         groups.append((members, shared))  # shared >= 1: they all start with the same page
     return groups, sorted(plain)
+
+
+def default_num_threads() -> int:
+    """CPU threads for the model: the cores this process may run on (its affinity mask, e.g. from
+    `taskset` or a cpuset), capped by a cgroup CPU quota (`docker --cpus`) when one is set.
+    Not more: with the OpenMP fork/join of torch's kernels, a thread without a core of its own
+    stalls every barrier (issue 14)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
 
 
 class ModelRunner:

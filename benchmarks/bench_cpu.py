@@ -1,0 +1,249 @@
+"""CPU serving speed of SmolLM2-135M (issue 14) -- not a test.
+
+    python benchmarks/bench_cpu.py speed [--batch 1 8 32 64] [--busy 1] [--threads N] [--json out.json]
+    python benchmarks/bench_cpu.py profile [--batch 1 8 32 64] [--json out.json]
+    python benchmarks/bench_cpu.py compare --tree base=/tmp/base-wt --tree new=. --rounds 2 [speed options]
+
+`speed`: for each batch size B, B prompts of --prompt-len tokens run to --new-tokens greedy
+tokens each (ignore_eos); reports output tok/s over the whole generate (prefill included), the
+decode-only tok/s (decode steps' wall time) and prefill tok/s of one --prefill-len prompt.
+`--busy K` starts K competing busy-loop processes (`while True: pass`, pinned nowhere) for the
+measurement: the shared-laptop case. `--engine-kw key=value` passes engine options (num_threads=2).
+
+`profile`: torch.profiler over one decode step and one prefill step per batch size: time per op
+(self CPU), per layer, and the share outside kernels (Python + dispatch).
+
+`compare`: runs `speed` in subprocesses with PYTHONPATH set to each source tree in turn,
+interleaved (A, B, A, B, ...), so that two versions of the code see the same machine load. A
+tree needs its built extension (minisched/_C*.so): for a worktree of an older commit with the
+same C++ sources, copy or link main's.
+
+The machine is shared: every result carries /proc/loadavg before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def stop_busy(procs) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def parse_kw(items) -> dict:
+    out = {}
+    for item in items or []:
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def make_engine(args):
+    from minisched.engine import Engine
+
+    kw = parse_kw(args.engine_kw)
+    if args.threads:
+        kw["num_threads"] = args.threads
+    return Engine("smollm2", **kw)
+
+
+def prompts_of(engine, batch: int, length: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    # distinct random prompts (no radix-cache sharing); ids from the ordinary-token range
+    return [rng.integers(100, engine.cfg.vocab_size - 100, size=length).tolist() for _ in range(batch)]
+
+
+def run_speed(args) -> dict:
+    import torch
+
+    from minisched.sched.req import SamplingParams
+
+    engine = make_engine(args)
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    engine.generate(prompts_of(engine, 2, 16, seed=99), SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm
+    busy = start_busy(args.busy)
+    rows = []
+    try:
+        time.sleep(0.5 if args.busy else 0)
+        for b in args.batch:
+            la0 = loadavg()
+            engine.step_times.clear()
+            n0 = engine.runner.num_forwards
+            t = time.perf_counter()
+            outs = engine.generate(prompts_of(engine, b, args.prompt_len, seed=b), sp)
+            wall = time.perf_counter() - t
+            ntok = sum(len(o.token_ids) for o in outs)
+            steps = engine.step_times
+            # decode steps: the last new_tokens - 1 steps of a batch that prefilled together
+            dec = [e - s for s, e in steps[-(args.new_tokens - 1):]] if args.new_tokens > 1 else []
+            dec_tps = b * len(dec) / sum(dec) if dec else None
+            rows.append(dict(batch=b, out_tok_s=ntok / wall, decode_tok_s=dec_tps, wall_s=wall, tokens=ntok,
+                             steps=engine.runner.num_forwards - n0, loadavg_before=la0, loadavg_after=loadavg()))
+            print(f"  B={b:3d} out {ntok / wall:7.1f} tok/s  decode {dec_tps or 0:7.1f} tok/s  "
+                  f"({wall:.2f}s, load {la0})", file=sys.stderr, flush=True)
+        prefill = None
+        if args.prefill_len:
+            ids = prompts_of(engine, 1, args.prefill_len, seed=7)
+            t = time.perf_counter()
+            engine.generate(ids, SamplingParams(max_new_tokens=1, ignore_eos=True))
+            dt = time.perf_counter() - t
+            prefill = dict(tokens=args.prefill_len, tok_s=args.prefill_len / dt, s=dt)
+            print(f"  prefill {args.prefill_len} tokens: {args.prefill_len / dt:.0f} tok/s", file=sys.stderr)
+    finally:
+        stop_busy(busy)
+    return dict(rows=rows, prefill=prefill, busy=args.busy, torch_threads=torch.get_num_threads(),
+                engine_kw=parse_kw(args.engine_kw), threads=args.threads)
+
+
+# -- profile ----------------------------------------------------------------------------------------
+
+def run_profile(args) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from minisched.sched.req import SamplingParams
+
+    engine = make_engine(args)
+    model = engine.model
+    # per-layer labels: wrap each layer's body by patching record_function around the loop is not
+    # possible without editing the model, so time the layers through profiler events of the linear
+    # ops in order instead: ops are grouped by layer index via a forward pre-hook-free counter.
+    results = {}
+    for b in args.batch:
+        for phase in ("decode", "prefill"):
+            plen = args.prompt_len if phase == "decode" else args.prefill_len // max(1, min(b, 8))
+            nb = b if phase == "decode" else min(b, 8)
+            prompts = prompts_of(engine, nb, plen, seed=b)
+            sp = SamplingParams(max_new_tokens=4 if phase == "decode" else 1, ignore_eos=True)
+            for p in prompts:
+                engine.add_request(p, sp)
+            # prefill step(s) then a decode step; profile the step of the phase
+            if phase == "decode":
+                while engine.runner.num_forwards == 0 or not _all_prefilled(engine):
+                    engine.step()
+                for _ in range(2):  # warm decode
+                    engine.step()
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+                with record_function("step"):
+                    t = time.perf_counter()
+                    engine.step()
+                    wall = time.perf_counter() - t
+            while engine.has_work():
+                engine.step()
+            results[f"{phase} B={b}"] = summarize(prof, wall, nb, plen, phase)
+            r = results[f"{phase} B={b}"]
+            print(f"{phase} B={nb} ({plen} tok prompts): {wall * 1e3:.1f} ms; kernels {r['kernel_ms']:.1f} ms, "
+                  f"outside {r['other_ms']:.1f} ms", file=sys.stderr, flush=True)
+            for name, ms, cnt in r["top"][:12]:
+                print(f"    {name:45s} {ms:8.2f} ms  x{cnt}", file=sys.stderr)
+    return results
+
+
+def _all_prefilled(engine) -> bool:
+    return all(r.output_ids for r in engine.scheduler.running) if engine.scheduler.running else False
+
+
+def summarize(prof, wall: float, batch: int, plen: int, phase: str) -> dict:
+    per = defaultdict(lambda: [0.0, 0])
+    for e in prof.key_averages():
+        if e.key == "step":
+            continue
+        per[e.key][0] += e.self_cpu_time_total / 1e3
+        per[e.key][1] += e.count
+    total_self = sum(v[0] for v in per.values())
+    top = sorted(((k, v[0], v[1]) for k, v in per.items()), key=lambda x: -x[1])
+    return dict(wall_ms=wall * 1e3, batch=batch, prompt_len=plen, phase=phase, kernel_ms=total_self,
+                other_ms=wall * 1e3 - total_self, top=top[:25])
+
+
+# -- compare ----------------------------------------------------------------------------------------
+
+def run_compare(args, passthrough: list[str]) -> dict:
+    trees = [t.split("=", 1) for t in args.tree]
+    runs = []
+    for r in range(args.rounds):
+        for name, path in trees:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+            cmd = [sys.executable, os.path.join(HERE, "bench_cpu.py"), "speed", "--json", "-"] + passthrough
+            print(f"round {r} {name} ({path}) load {loadavg()}", file=sys.stderr, flush=True)
+            out = subprocess.run(cmd, env=env, cwd=os.path.abspath(path), stdout=subprocess.PIPE, check=True, text=True)
+            res = json.loads(out.stdout)
+            res.update(tree=name, path=path, round=r)
+            runs.append(res)
+    table = defaultdict(list)
+    for res in runs:
+        for row in res["rows"]:
+            table[(res["tree"], row["batch"])].append(row["out_tok_s"])
+    for (name, b), v in sorted(table.items(), key=lambda x: (x[0][1], x[0][0])):
+        print(f"B={b:3d} {name:10s} out tok/s " + " ".join(f"{x:7.1f}" for x in v), file=sys.stderr)
+    return dict(runs=runs)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cmd", choices=["speed", "profile", "compare"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--busy", type=int, default=0, help="competing busy-loop processes during the run")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--engine-kw", action="append", default=[], help="key=value engine option (JSON value)")
+    p.add_argument("--json", default=None, help="write results here ('-': stdout)")
+    p.add_argument("--tree", action="append", default=[], help="compare: name=path of a source tree")
+    p.add_argument("--rounds", type=int, default=2)
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "compare":
+        passthrough = [a for a in argv if a not in ("compare",)]
+        # drop compare-only options from what the children get
+        clean, skip = [], False
+        for a in passthrough:
+            if skip:
+                skip = False
+                continue
+            if a in ("--tree", "--rounds", "--json"):
+                skip = True
+                continue
+            clean.append(a)
+        res = run_compare(args, clean)
+    else:
+        sys.path.insert(0, os.getcwd())
+        res = run_speed(args) if args.cmd == "speed" else run_profile(args)
+    res = dict(cmd=args.cmd, loadavg_end=loadavg(), argv=argv, result=res) if args.cmd != "compare" else \
+        dict(cmd="compare", loadavg_end=loadavg(), argv=argv, **res)
+    if args.json == "-":
+        print(json.dumps(res["result"] if args.cmd != "compare" else res))
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
