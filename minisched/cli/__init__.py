@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write summary + per-request timeline (RunRecord layout) here")
     b.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of every request and step here")
     b.add_argument("--no-progress", action="store_true", help="no live status line")
+    h = b.add_argument_group("over HTTP (any OpenAI-compatible server; the engine options are then unused)")
+    h.add_argument("--url", default=None, help="e.g. http://127.0.0.1:30000: benchmark that server instead")
+    h.add_argument("--served-model", default=None, help="model name to send (default: the server's first model)")
+    h.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    h.add_argument("--vocab-size", type=int, default=49152, help="token ids of the random prompts stay below this")
     engine_args(b)
     serve_cli.add_parser(sub).formatter_class = Formatter
     sub.add_parser("report", help="lifecycle report of a bench JSON (minisched report -h for its options)",

@@ -24,6 +24,8 @@ def cmd_bench(args) -> int:
         raise CLIError("--num-requests must be >= 1")
     check_output_path(args.json, "--json")
     check_output_path(args.trace, "--trace")
+    if args.url:
+        return _bench_http(args)
     engine = make_engine(args)
     workload = bw.make_workload(args.workload, args.num_requests, args.rate, vocab=engine.cfg.vocab_size,
                                 seed=args.seed, scale=args.scale)
@@ -65,3 +67,36 @@ def cmd_bench(args) -> int:
         write_chrome_trace(args.trace, records if len(records) > 1 else records[0])
         print(f"wrote {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
     return 130 if interrupted else 0
+
+
+def _bench_http(args) -> int:
+    """The same workload against any OpenAI-compatible server, measured on the client side."""
+    from minisched.observe import workloads as bw
+    from minisched.observe.http_bench import run_http_bench
+
+    if args.compare:
+        raise CLIError("--compare runs in-process engines; it cannot be combined with --url")
+    workload = bw.make_workload(args.workload, args.num_requests, args.rate, vocab=args.vocab_size, seed=args.seed,
+                                scale=args.scale)
+    status = StatusLine(f"{args.workload}/http", not args.no_progress)
+    try:
+        summary, record = run_http_bench(args.url, workload, model=args.served_model, api_key=args.api_key,
+                                         progress=status)
+    except Exception as exc:  # connection refused, bad URL, not an OpenAI server
+        raise CLIError(f"{args.url}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        status.close()
+    print(format_summary(summary) + (f" | failed {summary['failed']}" if summary.get("failed") else ""))
+    for err in summary.get("errors", []):
+        print(f"  error: {err}")
+    if args.json:
+        from minisched.observe.run_record import save_runs
+
+        save_runs(args.json, [record])
+        print(f"wrote {args.json}")
+    if args.trace:
+        from minisched.observe.trace import write_chrome_trace
+
+        write_chrome_trace(args.trace, record)
+        print(f"wrote {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 1 if summary.get("failed") else 0
