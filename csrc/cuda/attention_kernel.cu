@@ -67,8 +67,8 @@ __device__ __forceinline__ TileLoc locate_tile(const AttentionParams& p, int x) 
   return t;
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const AttentionParams p) {
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const AttentionParams p) {
   constexpr int SP = pitch<D>();
   constexpr int CH = D / 8;     // 16-byte chunks per row
   constexpr int KS = D / 16;    // k-steps of QK^T
@@ -77,9 +77,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const A
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  const int nthreads = blockDim.x;
-  const int warps = nthreads / 32;
-  const int rows_tile = 16 * warps;
+  constexpr int nthreads = WARPS * 32;
+  constexpr int rows_tile = 16 * WARPS;
   T* sK = sQ + rows_tile * SP;
   T* sV = sK + kStages * kBlockN * SP;
 
@@ -129,33 +128,72 @@ __global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const A
     if (valid) src = qg + ((long long)(q_start + pr / g) * p.num_heads + kvh * g + pr % g) * D + c * 8;
     cp_async_16(sQ + r * SP + c * 8, src, valid);
   }
+  // -- K/V loader ----------------------------------------------------------------------------
+  // Per tile, lane l of warp w resolves the pages of "its" rows (warp-rows k = l, l + 32: one
+  // coalesced kv_indices load per row, issued a whole tile ahead and validated when used) and
+  // holds their 64-bit byte offsets, bit 0 set when the row is to be copied (offsets are multiples
+  // of 16); the copy loop takes each row's offset from its owner lane by shuffle: fully unrolled,
+  // branch-free, rows past the range or on a bad page copy 0 bytes (cp.async zero fill through
+  // src-size = (bit 0) * 16, from offset 0: always a valid address). Warp w copies tile rows
+  // it * RPI + w * RPW + (0..RPW-1) in iteration it, i.e. its warp-row k = it * RPW + lane / CH.
+  constexpr int RPW = 32 / CH;          // rows a warp copies per iteration (2 for D 128, 4 for D 64)
+  constexpr int RPI = WARPS * RPW;      // rows the CTA copies per iteration
+  constexpr int ITERS = kBlockN / RPI;  // copy iterations per tile
+  constexpr int RW = ITERS * RPW;       // rows per warp per tile
+  constexpr int SLOTS = (RW + 31) / 32;  // rows a lane resolves per tile
+  static_assert(32 % CH == 0 && kBlockN % RPI == 0 && RW * WARPS == kBlockN, "loader shape");
+  const long long row_stride = (long long)p.num_kv_heads * D;  // elements between two tokens of a page
   bool bad_page = false;
-  auto load_kv = [&](int t, int stage) {
-    const int tok0 = s_beg + t * kBlockN;
-    T* k_dst = sK + stage * kBlockN * SP;
-    T* v_dst = sV + stage * kBlockN * SP;
-    const int c = tid % CH;
-#pragma unroll 4
-    for (int r = tid / CH; r < kBlockN; r += nthreads / CH) {
-      const int tok = tok0 + r;
-      bool valid = tok < s_end;
-      long long off = 0;
-      if (valid) {
-        const int pi = p.page_shift >= 0 ? tok >> p.page_shift : tok / p.page_size;
-        const int page = p.kv_indices[kv_beg + pi];
-        if ((unsigned)page >= (unsigned)p.num_pages) {
-          bad_page = true;
-          valid = false;
-        } else {
-          off = ((long long)page * p.page_size + (tok - pi * p.page_size)) * p.num_kv_heads * D + (long long)kvh * D +
-                c * 8;
-        }
-      }
-      cp_async_16(k_dst + r * SP + c * 8, kg + off, valid);
-      cp_async_16(v_dst + r * SP + c * 8, vg + off, valid);
+  int pidx[SLOTS];        // kv_indices entries of the owned rows of the next tile (prefetched)
+  long long base[SLOTS];  // byte offsets of the owned rows (page, row in page, kv head) | 1; 0: no copy
+  auto owned_tok = [&](int tok0, int s, bool& in) {  // token of the lane's row in slot s
+    const int k = s * 32 + lane;
+    in = (RW % 32 == 0 || k < RW) && tok0 + (k / RPW) * RPI + warp * RPW + k % RPW < s_end;
+    return tok0 + (k / RPW) * RPI + warp * RPW + k % RPW;
+  };
+  auto fetch_idx = [&](int t) {
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      bool in;
+      const int tok = owned_tok(s_beg + t * kBlockN, s, in);
+      const int pi = p.page_shift >= 0 ? tok >> p.page_shift : tok / p.page_size;
+      pidx[s] = p.kv_indices[kv_beg + (in ? pi : 0)];  // branch-free; entry kv_beg exists when there are tiles
     }
   };
-  if (n_tiles > 0) load_kv(0, 0);
+  auto make_bases = [&](int t) {
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      bool in;
+      const int tok = owned_tok(s_beg + t * kBlockN, s, in);
+      const int pi = p.page_shift >= 0 ? tok >> p.page_shift : tok / p.page_size;
+      const bool ok = in && (unsigned)pidx[s] < (unsigned)p.num_pages;
+      bad_page |= in && !ok;
+      const long long elem = ((long long)pidx[s] * p.page_size + (tok - pi * p.page_size)) * row_stride + kvh * D;
+      base[s] = ok ? elem * (long long)sizeof(T) + 1 : 0;
+    }
+  };
+  auto copy_kv = [&](int stage) {
+    T* k_dst = sK + stage * kBlockN * SP;
+    T* v_dst = sV + stage * kBlockN * SP;
+    const int c = lane % CH, sub = lane / CH;
+    const char* kc = reinterpret_cast<const char*>(kg + c * 8);
+    const char* vc = reinterpret_cast<const char*>(vg + c * 8);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const long long b = __shfl_sync(0xffffffffu, base[(it * RPW) / 32], (it * RPW) % 32 + sub);
+      const long long off = b & ~1LL;
+      const int src_bytes = (int(b) & 1) << 4;
+      const int r = it * RPI + warp * RPW + sub;
+      cp_async_16_src(k_dst + r * SP + c * 8, kc + off, src_bytes);
+      cp_async_16_src(v_dst + r * SP + c * 8, vc + off, src_bytes);
+    }
+  };
+  if (n_tiles > 0) {
+    fetch_idx(0);
+    make_bases(0);
+    copy_kv(0);
+    if (n_tiles > 1) fetch_idx(1);
+  }
   cp_async_commit();
 
   // -- per-thread state: rows lane/4 and lane/4 + 8 of the warp's 16 ------------------------------
@@ -173,7 +211,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32) paged_attention_kernel(const A
   uint32_t qa[KS][4];
 
   for (int t = 0; t < n_tiles; ++t) {
-    if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) & 1);
+    if (t + 1 < n_tiles) {  // tile t+1's pages were fetched during tile t-1: resolve, copy, fetch t+2's
+      make_bases(t + 1);
+      copy_kv((t + 1) & 1);
+      if (t + 2 < n_tiles) fetch_idx(t + 2);
+    }
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -390,8 +432,9 @@ int choose_splits(long long base_ctas, int slots, long long est_kv_len) {
 
 // Once per kernel configuration (T, D, warps) and device, not per call: opt in to the dynamic
 // shared memory and query the occupancy. Benign race: two first callers both compute the same value.
-template <typename T, int D>
-cudaError_t kernel_setup(int warps, size_t smem, int* per_sm) {
+template <typename T, int D, int WARPS>
+cudaError_t kernel_setup(size_t smem, int* per_sm) {
+  constexpr int warps = WARPS;
   constexpr int kDevices = 64;
   static std::atomic<int> cache[kDevices][kMaxWarps + 1];  // 0: not yet; else CTAs per SM + 1
   int dev = 0;
@@ -405,7 +448,7 @@ cudaError_t kernel_setup(int warps, size_t smem, int* per_sm) {
       return cudaSuccess;
     }
   }
-  auto kernel = paged_attention_kernel<T, D>;
+  auto kernel = paged_attention_kernel<T, D, WARPS>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, warps * 32, smem);
@@ -414,16 +457,16 @@ cudaError_t kernel_setup(int warps, size_t smem, int* per_sm) {
   return cudaSuccess;
 }
 
-template <typename T, int D>
+template <typename T, int D, int WARPS>
 cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, WorkspaceAllocator& alloc,
                          cudaStream_t stream) {
   const bool ragged = p.qo_indptr != nullptr;
-  const int warps = ragged ? kMaxWarps : std::min(kMaxWarps, (p.group + 15) / 16);
-  const int rows_tile = 16 * warps;
+  constexpr int warps = WARPS;
+  constexpr int rows_tile = 16 * WARPS;
   const size_t smem = smem_bytes<D>(warps);
-  auto kernel = paged_attention_kernel<T, D>;
+  auto kernel = paged_attention_kernel<T, D, WARPS>;
   int per_sm = 0;
-  cudaError_t err = kernel_setup<T, D>(warps, smem, &per_sm);
+  cudaError_t err = kernel_setup<T, D, WARPS>(smem, &per_sm);
   if (err != cudaSuccess) return err;
 
   long long grid_x;
@@ -458,6 +501,16 @@ cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, Wor
     merge_splits_kernel<T, D><<<dim3(unsigned(grid_x), unsigned(p.num_kv_heads)), 128, 0, stream>>>(p, rows_tile);
   }
   return cudaGetLastError();
+}
+
+// Warps per CTA: prefill / shared prefix 4 (64 rows); decode the fewest 16-row warps that hold the
+// GQA group (1 for group <= 16, 2 for <= 32, else 4 and several row tiles per request).
+template <typename T, int D>
+cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, WorkspaceAllocator& alloc,
+                         cudaStream_t stream) {
+  if (p.qo_indptr == nullptr && p.group <= 16) return launch_typed<T, D, 1>(p, est_kv_len, num_sms, alloc, stream);
+  if (p.qo_indptr == nullptr && p.group <= 32) return launch_typed<T, D, 2>(p, est_kv_len, num_sms, alloc, stream);
+  return launch_typed<T, D, kMaxWarps>(p, est_kv_len, num_sms, alloc, stream);
 }
 
 }  // namespace

@@ -99,3 +99,80 @@ def test_decode_tiles_cover_every_row_once(hq, hkv):
     warps = min(4, -(-group // 16))
     counts = written_rows(None, 7, hq, group, 16 * warps, hkv)
     assert (counts == 1).all()
+
+
+# -- the K/V loader (paged_attention_kernel: owned_tok / fetch_idx / make_bases / copy_kv) ------------
+
+BLOCK_N = 64
+
+
+def emulate_loader(warps, d, page_size, num_kv_heads, kvh, kv_indices, kv_beg, num_pages, tok0, s_end):
+    """One tile's cp.async copies as the kernel issues them: {(row, chunk): src element offset or None (0 bytes)}
+    and the bad-page flag. Lanes own warp-rows, resolve their pages, the copy loop reads offsets by shuffle."""
+    ch = d // 8
+    rpw, rpi = 32 // ch, warps * 32 // ch
+    iters, rw = BLOCK_N // rpi, BLOCK_N // warps
+    slots = -(-rw // 32)
+    shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+    row_stride = num_kv_heads * d
+    copies, bad_page = {}, False
+    for w in range(warps):
+        base = np.full((32, slots), -1, dtype=np.int64)  # per lane: the registers base[SLOTS]
+        for lane in range(32):
+            for s in range(slots):
+                k = s * 32 + lane
+                tok = tok0 + (k // rpw) * rpi + w * rpw + k % rpw
+                inside = (rw % 32 == 0 or k < rw) and tok < s_end
+                pi = tok >> shift if shift >= 0 else tok // page_size
+                pidx = int(kv_indices[kv_beg + (pi if inside else 0)])  # fetch_idx (a tile ahead)
+                ok = inside and 0 <= pidx < num_pages  # make_bases: the unsigned compare
+                bad_page |= inside and not ok
+                elem = (pidx * page_size + (tok - pi * page_size)) * row_stride + kvh * d
+                base[lane, s] = elem * 2 + 1 if ok else 0  # bytes (16-bit elements) | copy bit
+        for it in range(iters):  # copy_kv
+            for lane in range(32):
+                c, sub = lane % ch, lane // ch
+                b = int(base[(it * rpw) % 32 + sub, (it * rpw) // 32])  # __shfl_sync from the owner lane
+                src_bytes, byte_off = (b & 1) << 4, (b & ~1) + c * 16  # from kg + c * 8 elements
+                assert byte_off % 16 == 0 and byte_off >= 0
+                r = it * rpi + w * rpw + sub
+                assert (r, c) not in copies, f"row {r} chunk {c} copied twice"
+                copies[(r, c)] = byte_off // 2 if src_bytes == 16 else None
+    return copies, bad_page
+
+
+def reference_copies(d, page_size, num_kv_heads, kvh, kv_indices, kv_beg, num_pages, tok0, s_end):
+    """What the tile must hold: row r = token tok0 + r at page kv_indices[kv_beg + tok // page_size]."""
+    want, bad = {}, False
+    for r in range(BLOCK_N):
+        tok = tok0 + r
+        page = int(kv_indices[kv_beg + tok // page_size]) if tok < s_end else None
+        if page is not None and not 0 <= page < num_pages:
+            bad, page = True, None
+        for c in range(d // 8):
+            slot = page * page_size + tok % page_size if page is not None else None
+            want[(r, c)] = None if slot is None else (slot * num_kv_heads + kvh) * d + c * 8
+    return want, bad
+
+
+@pytest.mark.parametrize("warps", [1, 2, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_loader_matches_page_table(warps, d, page_size):
+    rng = np.random.default_rng(warps * 1000 + d + page_size)
+    num_pages, hkv = 4000, 3
+    for trial in range(6):
+        kv_len = int(rng.integers(1, 700))
+        kv_beg = int(rng.integers(0, 50))
+        npages = -(-kv_len // page_size)
+        kv_indices = rng.integers(0, num_pages, size=kv_beg + npages + 2).astype(np.int64)
+        if trial == 5:  # a bad page (out of range or negative) must flag the request and never be read
+            kv_indices[kv_beg + npages // 2] = num_pages + 7 if page_size > 1 else -3
+        s_beg = int(rng.integers(0, max(1, kv_len // BLOCK_N))) * BLOCK_N
+        s_end = min(kv_len, s_beg + int(rng.integers(1, 300)))
+        kvh = int(rng.integers(0, hkv))
+        for tok0 in range(s_beg, s_end, BLOCK_N):
+            got, got_bad = emulate_loader(warps, d, page_size, hkv, kvh, kv_indices, kv_beg, num_pages, tok0, s_end)
+            want, want_bad = reference_copies(d, page_size, hkv, kvh, kv_indices, kv_beg, num_pages, tok0, s_end)
+            assert got == want
+            assert got_bad == want_bad
