@@ -3,6 +3,7 @@
     python benchmarks/bench_cpu.py speed [--batch 1 8 32 64] [--busy 1] [--threads N] [--json out.json]
     python benchmarks/bench_cpu.py profile [--batch 1 8 32 64] [--json out.json]
     python benchmarks/bench_cpu.py compare --tree base=/tmp/base-wt --tree new=. --rounds 2 [speed options]
+    python benchmarks/bench_cpu.py model-ab --base-tree /tmp/base-wt [--batch ...] [--rounds 10]
 
 `speed`: for each batch size B, B prompts of --prompt-len tokens run to --new-tokens greedy
 tokens each (ignore_eos); reports output tok/s over the whole generate (prefill included), the
@@ -17,6 +18,11 @@ measurement: the shared-laptop case. `--engine-kw key=value` passes engine optio
 interleaved (A, B, A, B, ...), so that two versions of the code see the same machine load. A
 tree needs its built extension (minisched/_C*.so): for a worktree of an older commit with the
 same C++ sources, copy or link main's.
+
+`model-ab`: one process, one set of weights, two versions of `LlamaModel.forward` (this tree's
+and the one in --base-tree's minisched/model/llama.py), alternated every --ab-steps decode steps
+(and every prefill) for --rounds rounds: the finest interleaving, for a machine whose load
+changes by the second. Reports the median step time of each and the ratio.
 
 The machine is shared: every result carries /proc/loadavg before and after.
 """
@@ -182,6 +188,79 @@ def summarize(prof, wall: float, batch: int, plen: int, phase: str) -> dict:
                 other_ms=wall * 1e3 - total_self, top=top[:25])
 
 
+# -- model-ab ---------------------------------------------------------------------------------------
+
+def run_model_ab(args) -> dict:
+    import importlib.util
+    import statistics
+    import types
+
+    from minisched.sched.req import SamplingParams
+
+    spec = importlib.util.spec_from_file_location("base_llama", os.path.join(args.base_tree, "minisched/model/llama.py"))
+    base = importlib.util.module_from_spec(spec)
+    sys.modules["base_llama"] = base  # dataclasses look their module up
+    spec.loader.exec_module(base)
+    engine = make_engine(args)
+    model = engine.model
+    versions = {"base": (types.MethodType(base.LlamaModel.forward, model),
+                         types.MethodType(base.LlamaModel._attention, model)),
+                "new": (None, None)}
+
+    def use(name):
+        fwd, att = versions[name]
+        for attr, fn in (("forward", fwd), ("_attention", att)):
+            if fn is None:
+                model.__dict__.pop(attr, None)
+            else:
+                model.__dict__[attr] = fn
+
+    out = {}
+    for b in args.batch:
+        times = {"base": [], "new": []}
+        sp = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
+        for p in prompts_of(engine, b, args.prompt_len, seed=b):
+            engine.add_request(p, sp)
+        while not _all_prefilled(engine):
+            engine.step()
+        la0 = loadavg()
+        for r in range(args.rounds):
+            for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+                use(name)
+                for _ in range(args.ab_steps):
+                    t = time.perf_counter()
+                    engine.step()
+                    times[name].append(time.perf_counter() - t)
+        use("new")
+        for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.abort(req.rid)
+        while engine.has_work():
+            engine.step()
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out[f"decode B={b}"] = dict(base_ms=med["base"], new_ms=med["new"], speedup=med["base"] / med["new"],
+                                    steps=len(times["new"]), loadavg_before=la0, loadavg_after=loadavg())
+        print(f"decode B={b:3d}: base {med['base']:7.2f} ms/step  new {med['new']:7.2f}  "
+              f"x{med['base'] / med['new']:.3f}  (load {la0})", file=sys.stderr, flush=True)
+    if args.prefill_len:
+        times = {"base": [], "new": []}
+        la0 = loadavg()
+        for r in range(max(2, args.rounds // 2)):
+            for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+                use(name)
+                ids = prompts_of(engine, 1, args.prefill_len, seed=1000 + r * 2 + (name == "new"))
+                t = time.perf_counter()
+                engine.generate(ids, SamplingParams(max_new_tokens=1, ignore_eos=True))
+                times[name].append(time.perf_counter() - t)
+        use("new")
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out[f"prefill {args.prefill_len}"] = dict(base_ms=med["base"], new_ms=med["new"],
+                                                  speedup=med["base"] / med["new"], loadavg_before=la0,
+                                                  loadavg_after=loadavg())
+        print(f"prefill {args.prefill_len}: base {med['base']:7.1f} ms  new {med['new']:7.1f}  "
+              f"x{med['base'] / med['new']:.3f}  (load {la0})", file=sys.stderr, flush=True)
+    return out
+
+
 # -- compare ----------------------------------------------------------------------------------------
 
 def run_compare(args, passthrough: list[str]) -> dict:
@@ -208,7 +287,7 @@ def run_compare(args, passthrough: list[str]) -> dict:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cmd", choices=["speed", "profile", "compare"])
+    p.add_argument("cmd", choices=["speed", "profile", "compare", "model-ab"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -219,6 +298,8 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write results here ('-': stdout)")
     p.add_argument("--tree", action="append", default=[], help="compare: name=path of a source tree")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--base-tree", default=None, help="model-ab: the tree whose llama.py is the baseline")
+    p.add_argument("--ab-steps", type=int, default=3, help="model-ab: decode steps per turn")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "compare":
         passthrough = [a for a in argv if a not in ("compare",)]
@@ -235,7 +316,8 @@ def main(argv=None):
         res = run_compare(args, clean)
     else:
         sys.path.insert(0, os.getcwd())
-        res = run_speed(args) if args.cmd == "speed" else run_profile(args)
+        run = {"speed": run_speed, "profile": run_profile, "model-ab": run_model_ab}[args.cmd]
+        res = run(args)
     res = dict(cmd=args.cmd, loadavg_end=loadavg(), argv=argv, result=res) if args.cmd != "compare" else \
         dict(cmd="compare", loadavg_end=loadavg(), argv=argv, **res)
     if args.json == "-":

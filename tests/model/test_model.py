@@ -223,3 +223,21 @@ def test_greedy_matches_transformers(engine, chat_prompts, hf_greedy_refs, mode)
         assert all(o.cached_tokens == 0 for o in outs)
     for o, want in zip(outs, hf_greedy_refs):
         assert o.token_ids == want, f"prompt {o.index}: {engine.tokenizer.decode(chat_prompts[o.index])!r}"
+
+
+# -- the fast paths of LlamaModel.forward equal the plain formulas (issue 14) ---------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_fast_paths_bitwise_equal(n):
+    from minisched.model.llama import apply_rope, apply_rope_signed, fast_rms_norm, rms_norm, rope_cos_sin, signed_sin
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 576, generator=g) * 3
+    w = torch.randn(576, generator=g)
+    assert torch.equal(fast_rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    qkv = torch.randn(n, 9 * 64 + 2 * 3 * 64, generator=g)
+    inv = 1.0 / (1e5 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = rope_cos_sin(torch.randint(0, 4000, (n,), generator=g), inv, torch.float32)
+    qk = apply_rope_signed(qkv[:, :12 * 64].view(n, 12, 64), cos, signed_sin(sin))  # a strided view, q and k at once
+    assert torch.equal(qk[:, :9], apply_rope(qkv[:, :9 * 64].view(n, 9, 64), cos, sin))
+    assert torch.equal(qk[:, 9:], apply_rope(qkv[:, 9 * 64:12 * 64].reshape(n, 3, 64), cos, sin))
