@@ -141,6 +141,8 @@ class ServerState:
     def admit(self, prepared: Prepared, kind: str) -> RequestHandle:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if not self.engine_loop.is_alive():
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
         if self.queued >= self.max_queued_requests:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"too many queued requests ({self.queued}); retry later", type="rate_limit_error",
