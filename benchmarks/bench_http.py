@@ -97,8 +97,9 @@ class HealthProbe:
 
 
 def in_thread(fn):
-    """Run fn() on a worker thread, as the server's engine loop runs the engine (on this busy 2-core
-    machine, small torch ops stepped from the main thread were up to 10x slower than from a thread)."""
+    """Run fn() on a worker thread, as the server's engine loop runs the engine (so both sides run the
+    model the same way; on the busy 2-core machine, before OMP_WAIT_POLICY=PASSIVE, small torch ops
+    stepped from the main thread were up to 10x slower than from a thread)."""
     box = []
     t = threading.Thread(target=lambda: box.append(fn()))
     t.start()
