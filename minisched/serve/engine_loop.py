@@ -94,6 +94,7 @@ class EngineLoop:
         self._retractions = 0
         self._step_errors = 0
         self._stopping = False
+        self._stopped = False  # set by the engine thread as it ends
         self._thread = threading.Thread(target=self._run, name="minisched-engine", daemon=True)
 
     # -- any thread -----------------------------------------------------------------------------
@@ -105,7 +106,12 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, sink: Sink) -> None:
-        self.inbox.put(("add", rid, prompt_ids, sampling, sink))
+        self._send(("add", rid, prompt_ids, sampling, sink))
+
+    def _send(self, msg: tuple) -> None:
+        self.inbox.put(msg)
+        if self._stopped:
+            self._answer_leftovers()
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
@@ -113,7 +119,7 @@ class EngineLoop:
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread between two steps (tests, admin)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.inbox.put(("call", fn, fut))
+        self._send(("call", fn, fut))
         return fut
 
     def stop(self) -> None:
@@ -164,6 +170,7 @@ class EngineLoop:
                         fut.set_exception(exc)
             elif kind == "stop":
                 self._stopping = True
+                return  # what comes after the stop is answered by _abort_everything
 
     def _add(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, sink: Sink) -> None:
         try:
@@ -198,6 +205,21 @@ class EngineLoop:
         for rid in list(self._live):
             self.engine.abort(rid)
         self._publish_progress()
+        self._stopped = True
+        self._answer_leftovers()
+
+    def _answer_leftovers(self) -> None:
+        """Messages that arrive after the stop are answered (an abort, an exception), never left
+        hanging: by the engine thread as it ends, or by the sender once `_stopped` is set."""
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                self._publish([(msg[4], Update([], "abort"))])
+            elif msg[0] == "call" and msg[2].set_running_or_notify_cancel():
+                msg[2].set_exception(RuntimeError("the engine loop has stopped"))
 
     def _step(self) -> None:
         engine = self.engine

@@ -2,6 +2,7 @@
 the right status, and the server (and the other requests) carry on."""
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import httpx
@@ -9,6 +10,8 @@ import openai
 import pytest
 
 from minisched.engine import Engine
+from minisched.sched.req import SamplingParams
+from minisched.serve.engine_loop import EngineLoop
 from serve_helpers import running_server
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -174,3 +177,31 @@ def test_failing_step_is_an_error_for_its_requests_only():
         free, cached, total = live.call(lambda e: (e.scheduler.pool.num_free, e.scheduler.tree.total_pages,
                                                    e.sched_config.num_pages))
         assert free + cached == total
+
+
+def test_requests_after_the_engine_loop_stopped_are_answered():
+    class Sink:
+        def __init__(self, loop):
+            self.loop, self.got = loop, []
+
+        def deliver(self, upd):
+            self.got.append(upd)
+
+    async def run():
+        loop = EngineLoop(Engine("dummy:tiny", num_pages=64)).start()
+        sinks = [Sink(asyncio.get_running_loop()) for _ in range(3)]
+        loop.submit("a", [5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True), sinks[0])
+        loop.stop()
+        loop.submit("b", [5, 6, 7], SamplingParams(max_new_tokens=5), sinks[1])  # after the stop
+        late_call = loop.call(lambda e: 1)
+        await asyncio.to_thread(loop.join, 10)
+        loop.submit("c", [5], SamplingParams(max_new_tokens=5), sinks[2])  # after the thread ended
+        await asyncio.sleep(0.05)  # the published updates run on this loop
+        return sinks, late_call
+
+    sinks, late_call = asyncio.run(run())
+    assert [u.finish_reason for u in sinks[0].got][-1] == "abort"
+    assert [u.finish_reason for u in sinks[1].got] == ["abort"]
+    assert [u.finish_reason for u in sinks[2].got] == ["abort"]
+    with pytest.raises(RuntimeError, match="stopped"):
+        late_call.result(1)
