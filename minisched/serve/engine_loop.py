@@ -223,9 +223,12 @@ class EngineLoop:
 
     def _step(self) -> None:
         engine = self.engine
+        before = getattr(engine, "last_error", None)
         try:
             engine.step()  # finished requests are found by their status below, whatever step() returned
         finally:
+            if getattr(engine, "last_error", None) is not before:  # a failed step (its requests got errors)
+                self._step_errors += 1
             if self.check:
                 try:
                     engine.scheduler.check_invariants()

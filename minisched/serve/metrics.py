@@ -43,7 +43,7 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("minisched_retractions", "requests retracted under KV pressure", value=s.retractions)
         yield CounterMetricFamily("minisched_engine_steps", "engine steps", value=s.steps)
-        yield CounterMetricFamily("minisched_engine_loop_errors", "errors the engine thread survived",
+        yield CounterMetricFamily("minisched_engine_loop_errors", "failed steps and loop errors survived",
                                   value=s.step_errors)
 
 

@@ -174,6 +174,7 @@ def test_failing_step_is_an_error_for_its_requests_only():
                                                            "stream": True}) as r:
                 lines = [x for x in r.iter_lines() if x]
             assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        assert "minisched_engine_loop_errors_total 2.0" in httpx.get(live.url + "/metrics").text
         free, cached, total = live.call(lambda e: (e.scheduler.pool.num_free, e.scheduler.tree.total_pages,
                                                    e.sched_config.num_pages))
         assert free + cached == total

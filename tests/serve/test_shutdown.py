@@ -89,3 +89,33 @@ def test_sigterm_drains_then_aborts_and_exits_0():
     assert long_["reasons"][-1] == "abort" and long_["last"] == "data: [DONE]", long_
     assert long_["chunks"] < 2000
     assert 3.5 < took < 20, took
+
+
+def test_ctrl_c_with_a_stream_in_flight_exits_0():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", "dummy:tiny", "--served-model-name", "m",
+                             "--num-pages", "64", "--port", str(port), "--grace-period", "0", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        out, started = {}, threading.Event()
+        t = threading.Thread(target=stream, args=(url, 1000, out, started))
+        t.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        t.join(30)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, proc.stdout.read()
+    assert out["last"] == "data: [DONE]" and out["reasons"][-1] in ("abort", "length")
