@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from minisched.engine import Engine
 from minisched.sched.req import SamplingParams
@@ -106,3 +107,26 @@ def test_64_streaming_clients_with_disconnects():
         metrics = httpx.get(live.url + "/metrics").text
         assert f'minisched_requests_finished_total{{finish_reason="abort"}} {float(N_DISCONNECT)}' in metrics
         assert time.monotonic() - t0 < 120
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(tiny_server):
+    body = {"model": "tiny", "prompt": "patience", "max_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(base_url=tiny_server.url, timeout=0.3) as c:
+        try:
+            c.post("/v1/completions", json=body)
+            finished_first = True
+        except httpx.ReadTimeout:  # the client closes the connection
+            finished_first = False
+    if finished_first:
+        pytest.skip("the server answered 2,000 tokens within the client's 0.3 s timeout")
+    deadline = time.monotonic() + 10
+    while tiny_server.state.live and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not tiny_server.state.live
+
+    def last_request(e):
+        ev = [x for x in e.scheduler.events if x.prompt_len == len("patience")]
+        return ev[-1].dst.value, ev[-1].note, ev[-1].output_len
+
+    state, note, out_len = tiny_server.call(last_request)
+    assert (state, note) == ("aborted", "abort") and out_len < 2000
