@@ -14,10 +14,11 @@ measurement: the shared-laptop case. `--engine-kw key=value` passes engine optio
 `profile`: torch.profiler over one decode step and one prefill step per batch size: time per op
 (self CPU), per layer, and the share outside kernels (Python + dispatch).
 
-`compare`: runs `speed` in subprocesses with PYTHONPATH set to each source tree in turn,
-interleaved (A, B, A, B, ...), so that two versions of the code see the same machine load. A
-tree needs its built extension (minisched/_C*.so): for a worktree of an older commit with the
-same C++ sources, copy or link main's.
+`compare`: one persistent worker process per source tree (`--tree name=path[:VAR=value,kw.opt=value,...]`,
+PYTHONPATH=path, extra environment and engine options), each loading the model once; short runs alternate between
+them (A, B, B, A, ...) for --rounds rounds per batch size, medians reported -- so that versions
+of the code see the same machine load. A tree needs its built extension (minisched/_C*.so):
+for a worktree of an older commit with the same C++ sources, copy main's.
 
 `model-ab`: one process, one set of weights, two versions of `LlamaModel.forward` (this tree's
 and the one in --base-tree's minisched/model/llama.py), alternated every --ab-steps decode steps
@@ -262,32 +263,90 @@ def run_model_ab(args) -> dict:
 
 
 # -- compare ----------------------------------------------------------------------------------------
+# Persistent workers, one per source tree, each with its engine loaded once; the driver alternates
+# short runs between them (A, B, B, A, ...) so both see the same load, which on a shared machine
+# changes by the second. A worker reads {"batch", "new", "prompt_len"} lines and answers with its
+# output tok/s and decode-only tok/s.
+
+def worker_main(args) -> None:
+    import torch
+
+    from minisched.sched.req import SamplingParams
+
+    engine = make_engine(args)
+    engine.generate(prompts_of(engine, 2, 16, seed=99), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    print(json.dumps({"ready": True, "threads": torch.get_num_threads(),
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        b, new = req["batch"], req["new"]
+        engine.step_times.clear()
+        t = time.perf_counter()
+        outs = engine.generate(prompts_of(engine, b, req["prompt_len"], seed=req["seed"]),
+                               SamplingParams(max_new_tokens=new, ignore_eos=True))
+        wall = time.perf_counter() - t
+        ntok = sum(len(o.token_ids) for o in outs)
+        dec = [e - s for s, e in engine.step_times[-(new - 1):]] if new > 1 else []
+        print(json.dumps({"out_tok_s": ntok / wall, "decode_tok_s": b * len(dec) / sum(dec) if dec else None,
+                          "prompt_tok_s": b * req["prompt_len"] / wall if new == 1 else None}), flush=True)
+
 
 def run_compare(args, passthrough: list[str]) -> dict:
+    import statistics
+
     trees = [t.split("=", 1) for t in args.tree]
-    runs = []
-    for r in range(args.rounds):
-        for name, path in trees:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
-            cmd = [sys.executable, os.path.join(HERE, "bench_cpu.py"), "speed", "--json", "-"] + passthrough
-            print(f"round {r} {name} ({path}) load {loadavg()}", file=sys.stderr, flush=True)
-            out = subprocess.run(cmd, env=env, cwd=os.path.abspath(path), stdout=subprocess.PIPE, check=True, text=True)
-            res = json.loads(out.stdout)
-            res.update(tree=name, path=path, round=r)
-            runs.append(res)
-    table = defaultdict(list)
-    for res in runs:
-        for row in res["rows"]:
-            table[(res["tree"], row["batch"])].append(row["out_tok_s"])
-    for (name, b), v in sorted(table.items(), key=lambda x: (x[0][1], x[0][0])):
-        print(f"B={b:3d} {name:10s} out tok/s " + " ".join(f"{x:7.1f}" for x in v), file=sys.stderr)
-    return dict(runs=runs)
+    workers = {}
+    for name, path in trees:
+        path, _, extra = path.partition(":")  # name=path[:VAR=value,...,kw.key=value,...]
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+        kws = []
+        for kv in filter(None, extra.split(",")):
+            k, v = kv.split("=", 1)
+            if k.startswith("kw."):
+                kws += ["--engine-kw", f"{k[3:]}={v}"]
+            else:
+                env[k] = v
+        envs = extra
+        cmd = [sys.executable, os.path.join(HERE, "bench_cpu.py"), "worker"] + passthrough + kws
+        proc = subprocess.Popen(cmd, env=env, cwd=os.path.abspath(path), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        info = json.loads(proc.stdout.readline())
+        print(f"worker {name}: {path} {envs or ''} {info}", file=sys.stderr, flush=True)
+        workers[name] = proc
+    cases = [(b, args.new_tokens) for b in args.batch] + ([(1, 1)] if args.prefill_len else [])
+    busy = start_busy(args.busy)
+    samples = []
+    try:
+        for b, new in cases:
+            plen = args.prompt_len if new > 1 else args.prefill_len
+            for r in range(args.rounds):
+                order = list(workers) if r % 2 == 0 else list(workers)[::-1]
+                for name in order:
+                    proc = workers[name]
+                    la = loadavg()
+                    proc.stdin.write(json.dumps({"batch": b, "new": new, "prompt_len": plen, "seed": r}) + "\n")
+                    proc.stdin.flush()
+                    res = json.loads(proc.stdout.readline())
+                    res.update(tree=name, batch=b, new=new, round=r, loadavg=la)
+                    samples.append(res)
+            label = f"B={b}" if new > 1 else f"prefill {plen}"
+            for name in workers:
+                key = "out_tok_s" if new > 1 else "prompt_tok_s"
+                v = [x[key] for x in samples if x["tree"] == name and x["batch"] == b and x["new"] == new]
+                print(f"{label:12s} {name:10s} median {statistics.median(v):7.1f} tok/s  "
+                      f"({min(v):.1f}-{max(v):.1f}, {len(v)} runs)", file=sys.stderr, flush=True)
+    finally:
+        stop_busy(busy)
+        for proc in workers.values():
+            proc.stdin.close()
+            proc.wait()
+    return dict(samples=samples, trees=args.tree, busy=args.busy)
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cmd", choices=["speed", "profile", "compare", "model-ab"])
+    p.add_argument("cmd", choices=["speed", "profile", "compare", "model-ab", "worker"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -309,13 +368,15 @@ def main(argv=None):
             if skip:
                 skip = False
                 continue
-            if a in ("--tree", "--rounds", "--json"):
+            if a in ("--tree", "--rounds", "--json", "--busy"):
                 skip = True
                 continue
             clean.append(a)
         res = run_compare(args, clean)
     else:
         sys.path.insert(0, os.getcwd())
+        if args.cmd == "worker":
+            return worker_main(args)
         run = {"speed": run_speed, "profile": run_profile, "model-ab": run_model_ab}[args.cmd]
         res = run(args)
     res = dict(cmd=args.cmd, loadavg_end=loadavg(), argv=argv, result=res) if args.cmd != "compare" else \

@@ -162,6 +162,10 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
 
 }  // namespace detail
 
+// Below this many (query row, KV token, q head) dot products (~2 MFLOP at head_dim 64) a call is
+// not worth a parallel region.
+constexpr int64_t kSerialWork = int64_t(1) << 13;
+
 // Runs attention for every (request, kv head, query tile) of p; index values must be valid.
 template <typename scalar_t>
 void paged_attention(const AttnParams& p) {
@@ -177,7 +181,18 @@ void paged_attention(const AttnParams& p) {
   if (items.empty()) return;
   const int64_t rows = tq * g;
   const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  // Small jobs (a short decode of a few requests) run on the calling thread: opening a parallel
+  // region wakes the other threads, which costs more than the work -- tens of microseconds on a
+  // quiet machine, milliseconds when the cores are shared (issue 14). Work = query rows x KV
+  // tokens x q heads, an upper bound under causal masking.
+  int64_t work = 0;
+  for (int64_t b = 0; b < p.batch && work < kSerialWork; ++b) {
+    const int64_t qo_len = p.qo_indptr ? p.qo_indptr[b + 1] - p.qo_indptr[b] : 1;
+    const int64_t npages = p.kv_indptr[b + 1] - p.kv_indptr[b];
+    const int64_t kv_len = npages > 0 ? (npages - 1) * p.page_size + p.kv_last_page_len[b] : 0;
+    work += qo_len * kv_len * p.hq;
+  }
+  const int64_t workers = work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(rows, p.d);

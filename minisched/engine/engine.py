@@ -33,7 +33,7 @@ from minisched.model import weights
 from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
-from minisched.engine.runner import ModelRunner, default_num_threads
+from minisched.engine.runner import ModelRunner, ThreadTuner, default_num_threads
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 
@@ -106,11 +106,14 @@ class Engine:
                  max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
                  enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
                  num_threads: Optional[int] = None, check: bool = False, seed: int = 0, **scheduler_kwargs):
-        # CPU threads (process-wide in torch): default_num_threads() -- the cores this process may use.
-        # The OpenMP wait policy that goes with it is set in minisched/__init__.py (issue 14).
+        # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
+        # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
+        # shared machine costs throughput in proportion to the cores taken. The OpenMP wait policy
+        # that goes with it is set in minisched/__init__.py (issue 14).
         if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
             raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
         self.num_threads = num_threads or default_num_threads()
+        tuner = ThreadTuner(self.num_threads) if num_threads is None and self.num_threads > 1 else None
         if self.num_threads != torch.get_num_threads():
             torch.set_num_threads(self.num_threads)
         self.device = torch.device(device)
@@ -148,7 +151,7 @@ class Engine:
             max_prefill_tokens=max_prefill_tokens, max_running_requests=max_running_requests, policy=policy,
             enable_radix_cache=enable_radix_cache, enable_mixed_chunk=enable_mixed_chunk, **scheduler_kwargs)
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade,
-                                  check=check)
+                                  check=check, thread_tuner=tuner if self.device.type == "cpu" else None)
         self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
         self._ids = itertools.count()
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step

@@ -14,6 +14,7 @@ paged decode. Greedy output is identical either way (test_engine checks it).
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import Optional
 
@@ -73,10 +74,71 @@ def default_num_threads() -> int:
     return max(1, n)
 
 
+class ThreadTuner:
+    """Picks the CPU thread count while serving, by measuring (the Engine's default, num_threads=None).
+
+    Every `interval` seconds, when the last steps and the next one are of a similar size, it runs
+    `probe_steps` steps at a candidate count -- half or double
+    the current one, alternately, within [1, max_threads] -- and keeps the candidate if those
+    steps were `margin` faster than the current count's last `probe_steps` steps of a similar
+    size (token counts within 1.5x; otherwise the probe is void); while probes lose, the interval
+    doubles, up to 8x. On a quiet machine all cores win; when other processes take cores,
+    fork/join barriers wait for descheduled threads and fewer threads win -- 3x at batch 8 with
+    one busy process on 2 cores (issue 14). Thread counts do not change the model's numbers
+    (the kernels split work by rows, not by sums; tests/engine checks it)."""
+
+    def __init__(self, max_threads: int, interval: float = 3.0, probe_steps: int = 3, margin: float = 0.1):
+        self.max_threads = max_threads
+        self.current = max_threads
+        self.interval, self.probe_steps, self.margin = interval, probe_steps, margin
+        self.recent: list[tuple[int, float]] = []  # (tokens, seconds) of the last steps at `current`
+        self.probe: Optional[tuple[int, list[tuple[int, float]]]] = None
+        self.next_probe = time.monotonic() + interval
+        self.go_down = True
+        self.backoff = 1  # probe interval multiplier: doubles while probes lose, back to 1 on a switch
+        self.switches = 0
+        torch.set_num_threads(self.current)
+
+    def before_step(self, tokens: int) -> None:
+        sizes = [t for t, _ in self.recent]
+        if (self.probe is None and time.monotonic() >= self.next_probe and len(self.recent) >= self.probe_steps
+                and max(sizes + [tokens]) <= 1.5 * max(1, min(sizes + [tokens]))):  # steady steps only
+            cand = max(1, self.current // 2) if self.go_down else min(self.max_threads, self.current * 2)
+            if cand == self.current:  # at a bound: try the other way
+                self.go_down = not self.go_down
+                cand = max(1, self.current // 2) if self.go_down else min(self.max_threads, self.current * 2)
+            if cand != self.current:
+                self.probe = (cand, [])
+                torch.set_num_threads(cand)
+
+    def after_step(self, tokens: int, seconds: float) -> None:
+        if self.probe is None:
+            self.recent = (self.recent + [(tokens, seconds)])[-self.probe_steps:]
+            return
+        cand, got = self.probe
+        got.append((tokens, seconds))
+        if len(got) < self.probe_steps:
+            return
+        self.probe = None
+        self.go_down = not self.go_down
+        sizes = [t for t, _ in got + self.recent]
+        similar = max(sizes) <= 1.5 * max(1, min(sizes))
+        if similar and sum(s for _, s in got) < (1 - self.margin) * sum(s for _, s in self.recent):
+            self.current = cand
+            self.recent = got
+            self.switches += 1
+            self.backoff = 1
+        elif similar:  # the current count held: probe less often (up to 8x the interval)
+            self.backoff = min(8, self.backoff * 2)
+        self.next_probe = time.monotonic() + self.interval * self.backoff
+        torch.set_num_threads(self.current)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, *, backend: str = "torch",
-                 cascade: bool = False, check: bool = False):
+                 cascade: bool = False, check: bool = False, thread_tuner: Optional[ThreadTuner] = None):
         self.model = model
+        self.thread_tuner = thread_tuner
         self.kv_cache = kv_cache
         self.page_size = page_size
         self.backend = backend
@@ -140,6 +202,10 @@ class ModelRunner:
 
     def forward(self, batch: Batch) -> list[int]:
         self.num_forwards += 1
+        tuner = self.thread_tuner
+        if tuner is not None:
+            tuner.before_step(batch.num_tokens)
+            t0 = time.perf_counter()
         input_ids, meta = self.build_meta(batch)
         tokens = [0] * batch.batch_size
         rows = [b for b, s in enumerate(batch.sampled) if s]
@@ -149,4 +215,6 @@ class ModelRunner:
             picked = sample(logits, [r.sampling for r in reqs], [self.generator_for(r) for r in reqs])
             for b, t in zip(rows, picked):
                 tokens[b] = t
+        if tuner is not None:
+            tuner.after_step(batch.num_tokens, time.perf_counter() - t0)
         return tokens

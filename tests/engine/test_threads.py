@@ -1,0 +1,80 @@
+"""CPU thread choice (issue 14): the ThreadTuner's decisions on made-up timings, the num_threads
+option, and that thread counts do not change greedy output."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisched import ops
+from minisched.engine import Engine
+from minisched.engine.runner import ThreadTuner, default_num_threads
+from minisched.model import weights
+from minisched.model.config import preset
+from minisched.model.llama import LlamaModel
+from minisched.model.tokenizer import MiniTokenizer
+from minisched.sched.req import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def feed(tuner, tokens, seconds, steps):
+    for _ in range(steps):
+        tuner.before_step(tokens)
+        tuner.after_step(tokens, seconds)
+
+
+def test_tuner_switches_when_the_probe_is_faster_and_backs_off_when_not():
+    t = ThreadTuner(4, interval=0.0, probe_steps=3)
+    assert t.current == 4 and torch.get_num_threads() == 4
+    feed(t, 8, 1.0, 3)                      # history at 4 threads; the next step starts a probe at 2
+    t.before_step(8)
+    assert t.probe is not None and t.probe[0] == 2 and torch.get_num_threads() == 2
+    t.after_step(8, 0.5)
+    feed(t, 8, 0.5, 2)                      # the probe was 2x faster: keep 2
+    assert t.current == 2 and t.switches == 1 and torch.get_num_threads() == 2
+    t.before_step(8)                        # next probe goes the other way: 4
+    assert t.probe[0] == 4
+    t.after_step(8, 2.0)
+    feed(t, 8, 2.0, 2)                      # slower: stay at 2, probe less often
+    assert t.current == 2 and t.backoff == 2 and torch.get_num_threads() == 2
+
+
+def test_tuner_probes_only_steady_steps():
+    t = ThreadTuner(2, interval=0.0, probe_steps=3)
+    feed(t, 8, 1.0, 3)
+    t.before_step(512)                      # a prefill after decode steps: no probe on it
+    assert t.probe is None
+    t.after_step(512, 9.0)
+
+
+def test_default_num_threads_is_the_affinity():
+    import os
+
+    assert 1 <= default_num_threads() <= len(os.sched_getaffinity(0))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaModel:
+    cfg, state = weights.dummy_weights(preset("tiny"), seed=0)
+    return LlamaModel.from_state_dict(cfg, state)
+
+
+def test_num_threads_option_and_same_tokens(tiny):
+    tok = MiniTokenizer.byte_level(tiny.cfg.vocab_size)
+    backend = "native" if ops.native_available() else "torch"
+    with pytest.raises(ValueError, match="num_threads"):
+        Engine(tiny, tokenizer=tok, num_threads=0)
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 300)]
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    outs = {}
+    for n in (1, 2, None):
+        e = Engine(tiny, tokenizer=tok, num_threads=n, backend=backend)
+        assert (e.runner.thread_tuner is None) == (n is not None or default_num_threads() == 1)
+        outs[n] = [o.token_ids for o in e.generate(ps, sp)]
+    assert outs[1] == outs[2] == outs[None]
