@@ -173,7 +173,8 @@ def run_profile(args) -> dict:
 
 
 def _all_prefilled(engine) -> bool:
-    return all(r.output_ids for r in engine.scheduler.running) if engine.scheduler.running else False
+    sched = engine.scheduler
+    return bool(sched.running) and not sched.waiting and all(r.output_ids for r in sched.running)
 
 
 def summarize(prof, wall: float, batch: int, plen: int, phase: str) -> dict:
