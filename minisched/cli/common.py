@@ -42,7 +42,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-radix-cache", action="store_true", help="disable prefix reuse through the radix cache")
     g.add_argument("--mixed-chunk", action="store_true", help="let decode tokens ride along with prefill chunks")
     g.add_argument("--cascade", action="store_true", help="cascade decode for requests sharing prefix pages")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: tuned while serving, starting at the usable cores)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
