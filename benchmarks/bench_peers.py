@@ -39,17 +39,13 @@ import subprocess
 import sys
 import time
 
+from bench_cpu import loadavg  # same folder; stdlib-only imports
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 VOCAB = 49152
 
 
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 # -- workers: one per system, JSON lines on stdin/stdout ---------------------------------------------

@@ -21,6 +21,17 @@ LAUNCH = ("import argparse, sys\n"
           "sys.exit(cmd_serve(p.parse_args(sys.argv[1:])))\n")
 
 
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,14 +63,7 @@ def test_sigterm_drains_then_aborts_and_exits_0():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(proc, url, 90)
         short, long_ = {}, {}
         s1, s2 = threading.Event(), threading.Event()
         threads = [threading.Thread(target=stream, args=(url, 6, short, s1)),
@@ -98,14 +102,7 @@ def test_ctrl_c_with_a_stream_in_flight_exits_0():
                              "--num-pages", "64", "--port", str(port), "--grace-period", "0", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(proc, url, 60)
         out, started = {}, threading.Event()
         t = threading.Thread(target=stream, args=(url, 1000, out, started))
         t.start()
