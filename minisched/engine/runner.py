@@ -200,6 +200,11 @@ class ModelRunner:
             g = self._generators[req] = make_generator(req.sampling.seed)
         return g
 
+    def run_model(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """The forward proper: logits of the rows to sample. (minisched.dist's tensor-parallel runner
+        overrides it: it first sends the batch to the other ranks.)"""
+        return self.model(input_ids, meta, self.kv_cache, backend=self.backend, check=self.check)
+
     def forward(self, batch: Batch) -> list[int]:
         self.num_forwards += 1
         tuner = self.thread_tuner
@@ -209,7 +214,7 @@ class ModelRunner:
         input_ids, meta = self.build_meta(batch)
         tokens = [0] * batch.batch_size
         rows = [b for b, s in enumerate(batch.sampled) if s]
-        logits = self.model(input_ids, meta, self.kv_cache, backend=self.backend, check=self.check)
+        logits = self.run_model(input_ids, meta)
         if rows:
             reqs = [batch.reqs[b] for b in rows]
             picked = sample(logits, [r.sampling for r in reqs], [self.generator_for(r) for r in reqs])

@@ -7,6 +7,11 @@ attention from `minisched.ops` -- prefill (ragged, causal), decode (one query pe
 cascade decode (shared prefix + own suffix). All batch metadata comes in a `ForwardMeta`:
 there is no module-level state.
 
+Tensor parallelism (minisched/dist) hooks in at four points through `model.tp`, None by default
+(the single-process path, unchanged): the embedding lookup (`tp.embed`), the partial sums after
+the O and down projections (`tp.all_reduce`) and the logits (`tp.gather_logits`). A sharded
+model holds its rank's heads, MLP columns and vocabulary rows; `minisched.dist.shard` builds it.
+
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in float32 then cast back; RoPE
 cos/sin from float32 `position * inv_freq`; logits in float32.
 """
@@ -116,6 +121,7 @@ class LlamaModel(nn.Module):
             layer.gate_up = nn.Parameter(torch.empty(2 * i, h, **kw), requires_grad=False)
             layer.down = nn.Parameter(torch.empty(h, i, **kw), requires_grad=False)
             self.layers.append(layer)
+        self.tp = None  # a minisched.dist.shard.TPShard on a tensor-parallel rank
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
 
@@ -179,6 +185,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, kv_cache: torch.Tensor, *,
                 backend: str = "torch", check: bool = True) -> torch.Tensor:
         """Logits float32 [len(meta.logits_indices), vocab] for a ragged batch; writes the new K/V into kv_cache.
+        On a tensor-parallel rank (`self.tp`): the whole vocabulary's logits on rank 0, None on the others.
 
         Same arithmetic as `dense_forward`, in fewer kernels and temporaries: RoPE on q and k
         together (`apply_rope_signed`), in-place residual adds and SiLU*up, one ATen rms_norm,
@@ -186,7 +193,8 @@ class LlamaModel(nn.Module):
         c = self.cfg
         n = input_ids.shape[0]
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        x = F.embedding(input_ids.long(), self.embed)
+        tp = self.tp
+        x = F.embedding(input_ids.long(), self.embed) if tp is None else tp.embed(input_ids, self.embed)
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
         sin = signed_sin(sin)
         for layer, kv_layer in zip(self.layers, kv_cache.unbind(0)):
@@ -197,15 +205,18 @@ class LlamaModel(nn.Module):
             v = qkv[:, c.q_size + c.kv_size:].view(n, hkv, d)
             ops.store_kv(qk[:, hq:], v, k_cache, v_cache, meta.out_slots, backend=backend, check=check)
             attn = self._attention(qk[:, :hq].contiguous(), k_cache, v_cache, meta, backend, check)
-            x += F.linear(attn.view(n, c.q_size), layer.o)
+            o = F.linear(attn.view(n, c.q_size), layer.o)
+            x += o if tp is None else tp.all_reduce(o)
             h = fast_rms_norm(x, layer.ln2, c.rms_eps)
             gate_up = F.linear(h, layer.gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
-            x += F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
+            down = F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
+            x += down if tp is None else tp.all_reduce(down)
         if not (meta.is_decode and meta.logits_indices.shape[0] == n):  # decode: every row, in order
             x = x[meta.logits_indices]
         x = fast_rms_norm(x, self.norm, c.rms_eps)
-        return F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()
+        logits = F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()
+        return logits if tp is None else tp.gather_logits(logits)
 
 
 def dense_forward(model: LlamaModel, input_ids: torch.Tensor) -> torch.Tensor:
