@@ -58,11 +58,15 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
 
     @app.get("/health")
     async def health():
+        replicas = loop.health()["replicas"] if hasattr(loop, "health") else None  # --dp: DataParallelLoop
+        extra = {} if replicas is None else {"replicas": replicas}
         if not loop.is_alive():
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+            return JSONResponse({"status": "engine loop stopped", **extra}, status_code=503)
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"status": "draining", **extra}, status_code=503)
+        if replicas is not None and not all(r["alive"] for r in replicas):
+            return {"status": "degraded", **extra}  # still serving: 200, so a balancer keeps it
+        return {"status": "ok", **extra}
 
     @app.get("/metrics")
     async def metrics():

@@ -1,0 +1,301 @@
+"""One engine replica in its own process, and the server's handle on it (data parallelism, `--dp N`).
+
+    client = ReplicaClient(0, functools.partial(Engine, "smollm2"))   # spawns the process
+    info = client.wait_ready(timeout=300)          # EngineInfo: tokenizer, model and scheduler configs
+    client.submit(rid, prompt_ids, sampling, sink) # False: the replica is dead (route elsewhere)
+    client.abort(rid); client.call(fn) -> Future   # fn(engine) on the replica's engine thread (picklable fn)
+    client.stop(); client.join(timeout)
+
+The replica process ('spawn' context, so no CUDA or thread state is inherited) builds its
+Engine from a picklable zero-argument factory and runs the ordinary `EngineLoop`. Its main
+thread reads the server's messages (add / abort / call / stop) from a `multiprocessing.Pipe`
+and hands them to the loop; the loop publishes each step's updates in ONE pipe message
+(`_ForwardingLoop` stands in for the asyncio loop a `Sink` normally names), and the main
+thread sends a `Stats` snapshot whenever it changed, at most every STATS_INTERVAL seconds.
+
+On the server side a reader thread per replica turns those messages back into `Update`s on
+the requests' own event loops (`EngineLoop._publish`: one `call_soon_threadsafe` per batch).
+A replica that dies -- killed, crashed, out of memory -- closes its end of the pipe: the
+reader's `recv` raises EOFError at once, every request still in flight there ends with a
+`server_error` update (HTTP 500, or an error event in the stream), and `on_death(index)`
+tells the pool to stop routing to it. Within a bounded time: the pipe's EOF needs no timeout.
+The replica in turn exits when the server's end closes (the server died), and ignores
+SIGINT: Ctrl-C in a terminal reaches the whole process group, and the server drains first.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from minisched.serve.engine_loop import EngineLoop, Stats, Update
+
+log = logging.getLogger("minisched.serve")
+STATS_INTERVAL = 0.05  # seconds between the replica's Stats messages (only when they changed)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side needs from an engine it does not hold (ServerState reads these three)."""
+
+    tokenizer: Any
+    cfg: Any  # the model's ModelConfig (vocab_size)
+    sched_config: Any  # the frozen SchedulerConfig (context length, pool size, page size)
+
+
+class ReplicaStartError(RuntimeError):
+    pass
+
+
+# -- the replica process -------------------------------------------------------------------------
+class _Outbox:
+    """The replica's end of the pipe, shared by its main thread and its engine thread."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, msg) -> None:
+        try:
+            with self.lock:
+                self.conn.send(msg)
+        except (OSError, ValueError):  # the server is gone; the main thread notices on recv
+            pass
+
+
+class _ForwardingLoop:
+    """What EngineLoop publishes to in a replica: a step's updates go to the server in one message."""
+
+    def __init__(self, out: _Outbox):
+        self.out = out
+
+    def call_soon_threadsafe(self, _deliver, batch) -> None:
+        self.out.send(("updates", [(sink.rid, upd) for sink, upd in batch]))
+
+
+class _RemoteSink:
+    __slots__ = ("rid", "loop")
+
+    def __init__(self, rid: str, loop: _ForwardingLoop):
+        self.rid, self.loop = rid, loop
+
+    def deliver(self, update: Update) -> None:  # never called: _ForwardingLoop ships the batch instead
+        raise AssertionError("a remote sink is delivered in the server process")
+
+
+def _replica_main(index: int, factory: Callable[[], Any], conn, cpus: Optional[list[int]],
+                  check_invariants: bool) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cpus:  # before the engine: its default thread count is the cores this process may use
+        os.sched_setaffinity(0, cpus)
+    out = _Outbox(conn)
+    try:
+        engine = factory()
+    except BaseException as exc:  # noqa: BLE001 -- reported to the server, which fails the start
+        out.send(("failed", f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        return
+    loop = EngineLoop(engine, check_invariants=check_invariants).start()
+    fwd = _ForwardingLoop(out)
+    out.send(("ready", EngineInfo(engine.tokenizer, engine.cfg, engine.sched_config)))
+    sent_stats = None
+    while True:
+        try:
+            ready = conn.poll(STATS_INTERVAL)
+            msg = conn.recv() if ready else None
+        except (EOFError, OSError):  # the server is gone
+            break
+        if msg is not None:
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt_ids, sampling = msg
+                loop.submit(rid, prompt_ids, sampling, _RemoteSink(rid, fwd))
+            elif kind == "abort":
+                loop.abort(msg[1])
+            elif kind == "call":
+                _, token, fn = msg
+                loop.call(fn).add_done_callback(lambda f, t=token: out.send(("result", t, _outcome(f))))
+            elif kind == "stop":
+                break
+        if loop.stats is not sent_stats:
+            sent_stats = loop.stats
+            out.send(("stats", sent_stats, len(loop.invariant_errors)))
+    loop.stop()  # aborts what is left; the aborts go out as updates before the process ends
+    loop.join(30)
+
+
+def _outcome(fut: concurrent.futures.Future) -> tuple[bool, Any]:
+    exc = fut.exception()
+    if exc is None:
+        return True, fut.result()
+    return False, f"{type(exc).__name__}: {exc}"
+
+
+# -- the server side -----------------------------------------------------------------------------
+class ReplicaClient:
+    """The server process's handle on one replica. submit/abort/call from any thread."""
+
+    def __init__(self, index: int, factory: Callable[[], Any], *, on_death: Optional[Callable[[int], None]] = None,
+                 cpus: Optional[list[int]] = None, check_invariants: bool = False):
+        ctx = multiprocessing.get_context("spawn")
+        self.index, self.on_death = index, on_death
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_replica_main, args=(index, factory, child, cpus, check_invariants),
+                                   name=f"minisched-replica-{index}", daemon=True)
+        self.process.start()
+        child.close()  # only the replica holds its end now, so its death is EOF here
+        self.info: Optional[EngineInfo] = None
+        self.stats = Stats()
+        self.invariant_errors = 0
+        self.alive = False
+        self.error: Optional[str] = None  # why it failed to start or died
+        self.requests = self.prompt_tokens = self.cached_tokens = self.failed = 0
+        self._lock = threading.Lock()  # guards _sinks, alive, the counters
+        self._send_lock = threading.Lock()  # never taken by the reader: no cycle with a full pipe
+        self._sinks: dict[str, tuple[Any, int]] = {}  # rid -> (sink, prompt length)
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._tokens = itertools.count()
+        self._stopping = False
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, name=f"minisched-replica-{index}-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sinks)
+
+    def wait_ready(self, timeout: float) -> EngineInfo:
+        if not self._ready.wait(timeout):
+            raise ReplicaStartError(f"engine replica {self.index} did not start within {timeout:.0f} s")
+        if self.info is None:
+            raise ReplicaStartError(f"engine replica {self.index} failed to start: {self.error}")
+        return self.info
+
+    def submit(self, rid: str, prompt_ids: list[int], sampling, sink) -> bool:
+        with self._lock:
+            if not self.alive:
+                return False
+            self._sinks[rid] = (sink, len(prompt_ids))
+        if self._send(("add", rid, prompt_ids, sampling)):
+            return True
+        with self._lock:  # the replica is going; unless its death already answered the request, reroute it
+            return self._sinks.pop(rid, None) is None
+
+    def has(self, rid: str) -> bool:
+        return rid in self._sinks
+
+    def abort(self, rid: str) -> None:
+        if self.alive:
+            self._send(("abort", rid))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run the picklable `fn(engine)` on the replica's engine thread; the Future holds its result
+        (an exception's one-line description becomes a RuntimeError)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        token = next(self._tokens)
+        with self._lock:
+            self._calls[token] = fut
+            alive = self.alive
+        if not alive or not self._send(("call", token, fn)):
+            with self._lock:
+                self._calls.pop(token, None)
+            fut.set_exception(RuntimeError(f"engine replica {self.index} is not running"))
+        return fut
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._send(("stop",))
+
+    def join(self, timeout: float) -> None:
+        """Wait for the process; terminate, then kill, one that outlives `timeout`."""
+        self.process.join(timeout)
+        for end in (self.process.terminate, self.process.kill):
+            if self.process.is_alive():
+                end()
+                self.process.join(5)
+        self._reader.join(5)
+        self._conn.close()
+
+    def _send(self, msg) -> bool:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+            return True
+        except (OSError, ValueError):  # broken pipe / closed: the reader will see EOF
+            return False
+
+    # -- the reader thread ----------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # an unpicklable message: a bug, not a dead replica; keep reading
+                log.error("replica %d sent a bad message:\n%s", self.index, traceback.format_exc())
+                continue
+            kind = msg[0]
+            if kind == "updates":
+                self._deliver(msg[1])
+            elif kind == "stats":
+                self.stats, self.invariant_errors = msg[1], msg[2]
+            elif kind == "result":
+                with self._lock:
+                    fut = self._calls.pop(msg[1], None)
+                if fut is not None:
+                    ok, value = msg[2]
+                    fut.set_result(value) if ok else fut.set_exception(RuntimeError(value))
+            elif kind == "ready":
+                self.info, self.alive = msg[1], True
+                self._ready.set()
+            elif kind == "failed":
+                self.error = msg[1]
+        self._died()
+
+    def _deliver(self, items: list[tuple[str, Update]]) -> None:
+        out = []
+        with self._lock:
+            for rid, upd in items:
+                entry = self._sinks.get(rid)
+                if entry is None:
+                    continue
+                if upd.finish_reason is not None:
+                    del self._sinks[rid]
+                    self.requests += 1
+                    self.prompt_tokens += entry[1]
+                    self.cached_tokens += upd.cached_tokens
+                out.append((entry[0], upd))
+        EngineLoop._publish(out)
+
+    def _died(self) -> None:
+        self.process.join(2)  # EOF comes as the process exits; its status follows shortly
+        code = self.process.exitcode
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with status {code}"
+        with self._lock:
+            was_alive, self.alive = self.alive, False
+            pending, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+            self.failed += len(pending)
+        if self.error is None:
+            self.error = f"engine replica {self.index} {how}"
+        expected = self._stopping or not was_alive
+        if not expected:
+            log.error("%s; %d request(s) in flight there failed", self.error, len(pending))
+        upd = (lambda: Update([], "abort")) if self._stopping else (
+            lambda: Update([], "error", self.error, "server_error"))
+        EngineLoop._publish([(sink, upd()) for sink, _ in pending.values()])
+        for fut in calls.values():
+            fut.set_exception(RuntimeError(self.error))
+        self._ready.set()
+        if was_alive and not self._stopping and self.on_death is not None:
+            self.on_death(self.index)
