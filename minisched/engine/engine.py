@@ -33,6 +33,7 @@ from minisched.model import weights
 from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
+from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner, ThreadTuner, default_num_threads
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
@@ -105,13 +106,16 @@ class Engine:
                  max_context_len: Optional[int] = None, policy: str = "fcfs", chunk_size: Optional[int] = 512,
                  max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
                  enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
-                 num_threads: Optional[int] = None, check: bool = False, seed: int = 0, **scheduler_kwargs):
+                 num_threads: Optional[int] = None, overlap: Optional[bool] = None, check: bool = False,
+                 seed: int = 0, **scheduler_kwargs):
         # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
         # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
         # shared machine costs throughput in proportion to the cores taken. The OpenMP wait policy
         # that goes with it is set in minisched/__init__.py (issue 14).
         if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
             raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True, False or None (the device's default), got {overlap!r}")
         self.num_threads = num_threads or default_num_threads()
         tuner = ThreadTuner(self.num_threads) if num_threads is None and self.num_threads > 1 else None
         if self.num_threads != torch.get_num_threads():
@@ -153,6 +157,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade,
                                   check=check, thread_tuner=tuner if self.device.type == "cpu" else None)
         self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
+        # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
+        # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
+        self.overlap = overlap if overlap is not None else self.device.type == "cuda"
+        self._overlap = OverlapLoop(self.scheduler, self.runner) if self.overlap else None
         self._ids = itertools.count()
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
@@ -245,7 +253,7 @@ class Engine:
         BaseException) gets the same cleanup and then propagates."""
         t0 = time.monotonic()
         try:
-            done = self.scheduler.step(self.runner)
+            done = self._overlap.step() if self._overlap is not None else self.scheduler.step(self.runner)
         except Exception as exc:
             self.last_error = exc
             done = self.scheduler.take_finished()

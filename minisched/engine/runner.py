@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
 from minisched.ops.page_table import build_csr
-from minisched.sched.req import Req
+from minisched.sched.req import Req, SamplingParams
 from minisched.model.sampling import make_generator, sample
 
 
@@ -134,6 +135,24 @@ class ThreadTuner:
         torch.set_num_threads(self.current)
 
 
+FUTURE_RING = 1 << 16  # placeholder-token slots (overlap): far more than the rows of the two batches in flight
+
+
+@dataclass
+class ForwardJob:
+    """One step's inputs, built by `prepare` on the scheduling thread. `execute` reads nothing else,
+    so it may run on another thread while the scheduler changes its requests (overlap scheduling)."""
+    input_ids: torch.Tensor  # int32 [N]; negative: a placeholder for a token an earlier job samples
+    meta: ForwardMeta
+    num_tokens: int
+    batch_size: int
+    rows: list[int]  # rows that sample a token
+    params: list[SamplingParams]
+    generators: list[Optional[torch.Generator]]
+    has_futures: bool  # input_ids may hold placeholders
+    future_slots: Optional[torch.Tensor]  # int64: where each sampled row's token goes in the future map
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, *, backend: str = "torch",
                  cascade: bool = False, check: bool = False, thread_tuner: Optional[ThreadTuner] = None):
@@ -206,20 +225,46 @@ class ModelRunner:
         return self.model(input_ids, meta, self.kv_cache, backend=self.backend, check=self.check)
 
     def forward(self, batch: Batch) -> list[int]:
+        return self.execute(self.prepare(batch))
+
+    def prepare(self, batch: Batch) -> ForwardJob:
+        """Everything the step needs from the batch and its requests (overlap: after `Scheduler.launch`,
+        which gave the sampled rows their placeholder ids in `batch.future_ids`)."""
+        input_ids, meta = self.build_meta(batch)
+        rows = [b for b, s in enumerate(batch.sampled) if s]
+        reqs = [batch.reqs[b] for b in rows]
+        slots = None
+        if batch.future_ids:
+            slots = self._t(np.asarray([(-batch.future_ids[b] - 1) % FUTURE_RING for b in rows], np.int64),
+                            torch.int64)
+        return ForwardJob(input_ids, meta, batch.num_tokens, batch.batch_size, rows, [r.sampling for r in reqs],
+                          [self.generator_for(r) for r in reqs], any(r.pending_ids for r in batch.reqs), slots)
+
+    def _future_map(self) -> torch.Tensor:
+        if getattr(self, "_futures", None) is None:
+            self._futures = torch.zeros(FUTURE_RING, dtype=torch.int32, device=self.device)
+        return self._futures
+
+    def execute(self, job: ForwardJob) -> list[int]:
+        """Forward and sampling; one token per row (0 for rows that sample none). Placeholders in the
+        inputs are swapped for the tokens earlier jobs sampled (they ran before this one, in order)."""
         self.num_forwards += 1
         tuner = self.thread_tuner
         if tuner is not None:
-            tuner.before_step(batch.num_tokens)
+            tuner.before_step(job.num_tokens)
             t0 = time.perf_counter()
-        input_ids, meta = self.build_meta(batch)
-        tokens = [0] * batch.batch_size
-        rows = [b for b, s in enumerate(batch.sampled) if s]
-        logits = self.run_model(input_ids, meta)
-        if rows:
-            reqs = [batch.reqs[b] for b in rows]
-            picked = sample(logits, [r.sampling for r in reqs], [self.generator_for(r) for r in reqs])
-            for b, t in zip(rows, picked):
+        input_ids = job.input_ids
+        if job.has_futures:
+            fut = self._future_map()
+            input_ids = torch.where(input_ids < 0, fut[(-input_ids.long() - 1) % FUTURE_RING], input_ids)
+        tokens = [0] * job.batch_size
+        logits = self.run_model(input_ids, job.meta)
+        if job.rows:
+            picked = sample(logits, job.params, job.generators)
+            for b, t in zip(job.rows, picked):
                 tokens[b] = t
+            if job.future_slots is not None:
+                self._future_map()[job.future_slots] = torch.tensor(picked, dtype=torch.int32, device=self.device)
         if tuner is not None:
-            tuner.after_step(batch.num_tokens, time.perf_counter() - t0)
+            tuner.after_step(job.num_tokens, time.perf_counter() - t0)
         return tokens

@@ -3,7 +3,9 @@
 - free + cached + held pages == total, each page owned exactly once;
 - each radix node's lock count == the live requests whose prefix passes through it;
 - each live request sits in exactly the queue its status names (waiting, running, the
-  carried chunk), and its token counts and page table agree with that state (`Req.check`).
+  carried chunk), and its token counts and page table agree with that state (`Req.check`);
+- overlap scheduling: a batch may be launched (its tokens pending); the requests held back at
+  their length limit (`_limbo`) are live too, and only launched batches' rows have placeholders.
 
 Pure Python; raises AssertionError.
 """
@@ -21,15 +23,21 @@ def check_scheduler(sched: Scheduler) -> None:
     assert sched._in_flight is None, "check_invariants called with a batch in flight"
     tree, cfg = sched.tree, sched.config
     queues = [(sched.waiting, ReqStatus.WAITING), (sched.running, ReqStatus.RUNNING),
-              ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING)]
+              ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING), (sched._limbo, None)]
     assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, sched.reqs.values())), \
-        "live requests != waiting + running + chunked"
+        "live requests != waiting + running + chunked + limbo"
+    futures = {f for b in sched._launched for f in b.future_ids if f < 0}
     locks: dict[int, int] = {}
     held: list[int] = []
     for queue, status in queues:
         for r in queue:
-            assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
-            r.check(cfg.page_size, cfg.max_context_len)
+            assert all(f in futures for f in r.pending_ids), f"{r.rid}: a placeholder no launched batch computes"
+            if status is None:  # limbo: a finished prompt or a token at the length limit is being computed
+                assert r.status in (ReqStatus.RUNNING, ReqStatus.PREFILLING), f"{r.rid}: {r.status} in limbo"
+                assert len(r.page_ids) == -(-r.kv_len // cfg.page_size), f"{r.rid}: pages != kv_len"
+            else:
+                assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
+                r.check(cfg.page_size, cfg.max_context_len)
             if r.last_node is not None:
                 assert tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree"
                 node = r.last_node

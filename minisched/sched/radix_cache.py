@@ -183,11 +183,13 @@ class RadixCache:
                 self.dec_lock_ref(req.last_node)
         req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
 
-    def cache_unfinished_req(self, req, pool) -> None:
+    def cache_unfinished_req(self, req, pool, kv_len: int | None = None) -> None:
         """After a prefill chunk: share the request's full pages through the tree, and move
-        its lock to the deepest node (its page table now starts with the tree's pages)."""
+        its lock to the deepest node (its page table now starts with the tree's pages).
+        `kv_len`: share only this many tokens (overlap scheduling: later steps in flight
+        have already advanced `req.kv_len` over pages not written yet)."""
         ps = self.page_size
-        n_full = req.kv_len // ps
+        n_full = (req.kv_len if kv_len is None else kv_len) // ps
         if self.disable or n_full <= req.n_cached_pages:
             return
         key = req.fill_ids[:n_full * ps]

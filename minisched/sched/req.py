@@ -16,6 +16,10 @@ Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
   radix-cache pages locked through `last_node`, the rest are owned by the request.
 - A RUNNING request always has `kv_len == seq_len - 1`: its last sampled token is
   the next decode step's input.
+- `pending_ids` (overlap scheduling, overlap.py): placeholders (negative ids) for tokens
+  that launched steps are still computing; they follow `output_ids` and count in
+  `seq_len` and `fill_ids`, so the next step is scheduled as if they were known. Readers
+  of the output (streams, stop checks) see only `output_ids`.
 """
 from __future__ import annotations
 
@@ -112,6 +116,7 @@ class Req:
     prompt_ids: list[int]
     sampling: SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)  # placeholders of tokens still being computed
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
     # KV state
@@ -142,11 +147,11 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.pending_ids)
 
     @property
     def fill_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.prompt_ids + self.output_ids + self.pending_ids
 
     @property
     def is_finished(self) -> bool:
@@ -154,11 +159,12 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return self.max_new_tokens - len(self.output_ids)
+        return self.max_new_tokens - len(self.output_ids) - len(self.pending_ids)
 
     def check(self, page_size: int, max_context_len: int) -> None:
         """State/token-count consistency of a live request; raises AssertionError."""
-        assert len(self.output_ids) <= self.max_new_tokens and self.seq_len <= max_context_len, \
+        n_out = len(self.output_ids) + len(self.pending_ids)
+        assert n_out <= self.max_new_tokens and self.seq_len <= max_context_len, \
             f"{self.rid}: too many tokens ({len(self.output_ids)} out, {self.seq_len} total)"
         assert len(self.page_ids) == -(-self.kv_len // page_size), \
             f"{self.rid}: {len(self.page_ids)} pages for kv_len {self.kv_len}"
@@ -173,7 +179,10 @@ class Req:
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+        if pos < n:
+            return self.prompt_ids[pos]
+        m = len(self.output_ids)
+        return self.output_ids[pos - n] if pos - n < m else self.pending_ids[pos - n - m]
 
 
 def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, max_context_len: int,

@@ -17,6 +17,11 @@ Engine-facing API (pure Python; no torch):
                                                   # requests with FinishReason.ERROR, release their KV
     sched.events, sched.step_stats, sched.check_invariants()
 
+Overlap scheduling (overlap.py): `launch(batch)` right after `get_next_batch` advances the
+state with placeholder tokens, the next `get_next_batch` may run while that batch computes,
+and `resolve(batch, tokens)` applies its tokens one step late (oldest launched batch first);
+`fail_launched("why")` ends every launched batch's requests.
+
 `stop_checker(req) -> bool` is called after each new token (engine-side stop strings;
 finish reason STOP_STR). Request ids must be unique among live requests.
 
@@ -58,6 +63,7 @@ from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.events import Event, StepStats
 from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool, cdiv
+from minisched.sched import overlap
 from minisched.sched.policy import SchedulePolicy
 from minisched.sched.prefill_adder import AddResult, PrefillAdder
 from minisched.sched.radix_cache import RadixCache
@@ -94,6 +100,9 @@ class Scheduler:
         self._abort_pending: set[int] = set()  # id(req) of in-flight requests to abort
         self._stalled = 0  # consecutive steps with work but no batch
         self._finished_early: list[Req] = []  # finished inside get_next_batch (pool outgrown)
+        self._launched: list[Batch] = []  # overlap: batches computing, tokens not applied yet (oldest first)
+        self._limbo: list[Req] = []  # overlap: live, at their length limit, ending when their batch resolves
+        self._next_future = 0  # overlap: placeholder token ids are -1, -2, ...
 
     # -- requests -------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
@@ -117,6 +126,9 @@ class Scheduler:
             return False
         if self._in_flight is not None and any(r is req for r in self._in_flight.reqs):
             self._abort_pending.add(id(req))
+            return True
+        if self._launched:
+            overlap.abort_launched(self, req)
             return True
         self._unlink(req)
         self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
@@ -148,7 +160,9 @@ class Scheduler:
         return done
 
     def _unlink(self, req: Req) -> None:
-        if req.status is ReqStatus.WAITING:
+        if self._limbo and req in self._limbo:
+            self._limbo.remove(req)
+        elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         elif req is self.chunked_req:
             self.chunked_req = None
@@ -156,7 +170,17 @@ class Scheduler:
             self.running.remove(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req is not None)
+        return bool(self.waiting or self.running or self.chunked_req is not None or self._limbo)
+
+    # -- overlap scheduling (overlap.py) --------------------------------------
+    def launch(self, batch: Batch) -> None:
+        overlap.launch(self, batch)
+
+    def resolve(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
+        return overlap.resolve(self, batch, next_token_ids)
+
+    def fail_launched(self, message: str) -> list[Req]:
+        return overlap.fail_launched(self, message)
 
     # -- one step -------------------------------------------------------------
     def step(self, runner: ModelRunner) -> list[Req]:
@@ -182,12 +206,13 @@ class Scheduler:
         batch = None if decode_due else self._prefill_batch()
         if batch is not None and self.config.enable_mixed_chunk and self.running:
             batch = self._mix(batch)
-        if batch is None and self.running:
+        if batch is None and self.running and not (self._launched and not self._decode_fits()):
+            # (with a batch launched, no retraction: its tokens are resolved first, see overlap.py)
             n_retracted = self._make_room_for_decode()
             if self.running:
                 batch = self._decode_batch(n_retracted)
         if batch is None:
-            self._stalled = self._stalled + 1 if self.has_work() else 0
+            self._stalled = self._stalled + 1 if self.has_work() and not self._launched else 0
             if self._stalled >= self.config.max_stalled_steps:
                 self._fail_stalled()
             return None
@@ -321,6 +346,12 @@ class Scheduler:
         n = len(reqs)
         return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
 
+    def _decode_fits(self) -> bool:
+        need = self.pool.decode_pages_needed(self.running)
+        if need > self.pool.num_free:
+            self.pool.free(self.tree.evict(need - self.pool.num_free))
+        return need <= self.pool.num_free
+
     def _make_room_for_decode(self) -> int:
         """Evict, then retract (retraction.py) until the next decode step's pages fit, then
         re-estimate new_token_ratio. Returns the number of retracted requests."""
@@ -386,8 +417,8 @@ class Scheduler:
     def _free_kv(self, req: Req) -> None:
         self.tree.cache_finished_req(req, self.pool)
 
-    def _cache_unfinished(self, req: Req) -> None:
-        self.tree.cache_unfinished_req(req, self.pool)
+    def _cache_unfinished(self, req: Req, kv_len: int | None = None) -> None:
+        self.tree.cache_unfinished_req(req, self.pool, kv_len)
 
     def _finish_reason(self, req: Req) -> FinishReason | None:
         sp = req.sampling
@@ -395,7 +426,7 @@ class Scheduler:
             return FinishReason.STOP_TOKEN
         if len(req.output_ids) >= req.max_new_tokens:  # the clip (context or pool) is a LENGTH end
             return FinishReason.MAX_NEW_TOKENS if len(req.output_ids) >= sp.max_new_tokens else FinishReason.LENGTH
-        if req.seq_len >= self.config.max_context_len:
+        if req.prompt_len + len(req.output_ids) >= self.config.max_context_len:  # (not counting placeholders)
             return FinishReason.LENGTH
         if self.stop_checker is not None:
             try:

@@ -1,0 +1,210 @@
+"""Overlap scheduling at the scheduler level (minisched/sched/overlap.py), with the fake runner.
+
+The engine's forward worker is emulated: a launched batch is computed at once (the worker runs
+steps in launch order), its inputs' placeholders swapped for the tokens earlier steps sampled,
+while the scheduler applies the tokens one step late. The fake runner reads every request's
+KV back through the page table, so a page handed out too early, a wrong placeholder or a bad
+radix entry trips an assertion or changes the outputs. The hypothesis machine is the one of
+test_scheduler_stateful.py (arrivals, tiny pools, chunking, policies, mixed, aborts, stop
+tokens, max_new_tokens 0) driven in overlap mode: outputs equal the unconstrained greedy
+reference, invariants hold after every rule, the pool is whole at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from fake_runner import FakeRunner, check_lifecycles, greedy_reference
+from minisched.sched.batch import Batch
+from minisched.sched.req import FinishReason, Req, ReqStatus, SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from test_scheduler_stateful import VOCAB, SchedulerMachine
+
+
+class _Resolved:
+    """A request as the worker sees it: placeholders of computed steps replaced by their tokens."""
+
+    def __init__(self, req: Req, tokens: dict[int, int]) -> None:
+        self._req, self._tokens = req, tokens
+
+    def __getattr__(self, name):
+        return getattr(self._req, name)
+
+    def token_at(self, pos: int) -> int:
+        t = self._req.token_at(pos)
+        return self._tokens.get(t, t) if t < 0 else t
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return [self._tokens.get(t, t) if t < 0 else t for t in self._req.fill_ids]
+
+
+class FutureFakeRunner(FakeRunner):
+    """FakeRunner that resolves placeholder inputs, as the engine's forward worker does."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.tokens: dict[int, int] = {}
+
+    def forward(self, batch: Batch) -> list[int]:
+        view = dataclasses.replace(batch, reqs=[_Resolved(r, self.tokens) for r in batch.reqs])
+        out = super().forward(view)
+        assert min(view.input_ids(), default=0) >= 0, "an input placeholder whose step has not run"
+        for fid, tok in zip(batch.future_ids, out):
+            if fid < 0:
+                self.tokens[fid] = tok
+        return out
+
+
+def overlap_step(sched: Scheduler, runner: FutureFakeRunner, launched: deque) -> list[Req]:
+    """The engine's overlap step: build and launch N+1, then apply N's tokens."""
+    batch = sched.get_next_batch()
+    if batch is not None:
+        sched.launch(batch)
+        launched.append((batch, runner.forward(batch)))
+    if launched and (batch is None or len(launched) > 1):
+        b, out = launched.popleft()
+        return sched.resolve(b, out)
+    return sched.take_finished()
+
+
+def run_overlap(sched: Scheduler, runner: FutureFakeRunner, launched: deque, max_steps: int = 10_000) -> dict:
+    done = {}
+    for _ in range(max_steps):
+        if not sched.has_work() and not launched:
+            break
+        for req in overlap_step(sched, runner, launched):
+            assert req.rid not in done, f"{req.rid} finished twice"
+            done[req.rid] = req
+        sched.check_invariants()
+    else:
+        raise AssertionError(f"no progress after {max_steps} steps")
+    return done
+
+
+class OverlapMachine(SchedulerMachine):
+    def _ready(self) -> None:
+        """The base setup's runner is never used here: swap in the resolving one before the first step."""
+        if not hasattr(self, "launched"):
+            self.runner = FutureFakeRunner(self.cfg.num_pages, self.cfg.page_size, VOCAB)
+            self.launched: deque = deque()
+
+    @rule(n=st.integers(1, 6))
+    def step(self, n):
+        self._ready()
+        for _ in range(n):
+            self._finished(overlap_step(self.sched, self.runner, self.launched))
+            self.sched.check_invariants()
+
+    @precondition(lambda self: self.sched.has_work())
+    @rule(i=st.integers(0, 10_000))
+    def abort_in_flight(self, i):
+        """Abort a request of the launched batch (its forward computing, its token pending)."""
+        self._ready()
+        self._finished(overlap_step(self.sched, self.runner, self.launched))
+        if not self.launched:
+            return
+        batch = self.launched[-1][0]
+        victim = batch.reqs[i % len(batch.reqs)]
+        if self.sched.abort(victim.rid):
+            self.ended[victim.rid] = "aborted"
+        self.sched.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        self._ready()
+        self._finished(run_overlap(self.sched, self.runner, self.launched, max_steps=5000).values())
+        assert set(self.ended) == set(self.added), "a request was lost"
+        for rid, (prompt, sp) in self.added.items():
+            r = self.ended[rid]
+            if r == "aborted":
+                continue
+            assert r.finish_reason is not FinishReason.ERROR, r.error
+            assert not r.pending_ids
+            if sp.max_new_tokens == 0:
+                assert r.output_ids == [] and r.finish_reason is FinishReason.LENGTH
+                continue
+            ref = greedy_reference(prompt, min(sp.max_new_tokens, 500), VOCAB, sp.stop_token_ids,
+                                   self.cfg.max_context_len)
+            if r.finish_reason is FinishReason.LENGTH:
+                assert r.output_ids == ref[:len(r.output_ids)]
+            else:
+                assert r.output_ids == ref, f"{rid}: {r.output_ids} != {ref}"
+            assert r.status is ReqStatus.FINISHED
+        check_lifecycles(self.sched.events)
+        tree, pool = self.sched.tree, self.sched.pool
+        assert tree.protected_pages == 0
+        pool.free(tree.evict(tree.total_pages))
+        assert pool.num_free == self.cfg.num_pages and tree.total_pages == 0
+
+
+OverlapMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
+TestOverlapScheduler = OverlapMachine.TestCase
+
+
+def _sched(**kw) -> Scheduler:
+    base = dict(page_size=4, num_pages=64, max_context_len=200, chunk_size=None, max_prefill_tokens=512,
+                max_running_requests=8)
+    base.update(kw)
+    return Scheduler(SchedulerConfig(**base))
+
+
+def test_stop_token_found_one_step_late_drops_the_extra_token():
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    ref = greedy_reference(prompt, 20, VOCAB)
+    stop = ref[4]
+    want = ref[:ref.index(stop) + 1]
+    sched, launched = _sched(), deque()
+    runner = FutureFakeRunner(64, 4, VOCAB)
+    req = sched.add_request("a", prompt, SamplingParams(max_new_tokens=20, stop_token_ids=(stop,)))
+    done = run_overlap(sched, runner, launched)
+    assert done["a"].output_ids == want and req.finish_reason is FinishReason.STOP_TOKEN
+    assert runner.num_forward == len(want) + 1  # one step computed past the stop token, then dropped
+    assert not launched and not sched.reqs
+    sched.pool.free(sched.tree.evict(64))
+    assert sched.pool.num_free == 64
+
+
+def test_length_limit_is_never_scheduled_past():
+    sched, launched = _sched(), deque()
+    runner = FutureFakeRunner(64, 4, VOCAB)
+    sched.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=5))
+    sched.add_request("b", [4, 5], SamplingParams(max_new_tokens=1))
+    done = run_overlap(sched, runner, launched)
+    assert len(done["a"].output_ids) == 5 and len(done["b"].output_ids) == 1
+    assert runner.num_forward == 5  # no forward for a token past max_new_tokens
+
+
+def test_fail_launched_releases_only_written_kv():
+    sched, launched = _sched(page_size=2), deque()
+    runner = FutureFakeRunner(64, 2, VOCAB)
+    a = sched.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=30))
+    for _ in range(4):
+        overlap_step(sched, runner, launched)
+    assert len(launched) == 1 and a.pending_ids
+    committed = launched[0][0].prefix_lens[0]
+    failed = sched.fail_launched("boom")
+    assert failed == [a] and a.finish_reason is FinishReason.ERROR and a.error == "boom"
+    assert sched.take_finished() == [a] and not sched.has_work() and not a.pending_ids
+    sched.check_invariants()
+    assert sched.tree.total_pages == committed // 2  # only pages written by resolved steps are cached
+
+
+@pytest.mark.parametrize("bad", ["get_next_batch", "resolve"])
+def test_misuse_is_a_clear_error(bad):
+    sched = _sched()
+    sched.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=3))
+    batch = sched.get_next_batch()
+    if bad == "get_next_batch":
+        with pytest.raises(RuntimeError, match="before process_batch_result"):
+            sched.get_next_batch()
+    else:
+        with pytest.raises(RuntimeError, match="oldest launched"):
+            sched.resolve(batch, [0])
