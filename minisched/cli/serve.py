@@ -2,10 +2,13 @@
 
     minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KEY]
                     [--max-queued-requests 512] [--served-model-name NAME] [--grace-period 30]
+                    [--dp N] [--router cache-aware|round-robin]
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import logging
 import os
 
@@ -24,6 +27,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGTERM / Ctrl-C before they are aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    dp = s.add_argument_group("data parallelism")
+    dp.add_argument("--dp", type=int, default=1,
+                    help="engine replicas, each its own process with its own KV pool and radix cache")
+    dp.add_argument("--router", default="cache-aware", choices=["cache-aware", "round-robin"],
+                    help="how --dp routes a request: to the replica caching its longest prefix, or in turn")
+    dp.add_argument("--router-cache-threshold", type=float, default=0.5,
+                    help="cache-aware: the prefix match (share of the prompt) above which it wins over a fresh replica")
+    dp.add_argument("--router-balance-abs-threshold", type=int, default=32,
+                    help="cache-aware: route by load when max - min in-flight requests exceeds this ...")
+    dp.add_argument("--router-balance-rel-threshold", type=float, default=1.1,
+                    help="... and max exceeds this times min")
     engine_args(s)
     return s
 
@@ -35,17 +49,58 @@ def cmd_serve(args) -> int:
         raise CLIError("--max-queued-requests must be >= 0")
     if args.grace_period < 0:
         raise CLIError("--grace-period must be >= 0")
+    if args.dp < 1:
+        raise CLIError(f"--dp must be >= 1, got {args.dp}")
     from minisched.serve import create_app, run
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    engine = make_engine(args)
     name = args.served_model_name or args.model or "smollm2"
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_queued_requests=args.max_queued_requests)
+    if args.dp > 1:
+        engine, loop = _start_replicas(args)
+    else:
+        engine, loop = make_engine(args), None
+    app = create_app(engine, model_name=name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                     engine_loop=loop)
     print(f"minisched serve: model {name!r} on http://{args.host}:{args.port}/v1 "
           f"(context {engine.sched_config.max_context_len} tokens, {engine.sched_config.num_pages} KV pages"
+          f"{f' per replica, {args.dp} replicas, {args.router} routing' if args.dp > 1 else ''}"
           f"{', API key required' if args.api_key else ''})", flush=True)
     try:
         run(app, host=args.host, port=args.port, grace_period=args.grace_period, log_level=args.log_level)
     except OSError as exc:  # e.g. the port is taken
         raise CLIError(f"cannot serve on {args.host}:{args.port}: {exc}") from exc
+    finally:
+        if loop is not None:  # the replicas end with the server, however it ends
+            loop.stop()
+            loop.join(10)
     return 0
+
+
+def _replica_args(args, index: int):
+    """Replica `index`'s engine options: on CUDA, one device per replica (cuda:0, cuda:1, ...)."""
+    out = copy.copy(args)
+    if args.dp > 1 and args.device.startswith("cuda"):
+        base = int(args.device.split(":")[1]) if ":" in args.device else 0
+        out.device = f"cuda:{base + index}"
+    return out
+
+
+def _start_replicas(args):
+    """`--dp N`: N engine processes behind this server (minisched/serve/dp.py); returns (EngineInfo, pool)."""
+    from minisched.serve.dp import DataParallelLoop
+    from minisched.serve.replica import ReplicaStartError
+    from minisched.serve.router import RouterConfig
+
+    try:
+        router = RouterConfig(args.router, cache_threshold=args.router_cache_threshold,
+                              balance_abs_threshold=args.router_balance_abs_threshold,
+                              balance_rel_threshold=args.router_balance_rel_threshold)
+    except ValueError as exc:
+        raise CLIError(f"--router: {exc}") from exc
+    factories = [functools.partial(make_engine, _replica_args(args, i)) for i in range(args.dp)]
+    print(f"minisched serve: starting {args.dp} engine replicas ...", flush=True)
+    try:
+        pool = DataParallelLoop(factories, router).start()
+    except ReplicaStartError as exc:
+        raise CLIError(str(exc)) from exc
+    return pool.info, pool

@@ -20,7 +20,8 @@ reader's `recv` raises EOFError at once, every request still in flight there end
 `server_error` update (HTTP 500, or an error event in the stream), and `on_death(index)`
 tells the pool to stop routing to it. Within a bounded time: the pipe's EOF needs no timeout.
 The replica in turn exits when the server's end closes (the server died), and ignores
-SIGINT: Ctrl-C in a terminal reaches the whole process group, and the server drains first.
+SIGINT and SIGTERM: Ctrl-C in a terminal (or `timeout`, or `kill -- -PGID`) signals the whole
+process group, and the server must drain its requests before it stops the replicas.
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ class _RemoteSink:
 
 def _replica_main(index: int, factory: Callable[[], Any], conn, cpus: Optional[list[int]],
                   check_invariants: bool) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # group-wide signals are the server's: it drains, then stops us
+        signal.signal(sig, signal.SIG_IGN)
     if cpus:  # before the engine: its default thread count is the cores this process may use
         os.sched_setaffinity(0, cpus)
     out = _Outbox(conn)
@@ -212,12 +214,11 @@ class ReplicaClient:
         self._send(("stop",))
 
     def join(self, timeout: float) -> None:
-        """Wait for the process; terminate, then kill, one that outlives `timeout`."""
+        """Wait for the process; kill one that outlives `timeout` (it ignores SIGTERM)."""
         self.process.join(timeout)
-        for end in (self.process.terminate, self.process.kill):
-            if self.process.is_alive():
-                end()
-                self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
         self._reader.join(5)
         self._conn.close()
 
