@@ -44,6 +44,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cascade", action="store_true", help="cascade decode for requests sharing prefix pages")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: tuned while serving, starting at the usable cores)")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling: build the next step while the forward runs on a worker thread "
+                        "(default: on for CUDA, off for CPU)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -77,7 +80,7 @@ def make_engine(args):
                       max_context_len=args.max_context_len, policy=args.policy,
                       chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
                       enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
-                      cascade=args.cascade, num_threads=args.threads)
+                      cascade=args.cascade, num_threads=args.threads, overlap=args.overlap)
     except ModelNotFound as exc:
         raise CLIError(f"model not found: {exc}") from exc
     except (ValueError, RuntimeError, ImportError) as exc:
@@ -101,4 +104,4 @@ def make_engine_like(engine, args, enable_radix_cache: bool):
     return Engine(engine.model, tokenizer=engine.tokenizer, backend=args.backend, page_size=args.page_size,
                   num_pages=engine.sched_config.num_pages, policy=args.policy, chunk_size=args.chunk_size or None,
                   max_running_requests=args.max_running_requests, enable_radix_cache=enable_radix_cache,
-                  enable_mixed_chunk=args.mixed_chunk, cascade=args.cascade)
+                  enable_mixed_chunk=args.mixed_chunk, cascade=args.cascade, overlap=engine.overlap)
