@@ -107,7 +107,7 @@ class Engine:
                  max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
                  enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
                  num_threads: Optional[int] = None, overlap: Optional[bool] = None, check: bool = False,
-                 seed: int = 0, **scheduler_kwargs):
+                 seed: int = 0, runner_factory: Optional[Callable[..., ModelRunner]] = None, **scheduler_kwargs):
         # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
         # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
         # shared machine costs throughput in proportion to the cores taken. The OpenMP wait policy
@@ -154,8 +154,10 @@ class Engine:
             page_size=page_size, num_pages=num_pages, max_context_len=max_context_len, chunk_size=chunk_size,
             max_prefill_tokens=max_prefill_tokens, max_running_requests=max_running_requests, policy=policy,
             enable_radix_cache=enable_radix_cache, enable_mixed_chunk=enable_mixed_chunk, **scheduler_kwargs)
-        self.runner = ModelRunner(self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade,
-                                  check=check, thread_tuner=tuner if self.device.type == "cpu" else None)
+        # runner_factory: ModelRunner's signature; minisched.dist passes its tensor-parallel runner
+        self.runner = (runner_factory or ModelRunner)(
+            self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade, check=check,
+            thread_tuner=tuner if self.device.type == "cpu" else None)
         self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
