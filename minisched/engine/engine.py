@@ -33,6 +33,7 @@ from minisched.model import weights
 from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
+from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner, ThreadTuner, default_num_threads
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
@@ -106,8 +107,9 @@ class Engine:
                  max_context_len: Optional[int] = None, policy: str = "fcfs", chunk_size: Optional[int] = 512,
                  max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
                  enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
-                 num_threads: Optional[int] = None, overlap: Optional[bool] = None, check: bool = False,
-                 seed: int = 0, runner_factory: Optional[Callable[..., ModelRunner]] = None, **scheduler_kwargs):
+                 num_threads: Optional[int] = None, overlap: Optional[bool] = None,
+                 cuda_graph: Optional[bool] = None, check: bool = False, seed: int = 0,
+                 runner_factory: Optional[Callable[..., ModelRunner]] = None, **scheduler_kwargs):
         # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
         # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
         # shared machine costs throughput in proportion to the cores taken. The OpenMP wait policy
@@ -143,13 +145,15 @@ class Engine:
             tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
         self.backend = pick_backend(backend, self.device)
+        self.cuda_graph = self._want_cuda_graph(cuda_graph, check, runner_factory is not None)
         num_pages = self._pool_pages(page_size, num_pages, mem_fraction)
         if max_context_len is None:
             max_context_len = min(self.cfg.max_position, num_pages * page_size)
         elif not _is_int(max_context_len) or not 2 <= max_context_len <= self.cfg.max_position:
             raise ValueError(f"max_context_len must be an int in [2, {self.cfg.max_position}] (the model's "
                              f"position limit), got {max_context_len!r}")
-        self.kv_cache = self.model.new_kv_cache(num_pages, page_size)
+        # with CUDA graphs one more page, outside the scheduler's pool: the padding rows' scratch page
+        self.kv_cache = self.model.new_kv_cache(num_pages + self.cuda_graph, page_size)
         self.sched_config = SchedulerConfig(
             page_size=page_size, num_pages=num_pages, max_context_len=max_context_len, chunk_size=chunk_size,
             max_prefill_tokens=max_prefill_tokens, max_running_requests=max_running_requests, policy=policy,
@@ -158,6 +162,11 @@ class Engine:
         self.runner = (runner_factory or ModelRunner)(
             self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade, check=check,
             thread_tuner=tuner if self.device.type == "cpu" else None)
+        if self.cuda_graph:
+            self.runner.cuda_graphs = CudaGraphRunner(
+                self.model, self.kv_cache, page_size, max_batch=max_running_requests,
+                max_context_len=max_context_len, scratch_page=num_pages, backend=self.backend)
+            self.runner.cuda_graphs.capture()
         self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
@@ -168,6 +177,22 @@ class Engine:
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
 
     # -- setup ------------------------------------------------------------------------------------------
+    def _want_cuda_graph(self, cuda_graph: Optional[bool], check: bool, custom_runner: bool) -> bool:
+        """Decode by CUDA graph replay (engine/cuda_graph.py). None: on for CUDA with the native or Triton
+        kernels, check=False and the plain runner (a tensor-parallel runner's forward is not captured);
+        True where that cannot work is an error."""
+        if cuda_graph is not None and not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True, False or None (the device's default), got {cuda_graph!r}")
+        usable = self.device.type == "cuda" and self.backend != "torch" and not check and not custom_runner
+        if cuda_graph and not usable:
+            why = (f"the device is {self.device}" if self.device.type != "cuda" else
+                   "a custom runner_factory (tensor parallel) is not captured" if custom_runner else
+                   "the torch reference backend reads index values on the host" if self.backend == "torch" else
+                   "check=True reads index values on the host (a sync, which capture forbids)")
+            raise ValueError(f"cuda_graph=True needs a CUDA device, the native or Triton kernels, check=False "
+                             f"and the plain runner: {why}")
+        return usable if cuda_graph is None else cuda_graph
+
     def _pool_pages(self, page_size: int, num_pages: Optional[int], mem_fraction: Optional[float]) -> int:
         if not _is_int(page_size) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")

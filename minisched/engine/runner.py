@@ -258,7 +258,10 @@ class ModelRunner:
             fut = self._future_map()
             input_ids = torch.where(input_ids < 0, fut[(-input_ids.long() - 1) % FUTURE_RING], input_ids)
         tokens = [0] * job.batch_size
-        logits = self.run_model(input_ids, job.meta)
+        graphs = getattr(self, "cuda_graphs", None)  # engine/cuda_graph.py: decode steps replay a captured graph
+        logits = graphs.run(input_ids, job.meta) if graphs is not None else None
+        if logits is None:
+            logits = self.run_model(input_ids, job.meta)
         if job.rows:
             picked = sample(logits, job.params, job.generators)
             for b, t in zip(job.rows, picked):
