@@ -7,10 +7,10 @@
 #   usage: benchmarks/device_check.sh OUTDIR
 #
 # Writes into OUTDIR: env.txt, build.log, res_usage.txt, pytest.log, junit.xml, bench_gpu.log,
-# bench_gpu.json, e2e.log (+ e2e.json), stages.tsv, summary.txt.
+# bench_gpu.json, e2e.log (+ e2e.json), cuda_graph.log (+ cuda_graph.json), stages.tsv, summary.txt.
 # Environment knobs: PYTHON (default python3), CUDA_HOME (default /usr/local/cuda when present),
 # BUILD_TIMEOUT/TEST_TIMEOUT/BENCH_TIMEOUT/E2E_TIMEOUT (seconds), PYTEST_ARGS, PYTEST_XDIST (workers, 0: off),
-# E2E_ARGS, BENCH_ARGS;
+# E2E_ARGS, BENCH_ARGS, CG_TIMEOUT, CG_ARGS;
 # SKIP_BUILD=1 and BENCH_ARGS=--dry-run give a CPU smoke run of the script itself.
 set -u
 
@@ -33,6 +33,7 @@ BUILD_TIMEOUT=${BUILD_TIMEOUT:-180}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
 E2E_TIMEOUT=${E2E_TIMEOUT:-60}
+CG_TIMEOUT=${CG_TIMEOUT:-60}
 # --maxfail rather than -x: one device run should report every failing kernel case, not the first.
 PYTEST_ARGS=${PYTEST_ARGS:--q -m "not slow" --maxfail=30 -p no:cacheprovider}
 E2E_ARGS=${E2E_ARGS:-bench --model dummy:llama3-1b --device cuda --dtype bfloat16 --backend native --num-requests 64 --scale 0.25 --no-progress --json $OUT/e2e.json}
@@ -102,6 +103,10 @@ else
   printf "e2e\tskipped(no minisched.cli)\t0\n" >> "$STAGES"
 fi
 
+# -- 5. decode with and without CUDA graphs (one process, interleaved; issue 15) -----------------------
+# shellcheck disable=SC2086
+run_stage cuda_graph "$CG_TIMEOUT" "$OUT/cuda_graph.log" $PY benchmarks/bench_cuda_graph.py --json "$OUT/cuda_graph.json" ${CG_ARGS:-}
+
 # -- summary (printed last) ------------------------------------------------------------------------
 {
   echo
@@ -130,6 +135,7 @@ for line in open(sys.argv[1]):
 EOF
   fi
   if [ -s "$OUT/e2e.log" ]; then echo; echo "-- e2e (tail)"; tail -8 "$OUT/e2e.log"; fi
+  if [ -s "$OUT/cuda_graph.log" ]; then echo; echo "-- decode with / without CUDA graphs (tail)"; tail -6 "$OUT/cuda_graph.log"; fi
   echo
   if [ -s "$OUT/bench_gpu.json" ]; then
     $PY - "$OUT/bench_gpu.json" <<'EOF'
