@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from minisched.cli import serve as serve_cli
-from minisched.cli.common import CLIError, Formatter, engine_args, sampling_args
+from minisched.cli.common import CLIError, Formatter, engine_args, run_tp_worker, sampling_args
 
 
 def _version() -> str:
@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         return report.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        status = run_tp_worker(args)  # torchrun's ranks > 0 of --tp N
+        if status is not None:
+            return status
         if args.command == "generate":
             from minisched.cli.generate import cmd_generate
 

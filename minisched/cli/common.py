@@ -44,6 +44,11 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cascade", action="store_true", help="cascade decode for requests sharing prefix pages")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: tuned while serving, starting at the usable cores)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism: split the model over N processes (spawned here on one node; under "
+                        "torchrun, its processes are the ranks)")
+    g.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a tensor-parallel collective may wait for the slowest rank before the run fails")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling: build the next step while the forward runs on a worker thread "
                         "(default: on for CUDA, off for CPU)")
@@ -74,17 +79,63 @@ def make_engine(args):
     from minisched.model.weights import ModelNotFound
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    kwargs = dict(backend=args.backend, page_size=args.page_size, num_pages=args.num_pages,
+                  mem_fraction=args.mem_fraction, max_context_len=args.max_context_len, policy=args.policy,
+                  chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
+                  enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
+                  cascade=args.cascade, num_threads=args.threads, overlap=args.overlap)
     try:
-        return Engine(args.model, device=args.device, dtype=dtype, backend=args.backend, page_size=args.page_size,
-                      num_pages=args.num_pages, mem_fraction=args.mem_fraction,
-                      max_context_len=args.max_context_len, policy=args.policy,
-                      chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
-                      enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
-                      cascade=args.cascade, num_threads=args.threads, overlap=args.overlap)
+        if getattr(args, "tp", 1) != 1:
+            return _make_tp_engine(args, kwargs)
+        return Engine(args.model, device=args.device, dtype=dtype, **kwargs)
     except ModelNotFound as exc:
         raise CLIError(f"model not found: {exc}") from exc
-    except (ValueError, RuntimeError, ImportError) as exc:
+    except (ValueError, RuntimeError, ImportError) as exc:  # TPError is a RuntimeError
         raise CLIError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+
+
+def tp_source(args):
+    """What every tensor-parallel rank loads (minisched.dist.ModelSource)."""
+    import torch
+
+    from minisched.dist import ModelSource
+
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
+    return ModelSource(args.model, dtype=dtype)
+
+
+def _make_tp_engine(args, kwargs):
+    """`--tp N`: rank 0's engine; the other ranks are spawned here (or run by torchrun) and stopped at exit."""
+    import atexit
+
+    from minisched.dist import TPSession
+
+    if args.tp < 1:
+        raise CLIError(f"--tp must be >= 1, got {args.tp}")
+    if getattr(args, "dp", 1) > 1:
+        raise CLIError("--tp with --dp is not supported (the replicas are daemon processes: they cannot spawn ranks)")
+    if not args.tp_timeout > 0:
+        raise CLIError(f"--tp-timeout must be > 0, got {args.tp_timeout}")
+    session = TPSession.start(args.tp, tp_source(args), device=args.device, timeout=args.tp_timeout,
+                              num_threads=args.threads)
+    atexit.register(session.close)  # STOP to the workers however the command ends
+    try:
+        return session.engine(**kwargs)
+    except BaseException:
+        session.close()
+        raise
+
+
+def run_tp_worker(args):
+    """Under torchrun, the ranks > 0 of `--tp N` serve rank 0 instead of running the command: returns
+    their exit status, or None on rank 0 and without torchrun."""
+    import os
+
+    if getattr(args, "tp", 1) <= 1 or int(os.environ.get("RANK", "0")) == 0:
+        return None
+    from minisched.dist import run_torchrun_worker
+
+    return run_torchrun_worker(tp_source(args), args.device, timeout=args.tp_timeout, num_threads=args.threads)
 
 
 def sampling_from(args, overrides: dict | None = None) -> SamplingParams:
@@ -101,7 +152,11 @@ def make_engine_like(engine, args, enable_radix_cache: bool):
     """A fresh engine (empty cache) on the same loaded model."""
     from minisched.engine import Engine
 
-    return Engine(engine.model, tokenizer=engine.tokenizer, backend=args.backend, page_size=args.page_size,
+    kwargs = dict(tokenizer=engine.tokenizer, backend=args.backend, page_size=args.page_size,
                   num_pages=engine.sched_config.num_pages, policy=args.policy, chunk_size=args.chunk_size or None,
                   max_running_requests=args.max_running_requests, enable_radix_cache=enable_radix_cache,
                   enable_mixed_chunk=args.mixed_chunk, cascade=args.cascade, overlap=engine.overlap)
+    session = getattr(engine.runner, "session", None)
+    if session is not None:  # --tp: a new engine on the same ranks (it replaces their KV pools)
+        return session.engine(**kwargs)
+    return Engine(engine.model, **kwargs)

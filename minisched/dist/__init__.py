@@ -1,0 +1,24 @@
+"""Tensor parallelism: one model split over several processes (`minisched ... --tp N`).
+
+Between the model and the engine. Rank 0 runs the Engine (scheduler, radix cache, sampling);
+the other ranks hold a shard of the model and a KV pool of their heads, and run every step rank 0
+sends them. The pieces, lowest first:
+
+  group.py     TPGroup: torch.distributed (gloo on CPU, NCCL on CUDA) with timeouts; byte/time accounting
+  shard.py     ShardPlan and shard_model: Megatron-style slices of a LlamaModel; TPShard, its `tp` hook
+  protocol.py  the header and the ONE packed int tensor rank 0 broadcasts per step
+  runner.py    TPModelRunner (rank 0's ModelRunner, forward routed to every rank); worker_loop (ranks > 0)
+  launch.py    ModelSource, TPSession (spawn or torchrun, readiness, heartbeats, failure detection, close)
+
+    from minisched.dist import ModelSource, TPSession
+    with TPSession.start(2, ModelSource("smollm2")) as session:
+        engine = session.engine(page_size=16)
+        print(engine.generate(["Hello"])[0].text)
+"""
+from minisched.dist.group import CommStats, TPError, TPGroup
+from minisched.dist.launch import (DEFAULT_STARTUP_TIMEOUT, DEFAULT_TIMEOUT, ModelSource, TPSession,
+                                   run_torchrun_worker, torchrun_env)
+from minisched.dist.shard import ShardPlan, TPShard, check_tp, shard_model
+
+__all__ = ["CommStats", "DEFAULT_STARTUP_TIMEOUT", "DEFAULT_TIMEOUT", "ModelSource", "ShardPlan", "TPError",
+           "TPGroup", "TPSession", "TPShard", "check_tp", "run_torchrun_worker", "shard_model", "torchrun_env"]
