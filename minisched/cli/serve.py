@@ -51,6 +51,8 @@ def cmd_serve(args) -> int:
         raise CLIError("--grace-period must be >= 0")
     if args.dp < 1:
         raise CLIError(f"--dp must be >= 1, got {args.dp}")
+    if args.dp > 1 and getattr(args, "tp", 1) > 1:  # a replica is a daemon process: it cannot spawn TP workers
+        raise CLIError("--dp with --tp is not supported yet: use one of them")
     from minisched.serve import create_app, run
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
