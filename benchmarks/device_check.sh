@@ -98,7 +98,7 @@ run_stage bench "$BENCH_TIMEOUT" "$OUT/bench_gpu.log" $PY benchmarks/bench_kerne
 # -- 4. short end-to-end benchmark on dummy weights (only if the CLI exists) ----------------------
 if $PY -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('minisched.cli') else 1)" 2>/dev/null; then
   # shellcheck disable=SC2086
-  run_stage e2e "$E2E_TIMEOUT" "$OUT/e2e.log" $PY -m minisched.cli $E2E_ARGS
+  run_stage e2e "$E2E_TIMEOUT" "$OUT/e2e.log" $PY -m minisched $E2E_ARGS
 else
   printf "e2e\tskipped(no minisched.cli)\t0\n" >> "$STAGES"
 fi

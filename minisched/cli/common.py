@@ -52,6 +52,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling: build the next step while the forward runs on a worker thread "
                         "(default: on for CUDA, off for CPU)")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps replay a CUDA graph captured per batch-size bucket (default: on for CUDA "
+                        "with the native or Triton kernels; unavailable on CPU)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +86,8 @@ def make_engine(args):
                   mem_fraction=args.mem_fraction, max_context_len=args.max_context_len, policy=args.policy,
                   chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
                   enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
-                  cascade=args.cascade, num_threads=args.threads, overlap=args.overlap)
+                  cascade=args.cascade, num_threads=args.threads, overlap=args.overlap,
+                  cuda_graph=getattr(args, "cuda_graph", None))
     try:
         if getattr(args, "tp", 1) != 1:
             return _make_tp_engine(args, kwargs)
