@@ -41,6 +41,8 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
                engine_loop: Optional[EngineLoop] = None) -> FastAPI:
     loop = engine_loop or EngineLoop(engine)
     state = ServerState(engine, loop, model_name=model_name, api_key=api_key, max_queued_requests=max_queued_requests)
+    if hasattr(loop, "collector"):  # --dp: per-replica gauges
+        state.metrics.registry.register(loop.collector())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

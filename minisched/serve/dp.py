@@ -151,6 +151,9 @@ class DataParallelLoop:
         total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(Stats) if f.name != "time"}
         return Stats(**total)
 
+    def collector(self) -> "ReplicaCollector":
+        return ReplicaCollector(self)
+
     def health(self) -> dict:
         alive = sum(r.alive for r in self.replicas)
         status = "ok" if alive == len(self.replicas) else ("degraded" if alive else "down")
@@ -164,6 +167,27 @@ class DataParallelLoop:
         if not r.alive and r.error:
             out["error"] = r.error
         return out
+
+
+class ReplicaCollector:
+    """Per-replica Prometheus gauges for /metrics (the engine gauges there are the replicas' sums)."""
+
+    def __init__(self, pool: DataParallelLoop):
+        self.pool = pool
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        rows = [self.pool.replica_status(r) for r in self.pool.replicas]
+        for name, doc, key in (("minisched_dp_replica_up", "1 while the replica process serves", "alive"),
+                               ("minisched_dp_replica_requests_in_flight", "requests routed there, not finished",
+                                "in_flight"),
+                               ("minisched_dp_replica_cache_hit_rate", "cached prompt tokens / prompt tokens",
+                                "cache_hit_rate")):
+            g = GaugeMetricFamily(name, doc, labels=["replica"])
+            for row in rows:
+                g.add_metric([str(row["index"])], float(row[key]))
+            yield g
 
 
 def flush_radix_cache(engine) -> int:

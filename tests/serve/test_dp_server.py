@@ -103,6 +103,8 @@ def test_streaming_and_metrics_over_replicas(dp2):
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 12
     total = [line for line in metrics.splitlines() if line.startswith("minisched_kv_pages_total ")]
     assert float(total[0].split()[1]) == 2 * 256  # the replicas' pools, summed
+    assert 'minisched_dp_replica_up{replica="0"} 1.0' in metrics and 'minisched_dp_replica_up{replica="1"} 1.0' in metrics
+    assert 'minisched_dp_replica_cache_hit_rate{replica="1"}' in metrics
 
 
 async def _stream(c: httpx.AsyncClient, prompt: str, started: asyncio.Event, stop: asyncio.Event) -> dict:
