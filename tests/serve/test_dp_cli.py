@@ -20,7 +20,8 @@ LAUNCH = ("import argparse, sys\n"
 
 
 @pytest.mark.parametrize("argv, message", [(["--dp", "0"], "--dp must be >= 1"),
-                                           (["--dp", "2", "--router-cache-threshold", "2"], "cache_threshold")])
+                                           (["--dp", "2", "--router-cache-threshold", "2"], "cache_threshold"),
+                                           (["--dp", "2", "--tp", "2"], "--dp with --tp")])
 def test_bad_dp_options_are_one_line_errors(argv, message, capsys):
     assert main(["serve", "--model", "dummy:tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()
