@@ -374,4 +374,30 @@ inline void check_merge_attention_states(const at::Tensor& v_a, const at::Tensor
   }
 }
 
+// Weight-only int8 linear: x [M, K] float32 (rows may be strided, elements contiguous), w_q [N, K] int8,
+// scales [N, K / G] float32 (G = group size, a multiple of 32 dividing K), out [M, N] float32.
+inline void check_int8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& scales,
+                              const at::Tensor& out) {
+  const char* op = "int8_linear";
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dim(op, "x", x, 2);
+  check_dtype(op, "w_q", w_q, {at::kChar});
+  check_dim(op, "w_q", w_q, 2);
+  check_dtype(op, "scales", scales, {at::kFloat});
+  check_dim(op, "scales", scales, 2);
+  const int64_t m = x.size(0), n = w_q.size(0), k = w_q.size(1), groups = scales.size(1);
+  TORCH_CHECK_VALUE(x.size(1) == k, op, ": x has shape ", shape_str(x.sizes()), ", expected (", m, ", ", k,
+                    ") to match w_q ", shape_str(w_q.sizes()));
+  TORCH_CHECK_VALUE(scales.size(0) == n && groups >= 1 && k % groups == 0 && (k / groups) % 32 == 0, op,
+                    ": scales has shape ", shape_str(scales.sizes()), "; expected (", n,
+                    ", K / group_size) with a group_size that divides K=", k, " and is a multiple of 32");
+  check_shape(op, "out", out, {m, n});
+  check_dtype(op, "out", out, {at::kFloat});
+  TORCH_CHECK_VALUE(x.stride(1) == 1, op, ": x must have contiguous rows (stride(1) == 1)");
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_q", &w_q}, {"scales", &scales}, {"out", &out}}) {
+    check_device(op, name, *t, x.device());
+    check_contiguous(op, name, *t);
+  }
+}
+
 }  // namespace minisched::checks

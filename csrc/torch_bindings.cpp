@@ -26,6 +26,8 @@ TORCH_LIBRARY(minisched, m) {
   m.def(
       "merge_attention_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b, "
       "Tensor(a!) v_out, Tensor(b!) lse_out) -> ()");
+  // Weight-only int8 matmul (CPU): out [M, N] = x [M, K] @ (w_q [N, K] int8 * group scales [N, K/G]).T
+  m.def("int8_linear(Tensor x, Tensor w_q, Tensor scales, Tensor(a!) out) -> ()");
 }
 
 // `import minisched._C` loads this library (and so the registrations above); it has no

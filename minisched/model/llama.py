@@ -26,6 +26,7 @@ from torch import nn
 
 from minisched import ops
 from minisched.model.config import ModelConfig
+from minisched.model.quant import linear
 
 PageTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_indptr, kv_indices, kv_last_page_len
 
@@ -200,22 +201,22 @@ class LlamaModel(nn.Module):
         for layer, kv_layer in zip(self.layers, kv_cache.unbind(0)):
             k_cache, v_cache = kv_layer.unbind(0)
             h = fast_rms_norm(x, layer.ln1, c.rms_eps)
-            qkv = F.linear(h, layer.qkv)
+            qkv = linear(h, layer.qkv, backend)
             qk = apply_rope_signed(qkv[:, :c.q_size + c.kv_size].view(n, hq + hkv, d), cos, sin)
             v = qkv[:, c.q_size + c.kv_size:].view(n, hkv, d)
             ops.store_kv(qk[:, hq:], v, k_cache, v_cache, meta.out_slots, backend=backend, check=check)
             attn = self._attention(qk[:, :hq].contiguous(), k_cache, v_cache, meta, backend, check)
-            o = F.linear(attn.view(n, c.q_size), layer.o)
+            o = linear(attn.view(n, c.q_size), layer.o, backend)
             x += o if tp is None else tp.all_reduce(o)
             h = fast_rms_norm(x, layer.ln2, c.rms_eps)
-            gate_up = F.linear(h, layer.gate_up)
+            gate_up = linear(h, layer.gate_up, backend)
             gate, up = gate_up.chunk(2, dim=-1)
-            down = F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
+            down = linear(F.silu(gate, inplace=True).mul_(up), layer.down, backend)
             x += down if tp is None else tp.all_reduce(down)
         if not (meta.is_decode and meta.logits_indices.shape[0] == n):  # decode: every row, in order
             x = x[meta.logits_indices]
         x = fast_rms_norm(x, self.norm, c.rms_eps)
-        logits = F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()
+        logits = linear(x, self.embed if self.lm_head is None else self.lm_head, backend).float()
         return logits if tp is None else tp.gather_logits(logits)
 
 
@@ -230,16 +231,16 @@ def dense_forward(model: LlamaModel, input_ids: torch.Tensor) -> torch.Tensor:
         mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         for layer in model.layers:
             h = rms_norm(x, layer.ln1, c.rms_eps)
-            q, k, v = F.linear(h, layer.qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q, k, v = linear(h, layer.qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin).transpose(0, 1)
             k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
             v = v.reshape(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
             rep = c.num_heads // c.num_kv_heads
             k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = x + F.linear(attn.transpose(0, 1).reshape(n, c.q_size), layer.o)
+            x = x + linear(attn.transpose(0, 1).reshape(n, c.q_size), layer.o)
             h = rms_norm(x, layer.ln2, c.rms_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
         x = rms_norm(x, model.norm, c.rms_eps)
-        return F.linear(x, model.embed if model.lm_head is None else model.lm_head).float()
+        return linear(x, model.embed if model.lm_head is None else model.lm_head).float()

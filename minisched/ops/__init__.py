@@ -36,7 +36,12 @@ OP_FAMILY = {
     "paged_prefill_attention": "paged_prefill_attention",
     "shared_prefix_attention": "shared_prefix_attention",
     "merge_attention_states": "merge_attention_states",
+    "int8_linear": "int8_linear",
 }
+# Ops whose checks read no index values (no `values=` switch).
+VALUE_FREE = ("merge_attention_states", "int8_linear")
+# Ops with a native CPU kernel only: weight-only int8 serves bandwidth-bound CPU decode.
+CPU_ONLY = ("int8_linear",)
 
 try:  # importing the extension registers torch.ops.minisched.*
     from minisched import _C  # noqa: F401
@@ -53,10 +58,12 @@ def native_available() -> bool:
 def _register_fakes() -> None:
     """Meta kernels: the ops write into preallocated outputs, so a fake only checks its inputs."""
     for name in OP_FAMILY:
+        if not hasattr(torch.ops.minisched, name):  # an extension built before the op existed: calls say so
+            continue
         check = getattr(checks, name)
 
-        def fake(*args, _check=check):
-            if _check is checks.merge_attention_states:
+        def fake(*args, _check=check, _free=name in VALUE_FREE):
+            if _free:
                 _check(*args)
             else:
                 _check(*args, values=False)
@@ -77,8 +84,10 @@ def call_op(name: str, args: tuple, backend: Backend = "native", check: bool = T
         return
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if name == "merge_attention_states":
-        checks.merge_attention_states(*args)
+    if backend == "triton" and name in CPU_ONLY:
+        raise ValueError(f"{name} has no triton kernel: it runs on the native (CPU) or torch backend")
+    if name in VALUE_FREE:
+        getattr(checks, name)(*args)
     else:
         getattr(checks, name)(*args, values=check)
     if backend == "torch":
@@ -184,4 +193,28 @@ def cascade_decode_attention(q, group_indptr, k_cache, v_cache, prefix_table, su
     o_s, lse_s = paged_decode_attention(q, k_cache, v_cache, *suffix_table, sm_scale=sm_scale, return_lse=True,
                                         backend=backend, check=check)
     out, _ = merge_attention_states(o_p, lse_p, o_s, lse_s, backend=backend)
+    return out
+
+
+# -- weight-only int8 ----------------------------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 for w [N, K]: one float32 scale per group of `group_size` input channels
+    (max |w| of the group maps to 127). Returns (w_q int8 [N, K], scales float32 [N, K // group_size])."""
+    n, k = w.shape
+    if group_size < 32 or group_size % 32 or k % group_size:
+        raise ValueError(f"quantize_int8: group_size={group_size} must be a multiple of 32 that divides K={k}")
+    groups = w.detach().float().reshape(n, k // group_size, group_size)
+    scales = groups.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group stays zero
+    w_q = torch.round(groups / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).reshape(n, k)
+    return w_q.contiguous(), scales.contiguous()
+
+
+def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, *, backend: Backend = "native",
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ (w_q [N, K] int8 dequantized with scales [N, K // G]).T -> [M, N] (float32)."""
+    if out is None:
+        out = x.new_empty((x.shape[0], w_q.shape[0]))
+    call_op("int8_linear", (x, w_q, scales, out), backend)
     return out

@@ -131,3 +131,14 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b, v_out, lse_out) -> None:
     merged = (v_a.to(acc) * wa[..., None] + v_b.to(acc) * wb[..., None]) / torch.where(total > 0, total, 1)[..., None]
     v_out.copy_(merged.to(v_out.dtype))
     lse_out.copy_((m + torch.log(total)).to(torch.float32))
+
+
+def dequantize_int8(w_q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] weights from int8 values and per-group scales [N, K // G]."""
+    group = w_q.shape[1] // scales.shape[1]
+    return w_q.to(dtype) * scales.to(dtype).repeat_interleave(group, dim=1)
+
+
+def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ dequantize(w_q, scales).T, accumulated in float64."""
+    out.copy_(x.double() @ dequantize_int8(w_q, scales, torch.float64).T)

@@ -1,0 +1,94 @@
+"""Weight-only int8 for the CPU (`--quantize int8`): the projections and the LM head hold int8
+values with one float32 scale per group of input channels; activations, norms, the embedding
+lookup and the KV cache stay float32.
+
+Why: single-stream CPU decode reads every weight once per token, so it is bound by memory
+bandwidth; int8 reads a quarter of the bytes (SmolLM2-135M: 540 MB -> ~150 MB per token).
+It is an option, not the default: fp32 matches transformers, int8 does not exactly (the
+agreement with fp32 greedy output is measured in benchmarks/RESULTS.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisched import ops
+
+QUANT_MODES = ("none", "int8")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    mode: str = "none"
+    group_size: int = 64  # input channels per scale (llama.cpp's Q8_0 uses 32; 64 halves the scale bytes)
+
+    def __post_init__(self):
+        if self.mode not in QUANT_MODES:
+            raise ValueError(f"quantize must be one of {QUANT_MODES}, got {self.mode!r}")
+        if self.group_size < 32 or self.group_size % 32:
+            raise ValueError(f"quantization group_size must be a positive multiple of 32, got {self.group_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
+class Int8Weight(nn.Module):
+    """An [N, K] weight as int8 values + float32 group scales; `linear(x)` is x @ W.T in float32."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int):
+        super().__init__()
+        w_q, scales = ops.quantize_int8(weight, group_size)
+        self.register_buffer("w_q", w_q)
+        self.register_buffer("scales", scales)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w_q.shape
+
+    def linear(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return ops.int8_linear(x, self.w_q, self.scales, backend="native" if backend == "native" else "torch")
+
+
+def linear(x: torch.Tensor, w, backend: str = "native") -> torch.Tensor:
+    """F.linear for a float weight, the int8 kernel for an Int8Weight."""
+    if isinstance(w, Int8Weight):
+        return w.linear(x, backend)
+    return F.linear(x, w)
+
+
+def group_size_for(k: int, group_size: int) -> int:
+    """The configured group size when it divides K, else one group per row (per-channel scales)."""
+    return group_size if k % group_size == 0 else k
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
+    """Replace the model's projection weights and LM head by Int8Weight, in place (after the
+    weights are loaded). The fp32 embedding stays for the token lookup; a tied LM head gets its
+    own int8 copy as `model.lm_head`."""
+    if not cfg.enabled:
+        return model
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise ValueError(f"--quantize {cfg.mode} runs on the CPU with a float32 model "
+                         f"(got {model.device.type}, {model.dtype})")
+    for layer in model.layers:
+        for name in PROJECTIONS:
+            w = getattr(layer, name)
+            k = w.shape[1]
+            if k % 32:
+                raise ValueError(f"--quantize {cfg.mode}: {name} has {k} input channels, not a multiple of 32")
+            q = Int8Weight(w, group_size_for(k, cfg.group_size))
+            del layer._parameters[name]
+            setattr(layer, name, q)
+    head = model.embed if model.lm_head is None else model.lm_head
+    head_q = Int8Weight(head, group_size_for(head.shape[1], cfg.group_size))
+    model._parameters.pop("lm_head", None)
+    model.lm_head = head_q  # a tied model keeps its fp32 embedding for the lookup
+    return model
