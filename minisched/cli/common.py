@@ -49,6 +49,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "torchrun, its processes are the ranks)")
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a tensor-parallel collective may wait for the slowest rank before the run fails")
+    g.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="weight-only int8 for the projections and LM head (CPU; faster small-batch decode, "
+                        "close to but not bit-equal with fp32)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling: build the next step while the forward runs on a worker thread "
                         "(default: on for CUDA, off for CPU)")
@@ -87,7 +90,7 @@ def make_engine(args):
                   chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
                   enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
                   cascade=args.cascade, num_threads=args.threads, overlap=args.overlap,
-                  cuda_graph=getattr(args, "cuda_graph", None))
+                  cuda_graph=getattr(args, "cuda_graph", None), quantize=getattr(args, "quantize", "none"))
     try:
         if getattr(args, "tp", 1) != 1:
             return _make_tp_engine(args, kwargs)
@@ -116,6 +119,8 @@ def _make_tp_engine(args, kwargs):
 
     if args.tp < 1:
         raise CLIError(f"--tp must be >= 1, got {args.tp}")
+    if getattr(args, "quantize", "none") != "none":
+        raise CLIError("--quantize with --tp is not supported (the ranks shard fp32 weights)")
     if getattr(args, "dp", 1) > 1:
         raise CLIError("--tp with --dp is not supported (the replicas are daemon processes: they cannot spawn ranks)")
     if not args.tp_timeout > 0:

@@ -34,6 +34,7 @@ from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
 from minisched.engine.cuda_graph import CudaGraphRunner
+from minisched.model.quant import QuantConfig, quantize_model
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner, ThreadTuner, default_num_threads
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
@@ -108,7 +109,7 @@ class Engine:
                  max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
                  enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
                  num_threads: Optional[int] = None, overlap: Optional[bool] = None,
-                 cuda_graph: Optional[bool] = None, check: bool = False, seed: int = 0,
+                 cuda_graph: Optional[bool] = None, quantize: str = "none", check: bool = False, seed: int = 0,
                  runner_factory: Optional[Callable[..., ModelRunner]] = None, **scheduler_kwargs):
         # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
         # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
@@ -125,6 +126,10 @@ class Engine:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA device is available")
+        # Weight-only int8 (model/quant.py): a CPU option for bandwidth-bound decode, checked before loading.
+        self.quant = QuantConfig(quantize)
+        if self.quant.enabled and (self.device.type != "cpu" or runner_factory is not None):
+            raise ValueError(f"quantize={quantize!r} runs on the CPU without tensor parallelism")
         if isinstance(model, LlamaModel):
             self.model, self.model_name = model, "custom"
         else:
@@ -137,6 +142,7 @@ class Engine:
                                              f"do not fit its config ({type(exc).__name__}: {exc})") from None
             del state
             self.model_name = model or weights.DEFAULT_MODEL
+        quantize_model(self.model, self.quant)  # in place; a model passed in quantized stays as it is
         self.cfg: ModelConfig = self.model.cfg
         if tokenizer is None:
             if isinstance(model, LlamaModel):  # a byte-level guess would decode garbage silently

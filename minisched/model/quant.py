@@ -75,18 +75,22 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
     own int8 copy as `model.lm_head`."""
     if not cfg.enabled:
         return model
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+    if model.device.type != "cpu" or model.embed.dtype != torch.float32:
         raise ValueError(f"--quantize {cfg.mode} runs on the CPU with a float32 model "
                          f"(got {model.device.type}, {model.dtype})")
     for layer in model.layers:
         for name in PROJECTIONS:
             w = getattr(layer, name)
+            if isinstance(w, Int8Weight):
+                continue
             k = w.shape[1]
             if k % 32:
                 raise ValueError(f"--quantize {cfg.mode}: {name} has {k} input channels, not a multiple of 32")
             q = Int8Weight(w, group_size_for(k, cfg.group_size))
             del layer._parameters[name]
             setattr(layer, name, q)
+    if isinstance(model.lm_head, Int8Weight):
+        return model
     head = model.embed if model.lm_head is None else model.lm_head
     head_q = Int8Weight(head, group_size_for(head.shape[1], cfg.group_size))
     model._parameters.pop("lm_head", None)

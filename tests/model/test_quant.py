@@ -92,3 +92,26 @@ def test_smollm2_int8_agrees_with_fp32():
     assert agree / total >= 0.9, f"int8 picked fp32's token at {agree}/{total} positions"
     q_out = q.generate(prompts[:1], SamplingParams(max_new_tokens=8), chat=True)[0]
     assert q_out.token_ids == outs[0].token_ids[:8]  # "The capital of France is Paris." is no near-tie
+
+
+def test_engine_quantize_option():
+    from minisched.engine import Engine
+    from minisched.model.tokenizer import MiniTokenizer
+    from minisched.sched.req import SamplingParams
+
+    model = model_of(True)
+    tok = MiniTokenizer.byte_level(model.cfg.vocab_size)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        Engine(model, tokenizer=tok, quantize="int4")
+    assert isinstance(model.layers[0].qkv, torch.Tensor)  # a rejected option changes nothing
+    q = Engine(model, tokenizer=tok, quantize="int8", num_pages=32)
+    assert isinstance(model.layers[0].qkv, Int8Weight)  # in place, as documented
+    ids = [5, 6, 7, 8, 9]
+    out = q.generate([ids], SamplingParams(max_new_tokens=6))[0].token_ids
+    # greedy through the paged engine == greedy argmax of the dense reference of the same int8 model
+    seq = list(ids)
+    for _ in range(6):
+        seq.append(int(dense_forward(model, torch.tensor(seq))[-1].argmax()))
+    assert out == seq[len(ids):]
+    again = Engine(model, tokenizer=tok, quantize="int8", num_pages=32)  # already int8: left as it is
+    assert again.generate([ids], SamplingParams(max_new_tokens=6))[0].token_ids == out
