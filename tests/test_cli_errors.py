@@ -160,6 +160,16 @@ def test_backend_triton_without_gpu_is_one_line(capsys, monkeypatch):
     assert "CUDA" in one_line_error(rc, err)
 
 
+def test_quantize_with_tp_is_one_line(capsys):
+    rc, _, err = run(["generate", "x", *TINY, "--quantize", "int8", "--tp", "2"], capsys)
+    assert "--quantize with --tp" in one_line_error(rc, err)
+
+
+def test_quantize_int8_generates(capsys):
+    rc, out, err = run(["generate", "hello", *TINY, "--quantize", "int8", "--max-new-tokens", "4"], capsys)
+    assert rc == 0 and out.strip(), err
+
+
 def test_stream_several_prompts_is_readable(capsys):
     rc, out, _ = run(["generate", "ab", "cd", "--stream", "--max-new-tokens", "12", *TINY], capsys)
     lines = out.splitlines()

@@ -1,0 +1,149 @@
+"""Weight-only int8 (`--quantize int8`, issue 14) against fp32 -- not a test.
+
+    python benchmarks/bench_int8.py [--rounds 3] [--threads 1 2] [--json benchmarks/results/int8.json]
+
+Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same machine load:
+  kernels    F.linear (fp32 sgemm/sgemv) vs torch.ops.minisched.int8_linear on SmolLM2's shapes,
+             M = 1..64 rows, best of N calls per turn;
+  decode     one engine per mode on SmolLM2-135M, B prompts decoded to --new-tokens greedy tokens
+             (ignore_eos): output tok/s of the whole generate;
+  agreement  int8 vs fp32 on chat prompts: teacher-forced top-1 agreement along fp32's own greedy
+             continuation, and how many generated tokens are identical before the first divergence.
+Every row carries the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_cpu import loadavg  # noqa: E402
+
+from minisched import Engine, SamplingParams, ops  # noqa: E402
+from minisched.model.llama import dense_forward  # noqa: E402
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+PROMPTS = ["What is paged attention? Answer in one sentence.", "Name three fruits.", "Write a haiku about the sea.",
+           "Explain what a CPU cache is.", "What is the capital of France?", "Give me a tip for learning Python.",
+           "Why is the sky blue?", "Describe a cat in two sentences."]
+
+
+def best_us(fn, calls: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
+def run_kernels(args) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, generator=gen) * 0.05
+            w_q, scales = ops.quantize_int8(w, 64)
+            for m in (1, 4, 8, 16, 64):
+                x = torch.randn(m, k, generator=gen)
+                out = torch.empty(m, n)
+                calls = 4 if name == "lm_head" else 20
+                a, b = [], []
+                for _ in range(args.rounds):
+                    a.append(best_us(lambda: F.linear(x, w), calls))
+                    b.append(best_us(lambda: torch.ops.minisched.int8_linear(x, w_q, scales, out), calls))
+                row = dict(threads=threads, shape=name, n=n, k=k, m=m, fp32_us=min(a), int8_us=min(b),
+                           speedup=min(a) / min(b), loadavg=loadavg())
+                rows.append(row)
+                print(f"kernel t={threads} {name:8s} M={m:3d}  fp32 {row['fp32_us']:9.1f} us  "
+                      f"int8 {row['int8_us']:9.1f} us  x{row['speedup']:.2f}  load {row['loadavg']}", flush=True)
+    return rows
+
+
+def run_decode(args, engines) -> list[dict]:
+    rows = []
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    for batch in args.batch:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+        speeds = {name: [] for name in engines}
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for name in order:
+                t0 = time.perf_counter()
+                outs = engines[name].generate(prompts, sp, chat=True)
+                speeds[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+        row = dict(batch=batch, fp32_tok_s=statistics.median(speeds["fp32"]),
+                   int8_tok_s=statistics.median(speeds["int8"]), rounds=speeds, loadavg=loadavg())
+        row["speedup"] = row["int8_tok_s"] / row["fp32_tok_s"]
+        rows.append(row)
+        print(f"decode B={batch:3d}  fp32 {row['fp32_tok_s']:7.1f} tok/s  int8 {row['int8_tok_s']:7.1f} tok/s  "
+              f"x{row['speedup']:.2f}  load {row['loadavg']}", flush=True)
+    return rows
+
+
+def run_agreement(args, engines) -> dict:
+    fp32, q = engines["fp32"], engines["int8"]
+    sp = SamplingParams(max_new_tokens=args.new_tokens)
+    ref = fp32.generate(PROMPTS, sp, chat=True)
+    got = q.generate(PROMPTS, sp, chat=True)
+    forced = total = prefix = 0
+    identical = 0
+    for p, a, b in zip(PROMPTS, ref, got):
+        ids = torch.tensor(fp32.encode(p, chat=True) + a.token_ids)
+        start = len(ids) - len(a.token_ids) - 1
+        fa = dense_forward(fp32.model, ids).argmax(-1)[start:-1]
+        fb = dense_forward(q.model, ids).argmax(-1)[start:-1]
+        forced += int((fa == fb).sum())
+        total += len(a.token_ids)
+        n = 0
+        while n < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[n] == b.token_ids[n]:
+            n += 1
+        prefix += n
+        identical += a.token_ids == b.token_ids
+    out = dict(prompts=len(PROMPTS), tokens=total, teacher_forced_top1=forced / total,
+               identical_prefix_tokens=prefix, identical_outputs=identical, loadavg=loadavg())
+    print(f"agreement: teacher-forced top-1 {forced}/{total} = {forced / total:.3f}; identical outputs "
+          f"{identical}/{len(PROMPTS)}; tokens before the first divergence {prefix}/{total}", flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--engine-threads", type=int, default=None, help="engines' num_threads (default: tuned)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "agreement"])
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result = dict(loadavg_start=loadavg(), cpu_count=os.cpu_count())
+    if "kernels" not in args.skip:
+        result["kernels"] = run_kernels(args)
+    if not {"decode", "agreement"} <= set(args.skip):
+        threads = args.engine_threads
+        engines = {"fp32": Engine(num_threads=threads), "int8": Engine(num_threads=threads, quantize="int8")}
+        result["engine_threads"] = threads or "tuned"
+        if "agreement" not in args.skip:
+            result["agreement"] = run_agreement(args, engines)
+        if "decode" not in args.skip:
+            result["decode"] = run_decode(args, engines)
+    result["loadavg_end"] = loadavg()
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
