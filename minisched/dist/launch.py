@@ -414,6 +414,11 @@ class TPSession:
             finally:
                 self.group.lock.release()
         self._kill_workers()
+        if self.failure is not None and self.group is not None and self.group.backend == "gloo":
+            try:  # the peers are gone: leaving a gloo group only closes sockets (this process may start another)
+                self.group.close()
+            except Exception:  # noqa: BLE001
+                pass
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=1)
 

@@ -13,8 +13,7 @@ from minisched.model import weights
 from minisched.sched.req import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
-QUESTIONS = ["What is the capital of France?", "Name three fruits.", "What is 7 times 8?",
-             "Write a haiku about the sea."]
+QUESTIONS = ["What is the capital of France?", "Name three fruits.", "Write a haiku about the sea."]
 
 
 @pytest.mark.slow
@@ -26,7 +25,7 @@ def test_smollm2_tp3_equals_tp1():
     from minisched.engine import Engine
 
     chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
-    sampling = SamplingParams(max_new_tokens=24)
+    sampling = SamplingParams(max_new_tokens=20)
     kw = dict(page_size=16, chunk_size=64)
     threads = torch.get_num_threads()
     session = TPSession.start(3, ModelSource("smollm2"), timeout=60, startup_timeout=300)

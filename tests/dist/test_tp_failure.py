@@ -1,0 +1,43 @@
+"""A worker killed under an in-process session: the next step's requests end with a TPError naming
+it (no hang), every later step fails the same way, and the process can start a new session."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from minisched.dist import ModelSource, TPError, TPSession
+from minisched.model.config import preset
+from minisched.sched.req import SamplingParams
+
+SAMPLING = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+
+def test_killed_worker_fails_requests_then_a_new_session_works():
+    source = ModelSource(config=preset("tiny"), seed=0)
+    threads = torch.get_num_threads()
+    session = TPSession.start(2, source, timeout=20, startup_timeout=300)
+    try:
+        engine = session.engine(page_size=4)
+        good = engine.generate([[5, 6, 7]], SAMPLING)[0].token_ids
+        worker = session.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        out = engine.generate([[5, 6, 7], [8, 9]], SAMPLING)
+        assert time.monotonic() - t0 < 10
+        why = f"tensor parallelism failed: worker rank 1 (pid {worker.pid}) was killed by signal SIGKILL"
+        assert all(o.finish_reason == "error" and why in o.error for o in out), [o.error for o in out]
+        assert isinstance(engine.last_error, TPError)
+        assert engine.generate([[1, 2]], SAMPLING)[0].error.endswith(why)  # fails fast, same reason
+        engine.scheduler.check_invariants()
+    finally:
+        session.close()
+        torch.set_num_threads(threads)
+    try:
+        with TPSession.start(2, source, timeout=20, startup_timeout=300) as again:
+            assert again.engine(page_size=4).generate([[5, 6, 7]], SAMPLING)[0].token_ids == good
+        assert [p.exitcode for p in again.procs] == [0]
+    finally:
+        torch.set_num_threads(threads)
