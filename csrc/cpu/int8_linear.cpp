@@ -3,7 +3,7 @@
 //
 // Why: single-stream decode on the CPU is bound by reading the weights (135M fp32 = 540 MB per
 // token for SmolLM2); int8 reads a quarter of that. Two paths:
-//   * few rows (decode, M < kGemmRows): a fused kernel that converts int8 -> fp32 in registers,
+//   * few rows (decode, M <= 16): a fused kernel that converts int8 -> fp32 in registers,
 //     applies the group scale once per 8 weights and FMAs against up to 4 activation rows, so each
 //     weight byte is read once per 4 rows and never written back as fp32;
 //   * many rows (prefill): the work is compute-bound, so blocks of the weight are dequantized into
@@ -22,8 +22,10 @@
 namespace minisched::cpu {
 namespace {
 
-constexpr int64_t kGemmRows = 16;     // from this many rows on, dequantize + sgemm (benchmarks/bench_int8.py)
-constexpr int64_t kDequantBlock = 256;  // weight rows per dequantized block (K <= 8192: <= 8 MB of fp32)
+// From this many rows on, dequantize + sgemm: the fused kernel converts each weight row once per 8
+// activation rows, so past two such tiles sgemm wins (benchmarks/bench_int8.py, RESULTS.md).
+constexpr int64_t kGemmRows = 17;
+constexpr int64_t kDequantBlock = 1024;  // weight rows per dequantized block (K = 576: 2.3 MB of fp32)
 
 #ifdef MINISCHED_INT8_AVX2
 inline __m256 load8_scaled(const int8_t* w, __m256 scale) {
