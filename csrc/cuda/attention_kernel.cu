@@ -6,7 +6,11 @@
 // Rows of a query tile are (query token, q head in the kv head's GQA group) pairs, so one CTA
 // reads a request's K/V pages for one kv head ONCE for the whole group (decode: all `group`
 // heads of the one query; prefill: 16 * warps / group tokens x group heads; shared prefix:
-// the group's requests x heads). Each warp owns 16 rows and the whole 64-token KV tile.
+// the group's requests x heads). A CTA is ROW_WARPS x KV_WARPS warps: each warp owns 16 rows and
+// a 64 / KV_WARPS-token slice of every KV tile (split-K inside the CTA); the KV warps of a row tile
+// keep their own online-softmax state and merge it through shared memory at the end. Prefill and
+// shared prefix: 4 x 1 (64 rows). Decode (a handful of rows per CTA): 1 x 4 or 2 x 2, so that
+// 4 warps share each tile's shared memory and 12 warps are resident per SM, not 3.
 //
 // Instantiations: {bf16, fp16} x head_dim {64, 128}.
 #include "cuda/attention_utils.cuh"
@@ -20,7 +24,7 @@ namespace {
 
 constexpr int kBlockN = 64;   // KV tokens per tile
 constexpr int kStages = 2;    // cp.async pipeline depth
-constexpr int kMaxWarps = 4;  // 16 query rows per warp
+constexpr int kMaxRowWarps = 4;  // 16 query rows per warp: 64-row tiles for prefill
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -INFINITY;
 
@@ -31,9 +35,19 @@ constexpr int pitch() {  // smem row pitch in elements: +16 bytes so ldmatrix ro
   return D + 8;
 }
 
+// Q tile (16 rows per row warp) + K and V stages of kBlockN rows; the KV warps' merge reuses the
+// K/V stages once the last tile is consumed (merge_bytes).
 template <int D>
-size_t smem_bytes(int warps) {
-  return size_t(16 * warps + 2 * kStages * kBlockN) * pitch<D>() * 2;
+constexpr size_t smem_bytes(int row_warps) {
+  return size_t(16 * row_warps + 2 * kStages * kBlockN) * pitch<D>() * 2;
+}
+template <int D>
+constexpr int merge_pitch() {  // fp32 row pitch of the merge buffer: +8 floats, conflict-free float2 stores
+  return D + 8;
+}
+template <int D>
+constexpr size_t merge_bytes(int row_warps, int kv_warps) {  // m and l of every warp's rows, o of kv warps >= 1
+  return size_t(2 * kv_warps * 16 * row_warps + (kv_warps - 1) * 16 * row_warps * merge_pitch<D>()) * 4;
 }
 
 // Which request and which row tile of it CTA column x works on (decode: x = b * tiles_per_request
@@ -67,22 +81,33 @@ __device__ __forceinline__ TileLoc locate_tile(const AttentionParams& p, int x) 
   return t;
 }
 
-template <typename T, int D, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const AttentionParams p) {
+template <typename T, int D, int ROW_WARPS, int KV_WARPS>
+// No min-CTAs-per-SM in the launch bounds: tried (3 for the 1 x 4 decode CTA, what shared memory
+// allows), ptxas gave the same CTAs per SM (bf16 D 128: 1 x 4 152 registers instead of 156) and
+// spent more on the prefill CTA at any value, even 1 (4 x 1: 204 instead of 173).
+// tests/ops/test_cuda_build.py checks instead that the 1 x 4 decode CTA keeps >= 12 warps per SM.
+__global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32) paged_attention_kernel(const AttentionParams p) {
+  constexpr int WARPS = ROW_WARPS * KV_WARPS;
   constexpr int SP = pitch<D>();
   constexpr int CH = D / 8;     // 16-byte chunks per row
   constexpr int KS = D / 16;    // k-steps of QK^T
-  constexpr int NT = kBlockN / 8;  // n8 tiles of S
+  constexpr int NW = kBlockN / KV_WARPS;  // KV tokens of each tile one warp computes on (its sub-tile)
+  constexpr int NT = NW / 8;    // n8 tiles of the warp's S
   constexpr int DT = D / 8;     // n8 tiles of O
+  static_assert(NW % 16 == 0, "P V takes 16 tokens per mma k-step");
+  static_assert(KV_WARPS == 1 || merge_bytes<D>(ROW_WARPS, KV_WARPS) <= 2 * kStages * kBlockN * SP * sizeof(T),
+                "the KV warps' merge must fit in the K/V stages");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   constexpr int nthreads = WARPS * 32;
-  constexpr int rows_tile = 16 * WARPS;
+  constexpr int rows_tile = 16 * ROW_WARPS;
   T* sK = sQ + rows_tile * SP;
   T* sV = sK + kStages * kBlockN * SP;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // the warp's KV sub-tile and 16 rows (kw is 0 at compile time for KV_WARPS = 1: no extra registers)
+  const int kw = KV_WARPS == 1 ? 0 : warp / ROW_WARPS, rw = warp - kw * ROW_WARPS;
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int g = p.group;
 
@@ -197,7 +222,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
   cp_async_commit();
 
   // -- per-thread state: rows lane/4 and lane/4 + 8 of the warp's 16 ------------------------------
-  const int wrow0 = warp * 16 + (lane >> 2);
+  const int wrow0 = rw * 16 + (lane >> 2);
   int limit[2];  // last KV position each of the thread's rows may see (causal); else kv_len - 1
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -222,11 +247,12 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
     if (t == 0) {
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        ldmatrix_x4(qa[ks], sQ + (warp * 16 + (lane & 15)) * SP + ks * 16 + (lane >> 4) * 8);
+        ldmatrix_x4(qa[ks], sQ + (rw * 16 + (lane & 15)) * SP + ks * 16 + (lane >> 4) * 8);
     }
-    const T* k_s = sK + (t & 1) * kBlockN * SP;
-    const T* v_s = sV + (t & 1) * kBlockN * SP;
-    const int tok0 = s_beg + t * kBlockN;
+    // this warp's sub-tile: tile rows kw * NW .. kw * NW + NW - 1
+    const T* k_s = sK + ((t & 1) * kBlockN + kw * NW) * SP;
+    const T* v_s = sV + ((t & 1) * kBlockN + kw * NW) * SP;
+    const int tok0 = s_beg + t * kBlockN + kw * NW;
 
     // -- S = Q K^T ------------------------------------------------------------------------------
     float s[NT][4];
@@ -243,7 +269,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
       }
     }
     // -- scale + mask ---------------------------------------------------------------------------
-    const bool need_mask = tok0 + kBlockN > s_end || (p.causal && tok0 + kBlockN - 1 > min(limit[0], limit[1]));
+    const bool need_mask = tok0 + NW > s_end || (p.causal && tok0 + NW - 1 > min(limit[0], limit[1]));
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -301,15 +327,78 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_kernel(const Atten
     __syncthreads();  // the stage just read is the one the next iteration's load overwrites
   }
   cp_async_wait<0>();
-  bad = __syncthreads_or(bad || bad_page);
+  bad = __syncthreads_or(bad || bad_page);  // also: every warp is done with the K/V stages
 
-  // -- epilogue: rows lane/4 (+8) of this warp; row -> (query token, head) ----------------------
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 2; ++i) {  // row sums over the quad (m is already row-wide)
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
-  const int c2 = (lane & 3) * 2;
+  const int c2 = (lane & 3) * 2;  // the thread's column pair in each n8 tile of O
+
+  // -- merge the KV warps (split-K inside the CTA) ------------------------------------------------
+  // Warp (rw, kw) holds m (log2 domain), l and the unnormalized o of rows rw * 16.. over its own
+  // sub-tiles. Every warp rescales to the row maximum over the KV warps, M, and computes the common
+  // L = sum_k l_k 2^(m_k - M); warps kw >= 1 hand their o to warp kw = 0 through shared memory
+  // (the K/V stages, free now), which adds them up and runs the epilogue. A warp that saw no key
+  // (m = -inf) contributes 2^-inf = 0; no key at all gives M = -inf, L = 0: out 0, lse -inf.
+  if constexpr (KV_WARPS > 1) {
+    constexpr int OP = merge_pitch<D>();
+    float* s_m = reinterpret_cast<float*>(sK);  // [KV_WARPS][rows_tile]
+    float* s_l = s_m + KV_WARPS * rows_tile;     // [KV_WARPS][rows_tile]
+    float* s_o = s_l + KV_WARPS * rows_tile;     // [KV_WARPS - 1][rows_tile][OP]
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s_m[kw * rows_tile + wrow0 + 8 * i] = m[i];
+        s_l[kw * rows_tile + wrow0 + 8 * i] = l[i];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = wrow0 + 8 * i;
+      float mx = kNegInf;
+#pragma unroll
+      for (int k = 0; k < KV_WARPS; ++k) mx = fmaxf(mx, s_m[k * rows_tile + r]);
+      const float m_use = mx == kNegInf ? 0.f : mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < KV_WARPS; ++k) sum += s_l[k * rows_tile + r] * fast_exp2(s_m[k * rows_tile + r] - m_use);
+      const float f = fast_exp2(m[i] - m_use);
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][2 * i] *= f;
+        o[j][2 * i + 1] *= f;
+      }
+      m[i] = mx;
+      l[i] = sum;
+    }
+    if (kw > 0) {
+      float* dst = s_o + ((kw - 1) * rows_tile + wrow0) * OP + c2;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < DT; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * i * OP + j * 8) = make_float2(o[j][2 * i], o[j][2 * i + 1]);
+    }
+    __syncthreads();
+    if (kw > 0) return;  // the CTA's last barrier is behind us
+#pragma unroll
+    for (int k = 1; k < KV_WARPS; ++k) {
+      const float* src = s_o + ((k - 1) * rows_tile + wrow0) * OP + c2;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+          const float2 v = *reinterpret_cast<const float2*>(src + 8 * i * OP + j * 8);
+          o[j][2 * i] += v.x;
+          o[j][2 * i + 1] += v.y;
+        }
+    }
+  }
+
+  // -- epilogue (warps kw = 0): rows lane/4 (+8) of this warp; row -> (query token, head) --------
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = wrow0 + 8 * i;
@@ -430,17 +519,17 @@ int choose_splits(long long base_ctas, int slots, long long est_kv_len) {
   return best;
 }
 
-// Once per kernel configuration (T, D, warps) and device, not per call: opt in to the dynamic
-// shared memory and query the occupancy. Benign race: two first callers both compute the same value.
-template <typename T, int D, int WARPS>
+// Once per kernel configuration (T, D, row x KV warps) and device, not per call: opt in to the
+// dynamic shared memory and query the occupancy (the cache is per template instantiation).
+// Benign race: two first callers both compute the same value.
+template <typename T, int D, int ROW_WARPS, int KV_WARPS>
 cudaError_t kernel_setup(size_t smem, int* per_sm) {
-  constexpr int warps = WARPS;
   constexpr int kDevices = 64;
-  static std::atomic<int> cache[kDevices][kMaxWarps + 1];  // 0: not yet; else CTAs per SM + 1
+  static std::atomic<int> cache[kDevices];  // 0: not yet; else CTAs per SM + 1
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  std::atomic<int>* slot = dev >= 0 && dev < kDevices ? &cache[dev][warps] : nullptr;
+  std::atomic<int>* slot = dev >= 0 && dev < kDevices ? &cache[dev] : nullptr;
   if (slot != nullptr) {
     const int v = slot->load(std::memory_order_relaxed);
     if (v > 0) {
@@ -448,25 +537,25 @@ cudaError_t kernel_setup(size_t smem, int* per_sm) {
       return cudaSuccess;
     }
   }
-  auto kernel = paged_attention_kernel<T, D, WARPS>;
+  auto kernel = paged_attention_kernel<T, D, ROW_WARPS, KV_WARPS>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, warps * 32, smem);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, ROW_WARPS * KV_WARPS * 32, smem);
   if (err != cudaSuccess) return err;
   if (slot != nullptr) slot->store(*per_sm + 1, std::memory_order_relaxed);
   return cudaSuccess;
 }
 
-template <typename T, int D, int WARPS>
+template <typename T, int D, int ROW_WARPS, int KV_WARPS>
 cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, WorkspaceAllocator& alloc,
                          cudaStream_t stream) {
   const bool ragged = p.qo_indptr != nullptr;
-  constexpr int warps = WARPS;
-  constexpr int rows_tile = 16 * WARPS;
-  const size_t smem = smem_bytes<D>(warps);
-  auto kernel = paged_attention_kernel<T, D, WARPS>;
+  constexpr int warps = ROW_WARPS * KV_WARPS;
+  constexpr int rows_tile = 16 * ROW_WARPS;
+  const size_t smem = smem_bytes<D>(ROW_WARPS);
+  auto kernel = paged_attention_kernel<T, D, ROW_WARPS, KV_WARPS>;
   int per_sm = 0;
-  cudaError_t err = kernel_setup<T, D, WARPS>(smem, &per_sm);
+  cudaError_t err = kernel_setup<T, D, ROW_WARPS, KV_WARPS>(smem, &per_sm);
   if (err != cudaSuccess) return err;
 
   long long grid_x;
@@ -503,14 +592,15 @@ cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, Wor
   return cudaGetLastError();
 }
 
-// Warps per CTA: prefill / shared prefix 4 (64 rows); decode the fewest 16-row warps that hold the
-// GQA group (1 for group <= 16, 2 for <= 32, else 4 and several row tiles per request).
+// 4 warps per CTA, as row warps x KV warps. Prefill / shared prefix: 4 x 1 (64 rows). Decode: the
+// fewest 16-row warps that hold the GQA group, the rest split each KV tile (1 x 4 for group <= 16,
+// 2 x 2 for <= 32), else 4 x 1 and several row tiles per request.
 template <typename T, int D>
 cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, WorkspaceAllocator& alloc,
                          cudaStream_t stream) {
-  if (p.qo_indptr == nullptr && p.group <= 16) return launch_typed<T, D, 1>(p, est_kv_len, num_sms, alloc, stream);
-  if (p.qo_indptr == nullptr && p.group <= 32) return launch_typed<T, D, 2>(p, est_kv_len, num_sms, alloc, stream);
-  return launch_typed<T, D, kMaxWarps>(p, est_kv_len, num_sms, alloc, stream);
+  if (p.qo_indptr == nullptr && p.group <= 16) return launch_typed<T, D, 1, 4>(p, est_kv_len, num_sms, alloc, stream);
+  if (p.qo_indptr == nullptr && p.group <= 32) return launch_typed<T, D, 2, 2>(p, est_kv_len, num_sms, alloc, stream);
+  return launch_typed<T, D, kMaxRowWarps, 1>(p, est_kv_len, num_sms, alloc, stream);
 }
 
 }  // namespace
