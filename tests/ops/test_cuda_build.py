@@ -111,3 +111,53 @@ def test_no_spills_or_local_memory(tmp_path):
     bad = {_demangle(n): r for n, r in kernels.items() if r[3] != 0 or r[1] > 0}
     assert not bad, f"kernels with local memory / stack (register spills or dynamically indexed arrays): {bad}"
     assert any("paged_attention_kernel" in n for n in kernels), "the paged attention kernel is missing"
+
+
+# -- resident warps per SM (H200 / sm_90 limits) ------------------------------------------------------------
+REGS_PER_SM, REG_ALLOC_UNIT = 64 * 1024, 256  # registers are allocated per warp in units of 256
+SMEM_PER_SM, SMEM_RESERVED_PER_CTA = 228 * 1024, 1024
+MAX_WARPS_PER_SM, MAX_CTAS_PER_SM = 64, 32
+KERNEL = re.compile(r"paged_attention_kernel<(\w+), (\d+), (\d+), (\d+)>")
+
+
+def attention_smem_bytes(d: int, row_warps: int) -> int:
+    """smem_bytes<D>(ROW_WARPS) in attention_kernel.cu: Q tile + 2 stages of 64-row K and V, rows padded by 8."""
+    return (16 * row_warps + 2 * 2 * 64) * (d + 8) * 2
+
+
+def ctas_per_sm(regs: int, threads: int, smem: int) -> int:
+    warps = threads // 32
+    reg_per_warp = -(-regs * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = (REGS_PER_SM // reg_per_warp) // warps
+    by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA)
+    return min(by_regs, by_smem, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM)
+
+
+def test_decode_occupancy(tmp_path):
+    """The decode CTA (1 row warp x 4 KV warps, GQA <= 16) keeps >= 12 resident warps per SM (issue 15)."""
+    sos = glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))
+    kernels = {}
+    for so in sos:
+        res = subprocess.run([CUOBJDUMP, "-res-usage", so], capture_output=True, text=True, timeout=120)
+        kernels.update(parse_res_usage(res.stdout))
+    if not kernels:
+        obj = _compile_attention_kernel(tmp_path)
+        res = subprocess.run([CUOBJDUMP, "-res-usage", obj], capture_output=True, text=True, timeout=120)
+        kernels = parse_res_usage(res.stdout)
+    rows = []
+    for name, (reg, _stack, _shared, _local) in kernels.items():
+        m = KERNEL.search(_demangle(name))
+        if m:
+            dtype, d, rw, kw = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+            smem = attention_smem_bytes(d, rw)
+            ctas = ctas_per_sm(reg, 32 * rw * kw, smem)
+            rows.append((dtype, d, rw, kw, reg, smem, ctas, ctas * rw * kw))
+    assert rows, "no paged_attention_kernel<T, D, ROW_WARPS, KV_WARPS> found"
+    print(f"\n{'kernel':32} {'REG':>4} {'smem':>6} {'CTAs/SM':>7} {'warps/SM':>8}", file=sys.stderr)
+    for dtype, d, rw, kw, reg, smem, ctas, warps in sorted(rows):
+        print(f"{dtype:16} D{d:<4} {rw} x {kw:<6} {reg:>4} {smem:>6} {ctas:>7} {warps:>8}", file=sys.stderr)
+    decode = [r for r in rows if r[2] == 1 and r[3] == 4]
+    assert len(decode) == 4, "the 1 x 4 decode CTA for {bf16, fp16} x D {64, 128}"
+    for dtype, d, rw, kw, reg, smem, ctas, warps in decode:
+        assert warps >= 12, f"{dtype} D {d}: {reg} registers, {smem} B smem -> {ctas} CTAs = {warps} warps per SM"
+
