@@ -41,14 +41,30 @@ def check(out, lse, ref_out, ref_lse, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 4), (32, 4), (96, 1)])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 4), (32, 4), (32, 1), (96, 1)])
 def test_decode_long_context_split_kv(dtype, page_size, head_dim, hq, hkv, gen):
-    """Few requests with long contexts: the split-KV + merge path (and g > 64 rows for 96/1)."""
+    """Few requests with long contexts: the split-KV + merge path (GQA <= 16: 1 x 4 warps, 32/1: 2 x 2,
+    and g > 64 rows for 96/1: 4 x 1)."""
     lens = [2048, 1, 777, 1500]
     kv = make_paged_kv(lens, page_size, hkv, head_dim, dtype, "cuda", gen=gen)
     q = randn((len(lens), hq, head_dim), dtype, "cuda", gen)
     out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
     check(out, lse, *ref_decode(q, kv, head_dim ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (24, 1)], ids=["1x4-warps", "2x2-warps"])
+def test_decode_kv_warps_partial_tiles(dtype, hq, hkv, gen):
+    """Split-K inside the decode CTA: lengths that leave KV warps with no key (1, 5, 16), one key (17, 33,
+    49, 65) or a partial last tile, merged through shared memory; and an empty range (no pages)."""
+    from test_paged_decode_attention import without_pages
+
+    lens = [1, 5, 16, 17, 33, 49, 63, 64, 65, 130, 7]
+    kv = without_pages(make_paged_kv(lens, 16, hkv, 128, dtype, "cuda", gen=gen), {len(lens) - 1})
+    q = randn((len(lens), hq, 128), dtype, "cuda", gen)
+    out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
+    check(out, lse, *ref_decode(q, kv, 128 ** -0.5), dtype)
+    assert (out[-1] == 0).all() and (lse[-1] == float("-inf")).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
