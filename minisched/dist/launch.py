@@ -233,6 +233,9 @@ class TPSession:
         local = rank_device(device, 0 if env is None else env["local_rank"])
         if local.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA device is available")
+        if env is None and local.type == "cuda" and local.index + world > torch.cuda.device_count():
+            raise ValueError(f"--tp {world} on {device} needs GPUs {local.index}..{local.index + world - 1} (one per "
+                             f"rank; NCCL cannot share one), but this machine has {torch.cuda.device_count()}")
         threads = num_threads or default_threads(world if env is None else
                                                  int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         self = cls(world, source, local, timeout, startup_timeout, threads)
