@@ -174,6 +174,7 @@ def worker_main(rank: int, world: int, addr: str, port: int, source: ModelSource
         store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
         sys.exit(1)
     store.set(f"ready/{rank}", "1")
+    group.startup_barrier()
     try:
         worker_loop(group, model)
     except Exception as exc:  # noqa: BLE001 -- a failed collective: rank 0 reports the failure
@@ -238,7 +239,7 @@ class TPSession:
                              f"rank; NCCL cannot share one), but this machine has {torch.cuda.device_count()}")
         threads = num_threads or default_threads(world if env is None else
                                                  int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        self = cls(world, source, local, timeout, startup_timeout, threads)
+        self = cls(world, source, local, timeout, startup_timeout, threads)  # noqa: PLW0642 -- the new session
         torch.set_num_threads(threads)
         try:
             if env is None:
@@ -259,6 +260,7 @@ class TPSession:
                                  startup_timeout=startup_timeout)
             self.model = shard_model(source.load(), self.group, device=local)
             self._await("ready")
+            self.group.startup_barrier()  # the workers wait here for rank 0, then for steps (bounded by heartbeats)
         except BaseException:
             self._kill_workers()
             raise

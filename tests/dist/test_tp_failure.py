@@ -59,3 +59,23 @@ def test_idle_longer_than_the_timeout_is_not_a_failure():
         assert [p.exitcode for p in s.procs] == [0]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_rank_0_loading_longer_than_the_timeout_is_not_a_failure(monkeypatch):
+    """A worker ready first waits for rank 0 under the startup timeout, not the collective one."""
+    from minisched.dist import launch
+
+    real = launch.shard_model
+
+    def slow(*args, **kwargs):  # rank 0 only: the spawned worker imports the module afresh
+        time.sleep(5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "shard_model", slow)
+    threads = torch.get_num_threads()
+    try:
+        with TPSession.start(2, ModelSource(config=preset("tiny"), seed=0), timeout=2, startup_timeout=300) as s:
+            assert s.engine(page_size=4).generate([[5, 6, 7]], SAMPLING)[0].error is None
+        assert [p.exitcode for p in s.procs] == [0]
+    finally:
+        torch.set_num_threads(threads)
