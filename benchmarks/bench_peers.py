@@ -315,8 +315,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--busy", type=int, nargs="+", default=[0],
                    help="competing busy processes; several levels alternate within each round (e.g. 0 1)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--md", default=None)
+    p.add_argument("--json", default=None, help="write every run here (rewritten after each one)")
+    p.add_argument("--md", default=None, help="write the table here")
+    p.add_argument("--table-from", default=None, metavar="JSON", help="print (and --md) the table of a saved run")
     args = p.parse_args(argv)
     if args.worker:
         sys.path.insert(0, json.loads(args.opts).get("tree") or ROOT)
@@ -324,6 +325,22 @@ def main(argv=None):
         return
     if args.make_hf_model:
         make_hf_model(args.make_hf_model)
+        return
+    if args.table_from:  # re-render a saved (possibly cut-short) run
+        with open(args.table_from) as f:
+            saved = json.load(f)
+        sp = p.parse_args(saved["argv"])
+        systems = list(dict.fromkeys(r["system"] for r in saved["results"]))
+        rounds = sorted({r["round"] for r in saved["results"]})
+        sp.rounds = len(rounds)
+        md = table(saved["results"], systems, [c["label"] for c in make_cases(sp, 0)], saved["not_measured"], sp,
+                   saved.get("info"))
+        if not saved.get("complete", True):
+            md += f"(Cut short: {len(saved['results'])} runs saved, rounds {rounds}.)\n"
+        print(md)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(md)
         return
 
     variants = [parse_variant(s) for s in (args.minisched or ["minisched={}"])]
@@ -357,6 +374,11 @@ def main(argv=None):
             peers.append(peer)
     results = []
     busy = []
+    import signal
+
+    def _stop(signum, frame):  # kill -TERM (and a background job's ignored Ctrl-C): clean up the workers
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _stop)
     try:
         warm = make_cases(args, -1)
         for peer in peers:  # warm-up: a short batch and the prefill shape
@@ -399,6 +421,8 @@ def main(argv=None):
             b.kill()
             b.wait()
         for peer in peers:
+            if sys.exc_info()[0] is not None:  # interrupted: do not wait for a run in progress
+                peer.proc.kill()
             peer.close()
     case_labels = [c["label"] for c in make_cases(args, 0)]
     md = table(results, [pp.name for pp in peers], case_labels, not_measured, args,
@@ -455,12 +479,14 @@ def table(results, systems, cases, not_measured, args, info=None) -> str:
         lines.append("|" + "---|" * (len(cases) + 1))
         for s in systems:
             lines.append(f"| {s} | " + " | ".join(cell(rates(s, c, level)) for c in cases) + " |")
-        for s in systems[1:]:
+        ours = [s for s in systems if s.startswith("minisched")]
+        pairs = [(m, s) for m in ours for s in systems if s not in ours] + [(m, ref) for m in ours if m != ref]
+        for m, s in pairs:
             cells = []
             for c in cases:
                 per_round = []
-                for r in range(args.rounds):
-                    a = [x["tok_s"] for x in ok if x["system"] == ref and x["case"] == c and x["busy"] == level
+                for r in sorted({x["round"] for x in ok}):
+                    a = [x["tok_s"] for x in ok if x["system"] == m and x["case"] == c and x["busy"] == level
                          and x["round"] == r]
                     b = [x["tok_s"] for x in ok if x["system"] == s and x["case"] == c and x["busy"] == level
                          and x["round"] == r]
@@ -468,7 +494,7 @@ def table(results, systems, cases, not_measured, args, info=None) -> str:
                         per_round.append(a[0] / b[0])
                 cells.append("" if not per_round else f"**{statistics.median(per_round):.2f}×**" + (
                     f" ({min(per_round):.2f}–{max(per_round):.2f})" if len(per_round) > 1 else ""))
-            lines.append(f"| {ref} / {s} | " + " | ".join(cells) + " |")
+            lines.append(f"| {m} / {s} | " + " | ".join(cells) + " |")
     if len(args.busy) > 1 and 0 in args.busy:
         for level in args.busy:
             if level == 0:

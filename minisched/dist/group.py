@@ -106,6 +106,11 @@ class TPGroup:
         self._account("gather", t, t0)
         return bufs
 
+    def startup_barrier(self) -> None:
+        """Every rank, once loaded: on the default group, whose timeout is the startup one (a worker
+        that is ready first must not time out waiting for rank 0 to finish loading)."""
+        dist.barrier()
+
     def close(self) -> None:
         """Leave the process group (idempotent). After a failed collective the group may be
         unusable: a rank that is about to exit skips this."""

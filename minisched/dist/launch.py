@@ -174,6 +174,7 @@ def worker_main(rank: int, world: int, addr: str, port: int, source: ModelSource
         store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
         sys.exit(1)
     store.set(f"ready/{rank}", "1")
+    group.startup_barrier()
     try:
         worker_loop(group, model)
     except Exception as exc:  # noqa: BLE001 -- a failed collective: rank 0 reports the failure
@@ -233,9 +234,12 @@ class TPSession:
         local = rank_device(device, 0 if env is None else env["local_rank"])
         if local.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA device is available")
+        if env is None and local.type == "cuda" and local.index + world > torch.cuda.device_count():
+            raise ValueError(f"--tp {world} on {device} needs GPUs {local.index}..{local.index + world - 1} (one per "
+                             f"rank; NCCL cannot share one), but this machine has {torch.cuda.device_count()}")
         threads = num_threads or default_threads(world if env is None else
                                                  int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        self = cls(world, source, local, timeout, startup_timeout, threads)
+        self = cls(world, source, local, timeout, startup_timeout, threads)  # noqa: PLW0642 -- the new session
         torch.set_num_threads(threads)
         try:
             if env is None:
@@ -256,6 +260,7 @@ class TPSession:
                                  startup_timeout=startup_timeout)
             self.model = shard_model(source.load(), self.group, device=local)
             self._await("ready")
+            self.group.startup_barrier()  # the workers wait here for rank 0, then for steps (bounded by heartbeats)
         except BaseException:
             self._kill_workers()
             raise

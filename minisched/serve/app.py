@@ -64,6 +64,9 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
         extra = {} if replicas is None else {"replicas": replicas}
         if not loop.is_alive():
             return JSONResponse({"status": "engine loop stopped", **extra}, status_code=503)
+        tp_failure = getattr(getattr(getattr(engine, "runner", None), "session", None), "failure", None)
+        if tp_failure:  # --tp: a rank died or hung; every request fails from now on
+            return JSONResponse({"status": tp_failure, **extra}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining", **extra}, status_code=503)
         if replicas is not None and not all(r["alive"] for r in replicas):

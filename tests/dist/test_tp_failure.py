@@ -41,3 +41,41 @@ def test_killed_worker_fails_requests_then_a_new_session_works():
         assert [p.exitcode for p in again.procs] == [0]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_idle_longer_than_the_timeout_is_not_a_failure():
+    """Workers wait for the next step at most the collective timeout: rank 0's heartbeats (every
+    quarter of it) keep an idle session alive."""
+    threads = torch.get_num_threads()
+    try:
+        with TPSession.start(2, ModelSource(config=preset("tiny"), seed=0), timeout=4, startup_timeout=300) as s:
+            engine = s.engine(page_size=4)
+            first = engine.generate([[5, 6, 7]], SAMPLING)[0].token_ids
+            sent = s.group.stats.snapshot()["broadcast"][0]
+            time.sleep(6)
+            assert s.group.stats.snapshot()["broadcast"][0] > sent  # NOOPs went out
+            assert s.failure is None and s.procs[0].exitcode is None
+            assert engine.generate([[5, 6, 7]], SAMPLING)[0].token_ids == first
+        assert [p.exitcode for p in s.procs] == [0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rank_0_loading_longer_than_the_timeout_is_not_a_failure(monkeypatch):
+    """A worker ready first waits for rank 0 under the startup timeout, not the collective one."""
+    from minisched.dist import launch
+
+    real = launch.shard_model
+
+    def slow(*args, **kwargs):  # rank 0 only: the spawned worker imports the module afresh
+        time.sleep(5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "shard_model", slow)
+    threads = torch.get_num_threads()
+    try:
+        with TPSession.start(2, ModelSource(config=preset("tiny"), seed=0), timeout=2, startup_timeout=300) as s:
+            assert s.engine(page_size=4).generate([[5, 6, 7]], SAMPLING)[0].error is None
+        assert [p.exitcode for p in s.procs] == [0]
+    finally:
+        torch.set_num_threads(threads)

@@ -16,6 +16,16 @@ def client(live, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.v1, api_key=kw.pop("api_key", "none"), max_retries=0, timeout=30, **kw)
 
 
+def test_health_is_503_after_a_tensor_parallel_failure(tiny_server, tiny_engine, monkeypatch):
+    """--tp: once a rank has died every step fails, so the probe must say so (not "ok")."""
+    from types import SimpleNamespace
+
+    why = "tensor parallelism failed: rank 1 (pid 123) was killed by SIGKILL"
+    monkeypatch.setattr(tiny_engine.runner, "session", SimpleNamespace(failure=why), raising=False)
+    r = httpx.get(tiny_server.url + "/health", timeout=10)
+    assert r.status_code == 503 and r.json() == {"status": why}
+
+
 def test_health_models_metrics(tiny_server):
     with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
         assert c.get("/health").json() == {"status": "ok"}
