@@ -30,6 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from minisched.dist import ModelSource, TPSession  # noqa: E402
 from minisched.dist.group import CommStats  # noqa: E402
@@ -37,14 +38,7 @@ from minisched.engine import Engine  # noqa: E402
 from minisched.engine.runner import default_num_threads  # noqa: E402
 from minisched.model.config import preset  # noqa: E402
 from minisched.sched.req import SamplingParams  # noqa: E402
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
+from bench_cpu import loadavg  # noqa: E402
 
 
 def run_batch(engine: Engine, threads: int, prompts, new_tokens: int, stats) -> list[dict]:
