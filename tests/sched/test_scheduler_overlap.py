@@ -120,28 +120,7 @@ class OverlapMachine(SchedulerMachine):
             return
         self._ready()
         self._finished(run_overlap(self.sched, self.runner, self.launched, max_steps=5000).values())
-        assert set(self.ended) == set(self.added), "a request was lost"
-        for rid, (prompt, sp) in self.added.items():
-            r = self.ended[rid]
-            if r == "aborted":
-                continue
-            assert r.finish_reason is not FinishReason.ERROR, r.error
-            assert not r.pending_ids
-            if sp.max_new_tokens == 0:
-                assert r.output_ids == [] and r.finish_reason is FinishReason.LENGTH
-                continue
-            ref = greedy_reference(prompt, min(sp.max_new_tokens, 500), VOCAB, sp.stop_token_ids,
-                                   self.cfg.max_context_len)
-            if r.finish_reason is FinishReason.LENGTH:
-                assert r.output_ids == ref[:len(r.output_ids)]
-            else:
-                assert r.output_ids == ref, f"{rid}: {r.output_ids} != {ref}"
-            assert r.status is ReqStatus.FINISHED
-        check_lifecycles(self.sched.events)
-        tree, pool = self.sched.tree, self.sched.pool
-        assert tree.protected_pages == 0
-        pool.free(tree.evict(tree.total_pages))
-        assert pool.num_free == self.cfg.num_pages and tree.total_pages == 0
+        self.check_drained()
 
 
 OverlapMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,

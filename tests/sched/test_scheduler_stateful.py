@@ -119,12 +119,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         self._finished(run(self.sched, self.runner, max_steps=5000).values())
+        self.check_drained()
+
+    def check_drained(self):
+        """Every request ended with the fake model's greedy output and no placeholder left; the pool and tree are empty."""
         assert set(self.ended) == set(self.added), "a request was lost"
         for rid, (prompt, sp) in self.added.items():
             r = self.ended[rid]
             if r == "aborted":
                 continue
             assert r.finish_reason is not FinishReason.ERROR, r.error
+            assert not r.pending_ids
             if sp.max_new_tokens == 0:
                 assert r.output_ids == [] and r.finish_reason is FinishReason.LENGTH
                 continue
