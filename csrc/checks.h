@@ -400,4 +400,27 @@ inline void check_int8_linear(const at::Tensor& x, const at::Tensor& w_q, const 
   }
 }
 
+// Packed float32 linear: x [M, K] float32 (rows may be strided, elements contiguous), w_packed
+// [P, K, 16] float32 (panels of 16 output columns, P = ceil(N / 16)), out [M, N] float32.
+inline void check_packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& out) {
+  const char* op = "packed_linear";
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dim(op, "x", x, 2);
+  check_dtype(op, "w_packed", w_packed, {at::kFloat});
+  check_dim(op, "w_packed", w_packed, 3);
+  check_dtype(op, "out", out, {at::kFloat});
+  check_dim(op, "out", out, 2);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = (n + 15) / 16;
+  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k && w_packed.size(2) == 16, op,
+                    ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k,
+                    ", 16) for x ", shape_str(x.sizes()), " and out ", shape_str(out.sizes()),
+                    " (pack the [N, K] weight with minisched.ops.pack_linear_weight)");
+  check_shape(op, "out", out, {m, n});
+  TORCH_CHECK_VALUE(x.stride(1) == 1 || k <= 1, op, ": x must have contiguous rows (stride(1) == 1)");
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"out", &out}}) {
+    check_device(op, name, *t, x.device());
+    check_contiguous(op, name, *t);
+  }
+}
+
 }  // namespace minisched::checks

@@ -28,6 +28,8 @@ TORCH_LIBRARY(minisched, m) {
       "Tensor(a!) v_out, Tensor(b!) lse_out) -> ()");
   // Weight-only int8 matmul (CPU): out [M, N] = x [M, K] @ (w_q [N, K] int8 * group scales [N, K/G]).T
   m.def("int8_linear(Tensor x, Tensor w_q, Tensor scales, Tensor(a!) out) -> ()");
+  // Packed float32 matmul (CPU): out [M, N] = x [M, K] @ w.T, w packed as [ceil(N/16), K, 16] panels
+  m.def("packed_linear(Tensor x, Tensor w_packed, Tensor(a!) out) -> ()");
 }
 
 // `import minisched._C` loads this library (and so the registrations above); it has no

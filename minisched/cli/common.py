@@ -52,6 +52,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", default="none", choices=["none", "int8"],
                    help="weight-only int8 for the projections and LM head (CPU; faster small-batch decode, "
                         "close to but not bit-equal with fp32)")
+    g.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the float32 projections through minisched's packed matmul kernel instead of torch's "
+                        "(default: on for a float32 model on the CPU without --quantize or --tp)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling: build the next step while the forward runs on a worker thread "
                         "(default: on for CUDA, off for CPU)")
@@ -90,7 +93,8 @@ def make_engine(args):
                   chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
                   enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
                   cascade=args.cascade, num_threads=args.threads, overlap=args.overlap,
-                  cuda_graph=getattr(args, "cuda_graph", None), quantize=getattr(args, "quantize", "none"))
+                  cuda_graph=getattr(args, "cuda_graph", None), quantize=getattr(args, "quantize", "none"),
+                  pack_weights=getattr(args, "pack_weights", None))
     try:
         if getattr(args, "tp", 1) != 1:
             return _make_tp_engine(args, kwargs)
@@ -164,7 +168,8 @@ def make_engine_like(engine, args, enable_radix_cache: bool):
     kwargs = dict(tokenizer=engine.tokenizer, backend=args.backend, page_size=args.page_size,
                   num_pages=engine.sched_config.num_pages, policy=args.policy, chunk_size=args.chunk_size or None,
                   max_running_requests=args.max_running_requests, enable_radix_cache=enable_radix_cache,
-                  enable_mixed_chunk=args.mixed_chunk, cascade=args.cascade, overlap=engine.overlap)
+                  enable_mixed_chunk=args.mixed_chunk, cascade=args.cascade, overlap=engine.overlap,
+                  pack_weights=engine.pack_weights)
     session = getattr(engine.runner, "session", None)
     if session is not None:  # --tp: a new engine on the same ranks (it replaces their KV pools)
         return session.engine(**kwargs)

@@ -34,6 +34,7 @@ from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
 from minisched.engine.cuda_graph import CudaGraphRunner
+from minisched.model.packed import pack_model, want_packed
 from minisched.model.quant import QuantConfig, quantize_model
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner, ThreadTuner, default_num_threads
@@ -109,7 +110,8 @@ class Engine:
                  max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
                  enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
                  num_threads: Optional[int] = None, overlap: Optional[bool] = None,
-                 cuda_graph: Optional[bool] = None, quantize: str = "none", check: bool = False, seed: int = 0,
+                 cuda_graph: Optional[bool] = None, quantize: str = "none", pack_weights: Optional[bool] = None,
+                 check: bool = False, seed: int = 0,
                  runner_factory: Optional[Callable[..., ModelRunner]] = None, **scheduler_kwargs):
         # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
         # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
@@ -151,6 +153,11 @@ class Engine:
             tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
         self.backend = pick_backend(backend, self.device)
+        # Packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls.
+        self.pack_weights = want_packed(pack_weights, self.device, self.model.dtype, self.backend,
+                                        self.quant.enabled, runner_factory is not None)
+        if self.pack_weights:
+            pack_model(self.model)
         self.cuda_graph = self._want_cuda_graph(cuda_graph, check, runner_factory is not None)
         num_pages = self._pool_pages(page_size, num_pages, mem_fraction)
         if max_context_len is None:
@@ -206,7 +213,7 @@ class Engine:
             raise ValueError("give num_pages or mem_fraction, not both")
         if num_pages is not None and not _is_int(num_pages):
             raise ValueError(f"num_pages must be an int, got {num_pages!r}")
-        per_page = self.cfg.kv_bytes_per_token(self.model.embed.element_size()) * page_size
+        per_page = self.cfg.kv_bytes_per_token(self.model.dtype.itemsize) * page_size
         avail = _available_bytes(self.device)
         if num_pages is None:
             if mem_fraction is not None:

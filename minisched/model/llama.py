@@ -26,7 +26,7 @@ from torch import nn
 
 from minisched import ops
 from minisched.model.config import ModelConfig
-from minisched.model.quant import linear
+from minisched.model.quant import embedding, linear
 
 PageTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_indptr, kv_indices, kv_last_page_len
 
@@ -195,7 +195,7 @@ class LlamaModel(nn.Module):
         n = input_ids.shape[0]
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         tp = self.tp
-        x = F.embedding(input_ids.long(), self.embed) if tp is None else tp.embed(input_ids, self.embed)
+        x = embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
         sin = signed_sin(sin)
         for layer, kv_layer in zip(self.layers, kv_cache.unbind(0)):
@@ -226,7 +226,7 @@ def dense_forward(model: LlamaModel, input_ids: torch.Tensor) -> torch.Tensor:
     c = model.cfg
     n = input_ids.shape[0]
     with torch.inference_mode():
-        x = F.embedding(input_ids.long(), model.embed)
+        x = embedding(input_ids, model.embed)
         cos, sin = rope_cos_sin(torch.arange(n, device=input_ids.device), model.inv_freq, x.dtype)
         mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         for layer in model.layers:

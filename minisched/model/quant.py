@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisched import ops
+from minisched.model.packed import PackedWeight
 
 QUANT_MODES = ("none", "int8")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -57,10 +58,22 @@ class Int8Weight(nn.Module):
 
 
 def linear(x: torch.Tensor, w, backend: str = "native") -> torch.Tensor:
-    """F.linear for a float weight, the int8 kernel for an Int8Weight."""
-    if isinstance(w, Int8Weight):
+    """F.linear for a float weight, the int8 kernel for an Int8Weight, the packed kernel for a PackedWeight."""
+    if isinstance(w, (Int8Weight, PackedWeight)):
         return w.linear(x, backend)
     return F.linear(x, w)
+
+
+def embedding(ids: torch.Tensor, w) -> torch.Tensor:
+    """The embedding lookup, from a plain [V, H] weight or a tied model's packed head."""
+    if isinstance(w, PackedWeight):
+        return w.rows(ids)
+    return F.embedding(ids.long(), w)
+
+
+def plain(w) -> torch.Tensor:
+    """The [N, K] float weight behind w (a packed one unpacked)."""
+    return w.unpacked() if isinstance(w, PackedWeight) else w
 
 
 def group_size_for(k: int, group_size: int) -> int:
@@ -83,16 +96,21 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
             w = getattr(layer, name)
             if isinstance(w, Int8Weight):
                 continue
-            k = w.shape[1]
+            w, k = plain(w), w.shape[1]
             if k % 32:
                 raise ValueError(f"--quantize {cfg.mode}: {name} has {k} input channels, not a multiple of 32")
             q = Int8Weight(w, group_size_for(k, cfg.group_size))
-            del layer._parameters[name]
+            layer._parameters.pop(name, None)
+            layer._modules.pop(name, None)
             setattr(layer, name, q)
     if isinstance(model.lm_head, Int8Weight):
         return model
-    head = model.embed if model.lm_head is None else model.lm_head
+    head = plain(model.embed if model.lm_head is None else model.lm_head)
     head_q = Int8Weight(head, group_size_for(head.shape[1], cfg.group_size))
+    if isinstance(model.embed, PackedWeight):  # a packed tied model: the lookup needs its own fp32 table
+        model._modules.pop("embed")
+        model.embed = nn.Parameter(head.clone(), requires_grad=False)
     model._parameters.pop("lm_head", None)
+    model._modules.pop("lm_head", None)
     model.lm_head = head_q  # a tied model keeps its fp32 embedding for the lookup
     return model

@@ -37,11 +37,13 @@ OP_FAMILY = {
     "shared_prefix_attention": "shared_prefix_attention",
     "merge_attention_states": "merge_attention_states",
     "int8_linear": "int8_linear",
+    "packed_linear": "packed_linear",
 }
 # Ops whose checks read no index values (no `values=` switch).
-VALUE_FREE = ("merge_attention_states", "int8_linear")
-# Ops with a native CPU kernel only: weight-only int8 serves bandwidth-bound CPU decode.
-CPU_ONLY = ("int8_linear",)
+VALUE_FREE = ("merge_attention_states", "int8_linear", "packed_linear")
+# Ops with a native CPU kernel only: weight-only int8 serves bandwidth-bound CPU decode, the packed
+# float32 matmul the CPU's small-batch projections (GPUs have cuBLAS for both).
+CPU_ONLY = ("int8_linear", "packed_linear")
 
 try:  # importing the extension registers torch.ops.minisched.*
     from minisched import _C  # noqa: F401
@@ -217,4 +219,23 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, *, bac
     if out is None:
         out = x.new_empty((x.shape[0], w_q.shape[0]))
     call_op("int8_linear", (x, w_q, scales, out), backend)
+    return out
+
+
+# -- packed float32 linear -----------------------------------------------------------------------
+
+def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """An [N, K] weight in packed_linear's layout: panels of 16 output columns, [ceil(N / 16), K, 16]
+    (zero past N). Done once, when the model is loaded."""
+    if w.dim() != 2:
+        raise ValueError(f"pack_linear_weight: expected an [N, K] weight, got shape {tuple(w.shape)}")
+    return reference.pack_linear_weight(w.detach())
+
+
+def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, *, backend: Backend = "native",
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, n] for w packed by pack_linear_weight (n = the weight's N)."""
+    if out is None:
+        out = x.new_empty((x.shape[0], n))
+    call_op("packed_linear", (x, w_packed, out), backend)
     return out

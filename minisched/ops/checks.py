@@ -302,3 +302,29 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: t
             _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
         if not t.is_contiguous():
             _fail(ValueError, op, f"{name} must be contiguous")
+
+
+def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> None:
+    """x [M, K] float32 (rows may be strided), w_packed [ceil(N / 16), K, 16] float32 (16-column panels),
+    out [M, N] float32 (csrc/checks.h: check_packed_linear)."""
+    op = "packed_linear"
+    check_dtype(op, "x", x, (torch.float32, torch.float64))
+    check_dtype(op, "w_packed", w_packed, (torch.float32, torch.float64))
+    check_dtype(op, "out", out, (torch.float32, torch.float64))
+    for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("out", out, 2)):
+        if t.dim() != dims:
+            _fail(ValueError, op, f"{name} must have {dims} dims (shape {tuple(t.shape)})")
+    (m, k), n = x.shape, out.shape[1]
+    panels = -(-n // 16)
+    if tuple(w_packed.shape) != (panels, k, 16):
+        _fail(ValueError, op, f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k}, 16) for x "
+                              f"{tuple(x.shape)} and out {tuple(out.shape)} (pack the [N, K] weight with "
+                              f"minisched.ops.pack_linear_weight)")
+    check_shape(op, "out", out, (m, n))
+    if x.stride(1) != 1 and k > 1:
+        _fail(ValueError, op, "x must have contiguous rows (stride(1) == 1)")
+    for name, t in (("w_packed", w_packed), ("out", out)):
+        if t.device != x.device:
+            _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
+        if not t.is_contiguous():
+            _fail(ValueError, op, f"{name} must be contiguous")

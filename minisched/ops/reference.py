@@ -142,3 +142,23 @@ def dequantize_int8(w_q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype 
 def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     """out = x @ dequantize(w_q, scales).T, accumulated in float64."""
     out.copy_(x.double() @ dequantize_int8(w_q, scales, torch.float64).T)
+
+
+def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N / 16), K, 16]: w_packed[p, k, j] = w[16 p + j, k], zero past N."""
+    n, k = w.shape
+    panels = -(-n // 16)
+    padded = w.new_zeros(panels * 16, k)
+    padded[:n] = w
+    return padded.view(panels, 16, k).transpose(1, 2).contiguous()
+
+
+def unpack_linear_weight(w_packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_linear_weight: the [N, K] weight."""
+    panels, k, width = w_packed.shape
+    return w_packed.transpose(1, 2).reshape(panels * width, k)[:n]
+
+
+def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ w.T for the packed weight, accumulated in float64."""
+    out.copy_(x.double() @ unpack_linear_weight(w_packed, out.shape[1]).double().T)

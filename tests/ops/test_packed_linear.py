@@ -1,0 +1,140 @@
+"""packed_linear: the float32 matmul on 16-column weight panels, against the float64 reference, with
+poisoned outputs, every micro-kernel shape (1..6 rows x 1..4 panels, balanced row blocks, a partial
+last panel), strided rows, empty and degenerate sizes; its results are the same bits whatever the
+batch around a row and the thread count; pack/unpack round-trips; the op's input checks."""
+
+import pytest
+import torch
+
+from conftest import poison
+from minisched import ops
+from minisched.ops import reference
+
+# A CPU op (the CPU's small-batch projections; GPUs use cuBLAS): no CUDA or Triton kernel to test.
+BACKENDS = [
+    pytest.param("torch", id="torch-cpu"),
+    pytest.param("native", id="native-cpu",
+                 marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]),
+]
+NATIVE = BACKENDS[1:]
+
+
+def run(x, w, backend, out=None):
+    out = poison(torch.empty(x.shape[0], w.shape[0])) if out is None else out
+    ops.call_op("packed_linear", (x, ops.pack_linear_weight(w), out), backend)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 100])
+# n: one partial panel, exactly one, one + 1 column, 5 panels (4 + 1 at one row), 61 columns (a
+# partial 4th panel); k: 1, odd, the model's sizes
+@pytest.mark.parametrize("n,k", [(1, 64), (16, 3), (17, 1), (80, 576), (61, 1536), (40, 7)])
+def test_matches_reference(backend, m, n, k, gen):
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    expected = torch.empty(m, n, dtype=torch.float64)
+    reference.packed_linear(x, reference.pack_linear_weight(w), expected)
+    torch.testing.assert_close(expected, x.double() @ w.double().T)  # the reference itself
+    out = run(x, w, backend)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_strided_rows(backend, m, gen):
+    """x may be a column slice of a wider activation (e.g. the gate half of gate_up)."""
+    wide = torch.randn(m, 2 * 128, generator=gen)
+    x = wide[:, 128:]
+    assert x.stride(0) == 256  # (one row counts as contiguous; its stride is still 256)
+    w = torch.randn(40, 128, generator=gen)
+    torch.testing.assert_close(run(x, w, backend), x.contiguous() @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,n,k", [(0, 8, 64), (3, 0, 64), (3, 8, 0), (0, 0, 0)])
+def test_empty_sizes(backend, m, n, k):
+    x = torch.randn(m, k)
+    out = poison(torch.empty(m, n))
+    ops.call_op("packed_linear", (x, ops.pack_linear_weight(torch.randn(n, k)), out), backend)
+    assert out.shape == (m, n)
+    assert (out == 0).all()  # K = 0: an empty sum (no-op for the rest: nothing to write)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_row_results_do_not_depend_on_the_batch(backend, gen):
+    """Each output is one fused multiply-add chain over k in order, whatever block a row falls in:
+    a request's logits are the same bits alone or in any batch (batch invariance)."""
+    x = torch.randn(23, 576, generator=gen)
+    w = torch.randn(100, 576, generator=gen)
+    whole = run(x, w, backend)
+    for m0, m1 in ((0, 1), (5, 7), (3, 6), (10, 18), (0, 23)):
+        assert torch.equal(run(x[m0:m1], w, backend), whole[m0:m1]), (m0, m1)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_thread_count_does_not_change_bits(backend, gen):
+    x = torch.randn(9, 576, generator=gen)
+    w = torch.randn(3072, 576, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(x, w, backend)
+        torch.set_num_threads(2)
+        two = run(x, w, backend)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_pack_round_trip(gen):
+    w = torch.randn(37, 11, generator=gen)
+    p = ops.pack_linear_weight(w)
+    assert p.shape == (3, 11, 16) and p.is_contiguous()
+    assert torch.equal(p[1, 4, 5], w[21, 4]) and (p[2, :, 5:] == 0).all()  # zero past N
+    assert torch.equal(reference.unpack_linear_weight(p, 37), w)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        ops.pack_linear_weight(torch.randn(4, 4, 4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrapper(backend, gen):
+    x, w = torch.randn(5, 64, generator=gen), torch.randn(33, 64, generator=gen)
+    got = ops.packed_linear(x, ops.pack_linear_weight(w), 33, backend=backend)
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case,exc,words", [
+    ("x_dtype", TypeError, "dtype"),
+    ("w_dtype", TypeError, "dtype"),
+    ("w_dims", ValueError, "dims"),
+    ("k_mismatch", ValueError, "w_packed has shape"),
+    ("panels", ValueError, "w_packed has shape"),
+    ("out_rows", ValueError, "shape"),
+    ("x_cols_strided", ValueError, "contiguous rows"),
+    ("w_strided", ValueError, "contiguous"),
+])
+def test_bad_input(backend, case, exc, words, gen):
+    x = torch.randn(3, 64, generator=gen)
+    w = ops.pack_linear_weight(torch.randn(20, 64, generator=gen))  # 2 panels
+    out = torch.empty(3, 20)
+    if case == "x_dtype":
+        x = x.half()
+    elif case == "w_dtype":
+        w = w.half()
+    elif case == "w_dims":
+        w = w.reshape(2, -1)
+    elif case == "k_mismatch":
+        x = torch.randn(3, 96, generator=gen)
+    elif case == "panels":
+        out = torch.empty(3, 40)  # 3 panels needed
+    elif case == "out_rows":
+        out = torch.empty(4, 20)
+    elif case == "x_cols_strided":
+        x = torch.randn(64, 3, generator=gen).T
+    elif case == "w_strided":
+        w = torch.randn(2, 16, 64, generator=gen).transpose(1, 2)
+    with pytest.raises(exc, match=words):
+        ops.call_op("packed_linear", (x, w, out), backend)
