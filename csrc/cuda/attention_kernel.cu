@@ -216,23 +216,37 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
     }
     // -- scale + mask (limit[0] is the thread's smallest limit: limits grow with the row) ------------
     const bool need_mask = tok0 + NW > s_end || (p.causal && tok0 + NW - 1 > limit[0]);
-#pragma unroll
-    for (int f = 0; f < RF; ++f)
+    if constexpr (RF == 1) {  // one fragment (decode, GQA > 32): scale and mask in one pass, limits in registers
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[f][j][e] *= p.scale_log2;
-    if (need_mask) {
+        for (int e = 0; e < 4; ++e) {
+          float v = s[0][j][e] * p.scale_log2;
+          if (need_mask) {
+            const int tok = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
+            if (tok >= s_end || tok > limit_at(e >> 1)) v = kNegInf;
+          }
+          s[0][j][e] = v;
+        }
+    } else {  // two fragments: scale, then (boundary tiles) mask row by row, recomputing each row's limit
 #pragma unroll
-      for (int i = 0; i < NR; ++i) {
-        const int lim = min(s_end - 1, limit_at(i)), f = i >> 1, h = (i & 1) * 2;
+      for (int f = 0; f < RF; ++f)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int tok = tok0 + j * 8 + (lane & 3) * 2 + e;
-            if (tok > lim) s[f][j][h + e] = kNegInf;
-          }
+          for (int e = 0; e < 4; ++e) s[f][j][e] *= p.scale_log2;
+      if (need_mask) {
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+          const int lim = min(s_end - 1, limit_at(i)), f = i >> 1, h = (i & 1) * 2;
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int tok = tok0 + j * 8 + (lane & 3) * 2 + e;
+              if (tok > lim) s[f][j][h + e] = kNegInf;
+            }
+        }
       }
     }
     // -- online softmax: thread row i is S elements s[i / 2][.][2 (i % 2) + {0, 1}] ---------------
