@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
   if (n_tiles > 0) {
     kv.fetch_idx(0);
     kv.make_bases(0);
-    kv.copy_kv<SP>(sK, sV);
+    kv.copy_kv<SP>(sK, sV, 0);
     if (n_tiles > 1) kv.fetch_idx(1);
   }
   cp_async_commit();
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
   for (int t = 0; t < n_tiles; ++t) {
     if (t + 1 < n_tiles) {  // tile t+1's pages were fetched during tile t-1: resolve, copy, fetch t+2's
       kv.make_bases(t + 1);
-      kv.copy_kv<SP>(sK + ((t + 1) & 1) * kBlockN * SP, sV + ((t + 1) & 1) * kBlockN * SP);
+      kv.copy_kv<SP>(sK, sV, (t + 1) & 1);
       if (t + 2 < n_tiles) kv.fetch_idx(t + 2);
     }
     cp_async_commit();

@@ -72,9 +72,11 @@ struct KvLoader {
       base[s] = ok ? elem * (long long)sizeof(T) + 1 : 0;
     }
   }
-  // the tile's K and V rows into k_dst / v_dst (kBlockN rows of pitch SP elements)
+  // the tile's K and V rows into stage `stage` of sK / sV (kBlockN rows of pitch SP elements per stage)
   template <int SP>
-  __device__ __forceinline__ void copy_kv(T* k_dst, T* v_dst) const {
+  __device__ __forceinline__ void copy_kv(T* sK, T* sV, int stage) const {
+    T* k_dst = sK + stage * kBlockN * SP;
+    T* v_dst = sV + stage * kBlockN * SP;
     const int c = lane % CH, sub = lane / CH;
     const char* kc = reinterpret_cast<const char*>(reinterpret_cast<const T*>(p.k_cache) + c * 8);
     const char* vc = reinterpret_cast<const char*>(reinterpret_cast<const T*>(p.v_cache) + c * 8);
