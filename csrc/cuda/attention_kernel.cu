@@ -60,7 +60,8 @@ template <typename T, int D, int ROW_WARPS, int KV_WARPS, int RF>
 // 1 x 4 decode CTA, what shared memory allows), ptxas gave the same CTAs per SM and spent more on
 // the 4 x 1 CTA at any value, even 1 (204 instead of 173). tests/ops/test_cuda_build.py checks the
 // resident warps per SM of the decode and prefill CTAs.
-__global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2) ? 3 : 0) paged_attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2) ? 3 : 0)
+    paged_attention_kernel(const AttentionParams p) {
   constexpr int WARPS = ROW_WARPS * KV_WARPS;
   constexpr int SP = pitch<D>();
   constexpr int CH = D / 8;     // 16-byte chunks per row
@@ -77,7 +78,8 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
   constexpr bool Q_REGS = RF == 1;
   static_assert(NW % 16 == 0, "P V takes 16 tokens per mma k-step");
   static_assert(RF == 1 || KV_WARPS == 1, "several row fragments per warp: prefill's 4 x 1 CTA only");
-  static_assert(KV_WARPS == 1 || merge_bytes<D>(16 * RF * ROW_WARPS, KV_WARPS) <= 2 * kStages * kBlockN * SP * sizeof(T),
+  static_assert(KV_WARPS == 1 ||
+                    merge_bytes<D>(16 * RF * ROW_WARPS, KV_WARPS) <= 2 * kStages * kBlockN * SP * sizeof(T),
                 "the KV warps' merge must fit in the K/V stages");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -469,13 +471,19 @@ cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, Wor
 }
 
 // 4 warps per CTA, as row warps x KV warps x row fragments. Prefill / shared prefix (ragged rows):
-// 4 x 1 x 2 (128-row tiles, 32 rows per warp). Decode: the fewest 16-row warps that hold the GQA
+// 4 x 1 x 2 (128-row tiles, 32 rows per warp) when the mean request has more than 64 rows (host-
+// known: num_qo * group / batch), else 4 x 1 x 1 (64-row tiles: short extends would leave most of a
+// 128-row tile empty, computing on zero rows). Decode: the fewest 16-row warps that hold the GQA
 // group, the rest split each KV tile (1 x 4 for group <= 16, 2 x 2 for <= 32), else 4 x 1 x 1 and
 // several 64-row tiles per request.
 template <typename T, int D>
 cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, WorkspaceAllocator& alloc,
                          cudaStream_t stream) {
-  if (p.qo_indptr != nullptr) return launch_typed<T, D, 4, 1, 2>(p, est_kv_len, num_sms, alloc, stream);
+  if (p.qo_indptr != nullptr) {
+    if ((long long)p.num_qo * p.group > 64LL * p.batch)
+      return launch_typed<T, D, 4, 1, 2>(p, est_kv_len, num_sms, alloc, stream);
+    return launch_typed<T, D, 4, 1, 1>(p, est_kv_len, num_sms, alloc, stream);
+  }
   if (p.group <= 16) return launch_typed<T, D, 1, 4, 1>(p, est_kv_len, num_sms, alloc, stream);
   if (p.group <= 32) return launch_typed<T, D, 2, 2, 1>(p, est_kv_len, num_sms, alloc, stream);
   return launch_typed<T, D, 4, 1, 1>(p, est_kv_len, num_sms, alloc, stream);

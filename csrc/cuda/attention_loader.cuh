@@ -56,7 +56,8 @@ struct KvLoader {
     for (int s = 0; s < SLOTS; ++s) {
       bool in;
       const int tok = owned_tok(s_beg + t * kBlockN, s, in);
-      pidx[s] = p.kv_indices[kv_beg + (in ? page_of(tok) : 0)];  // branch-free; entry kv_beg exists when there are tiles
+      // branch-free; entry kv_beg exists when there are tiles
+      pidx[s] = p.kv_indices[kv_beg + (in ? page_of(tok) : 0)];
     }
   }
   // validate the fetched entries, keep the byte offsets | copy bit

@@ -209,6 +209,11 @@ def emulate_prefill(q, qo_indptr, k_cache, v_cache, indptr, indices, last, causa
     return out, out_l, mcounts
 
 
+def prefill_row_frags(num_qo, group, batch):
+    """launch_typed<T, D>: the 128-row CTA (2 fragments per warp) when the mean request has more than 64 rows."""
+    return 2 if num_qo * group > 64 * batch else 1
+
+
 def valid_rows(qo_indptr, num_qo):
     """Tokens of valid query ranges (the rows a launch must write once)."""
     want = np.zeros(num_qo, dtype=np.int64)
@@ -323,6 +328,25 @@ def test_one_fragment_matches_reference():
     reference.paged_prefill_attention(q, torch.from_numpy(qo_indptr).int(), kv.k_cache, kv.v_cache, *kv.table, True,
                                       0.125, ref_out, ref_lse)
     np.testing.assert_allclose(out, ref_out.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_short_extends_take_64_row_tiles():
+    """Short extends (mean <= 64 rows per request) run the one-fragment CTA, long prefills the 32-row warps."""
+    assert prefill_row_frags(2048 * 8, 4, 8) == 2 and prefill_row_frags(16 * 8, 4, 8) == 1
+    assert prefill_row_frags(65, 1, 1) == 2 and prefill_row_frags(64, 1, 1) == 1
+    gen = torch.Generator().manual_seed(9)
+    qo_lens = [1, 3, 2, 9]
+    kv = make_paged_kv([150, 70, 64, 90], 16, 1, 64, torch.float64, "cpu", gen=gen)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = torch.randn((15, 4, 64), generator=gen, dtype=torch.float64)
+    rf = prefill_row_frags(15, 4, 4)
+    assert rf == 1
+    out, lse, counts = emulate_prefill(q.numpy(), qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(),
+                                       *(x.numpy() for x in kv.table), True, 0.125, rf=rf)
+    ref_out, ref_lse = torch.empty_like(q), torch.empty((15, 4), dtype=torch.float64)
+    reference.paged_prefill_attention(q, torch.from_numpy(qo_indptr).int(), kv.k_cache, kv.v_cache, *kv.table, True,
+                                      0.125, ref_out, ref_lse)
+    check(out, lse, counts, ref_out.numpy(), ref_lse.numpy(), qo_indptr, 15)
 
 
 @pytest.mark.parametrize("bug,splits", [("q-fragment-offset", 1), ("swap-row-halves", 1), ("need-mask-last-row", 1),
