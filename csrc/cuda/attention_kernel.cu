@@ -169,15 +169,18 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
     ldmatrix_x4(r, sQ + (rw * WR + f * 16 + (lane & 15)) * SP + ks * 16 + (lane >> 4) * 8);
   };
 
+  // One barrier per tile: after it, tile t (and at t = 0 the Q tile) is in shared memory for every
+  // thread and every warp is done with tile t - 1, whose stage ((t + 1) & 1) tile t + 1 then fills
+  // while tile t is computed.
   for (int t = 0; t < n_tiles; ++t) {
+    cp_async_wait<0>();
+    __syncthreads();
     if (t + 1 < n_tiles) {  // tile t+1's pages were fetched during tile t-1: resolve, copy, fetch t+2's
       kv.make_bases(t + 1);
       kv.copy_kv<SP>(sK, sV, (t + 1) & 1);
       if (t + 2 < n_tiles) kv.fetch_idx(t + 2);
     }
     cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
     if constexpr (Q_REGS) {
       if (t == 0) {
 #pragma unroll
@@ -300,7 +303,6 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
         }
       }
     }
-    __syncthreads();  // the stage just read is the one the next iteration's load overwrites
   }
   cp_async_wait<0>();
   bad = __syncthreads_or(bad || kv.bad_page);  // also: every warp is done with the K/V stages
