@@ -179,3 +179,58 @@ def test_prefill_occupancy(tmp_path):
     want = {128: 2, 64: 3}
     for dtype, d, rw, kw, rf, reg, smem, ctas, warps in prefill:
         assert ctas >= want[d], f"{dtype} D {d}: {reg} registers, {smem} B smem -> {ctas} CTAs = {warps} warps per SM"
+
+
+# -- the prefill tile loop's shared-memory traffic (SASS) ---------------------------------------------------
+SASS_FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
+SASS_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def tile_loop_ops(sass: str) -> dict:
+    """{demangled kernel: Counter of opcodes} over each paged_attention_kernel's tile loop: the innermost loop
+    (a backward BRA) that contains every HMMA, from its head to its back edge (`cuobjdump -sass` text)."""
+    import collections
+
+    loops, name, ins = {}, None, []
+
+    def flush():
+        if name and "paged_attention_kernel" in name and ins:
+            hmma = [a for a, op, _ in ins if op.startswith("HMMA")]
+            head = edge = None  # the innermost backward branch around all HMMA: largest target
+            for a, op, arg in ins:
+                m = re.match(r"0x([0-9a-f]+)", arg.strip())
+                if op.startswith("BRA") and m and a > hmma[-1] and int(m.group(1), 16) < hmma[0]:
+                    if head is None or int(m.group(1), 16) > head:
+                        head, edge = int(m.group(1), 16), a
+            assert head is not None, f"no tile loop found in {_demangle(name)}"
+            loops[_demangle(name)] = collections.Counter(op.split(".")[0] for a, op, _ in ins if head <= a <= edge)
+
+    for line in sass.splitlines():
+        m = SASS_FUNC.match(line)
+        if m:
+            flush()
+            name, ins = m.group(1), []
+            continue
+        m = SASS_INS.search(line)
+        if m and name:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    flush()
+    return loops
+
+
+def test_prefill_tile_loop_shares_kv_fragments(tmp_path):
+    """The 32-row prefill warp loads each K / V fragment once for both row fragments: per 64-token tile 2 x D HMMA
+    and at most 0.32 LDSM per HMMA (K 4 x D / 16, V 4 x D / 16, Q 2 x D / 16); the 16-row warp has 0.5 plus Q."""
+    sos = glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))
+    target = sos[0] if sos else _compile_attention_kernel(tmp_path)
+    sass = subprocess.run([CUOBJDUMP, "-sass", target], capture_output=True, text=True, timeout=300).stdout
+    loops = tile_loop_ops(sass)
+    prefill = {n: c for n, c in loops.items() if re.search(r"paged_attention_kernel<\w+, \d+, 4, 1, 2>", n)}
+    assert len(prefill) == 4, f"the 4 x 1 x 2 CTA for {{bf16, fp16}} x D {{64, 128}}: {sorted(loops)}"
+    print(f"\n{'kernel':52} {'instr':>6} {'HMMA':>5} {'LDSM':>5} {'BAR':>4}", file=sys.stderr)
+    for n, c in sorted(loops.items()):
+        print(f"{n:52} {sum(c.values()):>6} {c['HMMA']:>5} {c['LDSM']:>5} {c['BAR']:>4}", file=sys.stderr)
+    for n, c in prefill.items():
+        d = int(KERNEL.search(n).group(2))
+        assert c["HMMA"] == 2 * d, f"{n}: {c['HMMA']} HMMA per tile, want {2 * d}"
+        assert c["LDSM"] <= 0.32 * c["HMMA"], f"{n}: {c['LDSM']} LDSM for {c['HMMA']} HMMA"
