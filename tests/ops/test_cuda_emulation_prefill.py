@@ -288,17 +288,17 @@ def test_prefill_bad_page_table_is_nan():
     assert (counts == 1).all()
     assert np.isnan(out[20:72]).all() and np.isnan(lse[20:72]).all()
     good = np.r_[0:20, 72:79]
-    ok_kv = without_pages(kv, set())  # the reference on the good requests only
-    ref_out, ref_lse = torch.zeros((num_qo, 4, 64), dtype=torch.float64), torch.zeros((num_qo, 4), dtype=torch.float64)
-    sel = torch.tensor([0, 20, 20, 20, 27], dtype=torch.int32)  # requests 0 and 3 (1, 2 given no queries)
-    q_good = torch.from_numpy(q[good])
-    reference.paged_prefill_attention(q_good, sel, ok_kv.k_cache, ok_kv.v_cache, *ok_kv.table, True, 0.125,
-                                      ref_out[:27], ref_lse[:27])
-    np.testing.assert_allclose(out[good], ref_out[:27].numpy(), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(lse[good], ref_lse[:27].numpy(), rtol=1e-6, atol=0)
+    # the reference on the good requests only (0 and 3; 1 and 2 given no queries), on the unmodified table
+    ref_out, ref_lse = torch.zeros((27, 4, 64), dtype=torch.float64), torch.zeros((27, 4), dtype=torch.float64)
+    sel = torch.tensor([0, 20, 20, 20, 27], dtype=torch.int32)
+    reference.paged_prefill_attention(torch.from_numpy(q[good]), sel, kv.k_cache, kv.v_cache, *kv.table, True, 0.125,
+                                      ref_out, ref_lse)
+    np.testing.assert_allclose(out[good], ref_out.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse[good], ref_lse.numpy(), rtol=1e-6, atol=0)
     bad_range = qo_indptr.copy()
     bad_range[3] = num_qo + 9  # request 2 ends past num_qo, request 3 starts there: neither gets a tile
-    _, _, counts = emulate_prefill(q, bad_range, kv.k_cache.numpy(), kv.v_cache.numpy(), *kv.table, False, 0.125)
+    _, _, counts = emulate_prefill(q, bad_range, kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last, False,
+                                   0.125)
     assert (counts[:bad_range[2]] == 1).all() and (counts[bad_range[2]:] == 0).all()
 
 
