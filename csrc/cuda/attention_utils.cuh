@@ -100,7 +100,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // -- the paged attention kernel's parameters -----------------------------------------------------
 //
 // Work: query rows are (query token, q head of the kv head's GQA group) pairs, packed
-// p = token * group + head_in_group, and cut into tiles of 16 * warps rows; one CTA takes one
+// p = token * group + head_in_group, and cut into tiles of rows_tile rows (16 x row fragments per
+// warp x row warps: 128 for prefill / shared prefix, 16-64 for decode); one CTA takes one
 // tile of one request (or group), one kv head and one KV split, and reads that request's KV
 // pages for the kv head once for all the tile's rows (the whole GQA group).
 //
@@ -135,7 +136,7 @@ struct AttentionParams {
   int page_shift;    // log2(page_size) when a power of two, else -1
   int nnz;           // len(kv_indices)
   int num_splits;
-  int tiles_per_request;  // decode: ceil(group / rows_per_tile)
+  int tiles_per_request;  // decode: ceil(group / rows_tile)
   bool causal;
   float scale_log2;  // sm_scale * log2(e)
 };

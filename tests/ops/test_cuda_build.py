@@ -117,12 +117,13 @@ def test_no_spills_or_local_memory(tmp_path):
 REGS_PER_SM, REG_ALLOC_UNIT = 64 * 1024, 256  # registers are allocated per warp in units of 256
 SMEM_PER_SM, SMEM_RESERVED_PER_CTA = 228 * 1024, 1024
 MAX_WARPS_PER_SM, MAX_CTAS_PER_SM = 64, 32
-KERNEL = re.compile(r"paged_attention_kernel<(\w+), (\d+), (\d+), (\d+)>")
+KERNEL = re.compile(r"paged_attention_kernel<(\w+), (\d+), (\d+), (\d+), (\d+)>")
 
 
-def attention_smem_bytes(d: int, row_warps: int) -> int:
-    """smem_bytes<D>(ROW_WARPS) in attention_kernel.cu: Q tile + 2 stages of 64-row K and V, rows padded by 8."""
-    return (16 * row_warps + 2 * 2 * 64) * (d + 8) * 2
+def attention_smem_bytes(d: int, row_warps: int, row_frags: int = 1) -> int:
+    """smem_bytes<D>(rows_tile) in attention_kernel.cu: Q tile (16 rows per row fragment per row warp) + 2 stages
+    of 64-row K and V, rows padded by 8."""
+    return (16 * row_frags * row_warps + 2 * 2 * 64) * (d + 8) * 2
 
 
 def ctas_per_sm(regs: int, threads: int, smem: int) -> int:
@@ -133,8 +134,8 @@ def ctas_per_sm(regs: int, threads: int, smem: int) -> int:
     return min(by_regs, by_smem, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM)
 
 
-def test_decode_occupancy(tmp_path):
-    """The decode CTA (1 row warp x 4 KV warps, GQA <= 16) keeps >= 12 resident warps per SM (issue 15)."""
+def attention_occupancy(tmp_path) -> list:
+    """(dtype, D, row warps, KV warps, row fragments, REG, smem, CTAs/SM, warps/SM) of every paged_attention_kernel."""
     sos = glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))
     kernels = {}
     for so in sos:
@@ -148,16 +149,88 @@ def test_decode_occupancy(tmp_path):
     for name, (reg, _stack, _shared, _local) in kernels.items():
         m = KERNEL.search(_demangle(name))
         if m:
-            dtype, d, rw, kw = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
-            smem = attention_smem_bytes(d, rw)
+            dtype, d, rw, kw, rf = m.group(1), *(int(m.group(i)) for i in range(2, 6))
+            smem = attention_smem_bytes(d, rw, rf)
             ctas = ctas_per_sm(reg, 32 * rw * kw, smem)
-            rows.append((dtype, d, rw, kw, reg, smem, ctas, ctas * rw * kw))
-    assert rows, "no paged_attention_kernel<T, D, ROW_WARPS, KV_WARPS> found"
-    print(f"\n{'kernel':32} {'REG':>4} {'smem':>6} {'CTAs/SM':>7} {'warps/SM':>8}", file=sys.stderr)
-    for dtype, d, rw, kw, reg, smem, ctas, warps in sorted(rows):
-        print(f"{dtype:16} D{d:<4} {rw} x {kw:<6} {reg:>4} {smem:>6} {ctas:>7} {warps:>8}", file=sys.stderr)
-    decode = [r for r in rows if r[2] == 1 and r[3] == 4]
+            rows.append((dtype, d, rw, kw, rf, reg, smem, ctas, ctas * rw * kw))
+    assert rows, "no paged_attention_kernel<T, D, ROW_WARPS, KV_WARPS, RF> found"
+    print(f"\n{'kernel':36} {'REG':>4} {'smem':>6} {'CTAs/SM':>7} {'warps/SM':>8}", file=sys.stderr)
+    for dtype, d, rw, kw, rf, reg, smem, ctas, warps in sorted(rows):
+        print(f"{dtype:16} D{d:<4} {rw} x {kw} x {rf:<6} {reg:>4} {smem:>6} {ctas:>7} {warps:>8}", file=sys.stderr)
+    return rows
+
+
+def test_decode_occupancy(tmp_path):
+    """The decode CTA (1 row warp x 4 KV warps, GQA <= 16) keeps >= 12 resident warps per SM (issue 15)."""
+    rows = attention_occupancy(tmp_path)
+    decode = [r for r in rows if r[2:5] == (1, 4, 1)]
     assert len(decode) == 4, "the 1 x 4 decode CTA for {bf16, fp16} x D {64, 128}"
-    for dtype, d, rw, kw, reg, smem, ctas, warps in decode:
+    for dtype, d, rw, kw, rf, reg, smem, ctas, warps in decode:
         assert warps >= 12, f"{dtype} D {d}: {reg} registers, {smem} B smem -> {ctas} CTAs = {warps} warps per SM"
 
+
+def test_prefill_occupancy(tmp_path):
+    """The prefill / shared-prefix CTA (4 warps x 32 rows: 128-row tiles) keeps the resident rows per SM it was
+    sized for (NOTES.md round 4): D 128 2 CTAs (255 registers, 102 KB smem), D 64 3 CTAs (168 registers: the
+    launch bounds' min-CTAs; 54 KB), i.e. at least the 16-row 4 x 1 CTA's warps per SM, with twice the rows."""
+    rows = attention_occupancy(tmp_path)
+    prefill = [r for r in rows if r[2:5] == (4, 1, 2)]
+    assert len(prefill) == 4, "the 4 x 1 x 2 prefill CTA for {bf16, fp16} x D {64, 128}"
+    want = {128: 2, 64: 3}
+    for dtype, d, rw, kw, rf, reg, smem, ctas, warps in prefill:
+        assert ctas >= want[d], f"{dtype} D {d}: {reg} registers, {smem} B smem -> {ctas} CTAs = {warps} warps per SM"
+
+
+# -- the prefill tile loop's shared-memory traffic (SASS) ---------------------------------------------------
+SASS_FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
+SASS_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def tile_loop_ops(sass: str) -> dict:
+    """{demangled kernel: Counter of opcodes} over each paged_attention_kernel's tile loop: the innermost loop
+    (a backward BRA) that contains every HMMA, from its head to its back edge (`cuobjdump -sass` text)."""
+    import collections
+
+    loops, name, ins = {}, None, []
+
+    def flush():
+        if name and "paged_attention_kernel" in name and ins:
+            hmma = [a for a, op, _ in ins if op.startswith("HMMA")]
+            head = edge = None  # the innermost backward branch around all HMMA: largest target
+            for a, op, arg in ins:
+                m = re.match(r"0x([0-9a-f]+)", arg.strip())
+                if op.startswith("BRA") and m and a > hmma[-1] and int(m.group(1), 16) < hmma[0]:
+                    if head is None or int(m.group(1), 16) > head:
+                        head, edge = int(m.group(1), 16), a
+            assert head is not None, f"no tile loop found in {_demangle(name)}"
+            loops[_demangle(name)] = collections.Counter(op.split(".")[0] for a, op, _ in ins if head <= a <= edge)
+
+    for line in sass.splitlines():
+        m = SASS_FUNC.match(line)
+        if m:
+            flush()
+            name, ins = m.group(1), []
+            continue
+        m = SASS_INS.search(line)
+        if m and name:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    flush()
+    return loops
+
+
+def test_prefill_tile_loop_shares_kv_fragments(tmp_path):
+    """The 32-row prefill warp loads each K / V fragment once for both row fragments: per 64-token tile 2 x D HMMA
+    and at most 0.32 LDSM per HMMA (K 4 x D / 16, V 4 x D / 16, Q 2 x D / 16); the 16-row warp has 0.5 plus Q."""
+    sos = glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))
+    target = sos[0] if sos else _compile_attention_kernel(tmp_path)
+    sass = subprocess.run([CUOBJDUMP, "-sass", target], capture_output=True, text=True, timeout=300).stdout
+    loops = tile_loop_ops(sass)
+    prefill = {n: c for n, c in loops.items() if re.search(r"paged_attention_kernel<\w+, \d+, 4, 1, 2>", n)}
+    assert len(prefill) == 4, f"the 4 x 1 x 2 CTA for {{bf16, fp16}} x D {{64, 128}}: {sorted(loops)}"
+    print(f"\n{'kernel':52} {'instr':>6} {'HMMA':>5} {'LDSM':>5} {'BAR':>4}", file=sys.stderr)
+    for n, c in sorted(loops.items()):
+        print(f"{n:52} {sum(c.values()):>6} {c['HMMA']:>5} {c['LDSM']:>5} {c['BAR']:>4}", file=sys.stderr)
+    for n, c in prefill.items():
+        d = int(KERNEL.search(n).group(2))
+        assert c["HMMA"] == 2 * d, f"{n}: {c['HMMA']} HMMA per tile, want {2 * d}"
+        assert c["LDSM"] <= 0.32 * c["HMMA"], f"{n}: {c['LDSM']} LDSM for {c['HMMA']} HMMA"

@@ -76,10 +76,11 @@ def expected_counts(qo_indptr, num_qo, num_heads):
     return counts
 
 
-@pytest.mark.parametrize("hq,hkv,warps", [(32, 8, 4), (8, 8, 4), (24, 3, 4), (96, 1, 4)])
-def test_ragged_tiles_cover_valid_rows_once(hq, hkv, warps):
+@pytest.mark.parametrize("rows_tile", [64, 128], ids=["16-rows-per-warp", "32-rows-per-warp"])  # 4 x 1 x RF
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8), (24, 3), (96, 1)])
+def test_ragged_tiles_cover_valid_rows_once(hq, hkv, rows_tile):
     rng = np.random.default_rng(hq)
-    group, rows_tile = hq // hkv, 16 * warps
+    group = hq // hkv
     qo_lens = rng.integers(0, 90, size=9)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
     num_qo = int(qo_indptr[-1])

@@ -272,7 +272,7 @@ EMPTY = 2
     (1, 4, 64, 1, 2, 2, 2),     # GQA 1, page 1
     (2, 2, 64, 3, 24, 1, 1),    # GQA 24: two row warps, two KV warps
     (2, 2, 128, 16, 32, 1, 2),
-    (4, 1, 64, 16, 96, 1, 1),   # the prefill CTA shape (unchanged), two row tiles
+    (4, 1, 64, 16, 96, 1, 1),   # the GQA > 32 decode CTA (4 x 1, 16 rows per warp), two row tiles
 ])
 def test_decode_cta_matches_reference(row_warps, kv_warps, d, page_size, hq, hkv, splits):
     gen = torch.Generator().manual_seed(row_warps * 100 + kv_warps * 10 + d + page_size)

@@ -93,6 +93,76 @@ def test_prefill_ragged(dtype, causal, page_size, head_dim, hq, hkv, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size,head_dim,hq,hkv", [(1, 128, 4, 4), (3, 64, 6, 2), (16, 128, 32, 4), (16, 64, 8, 1)])
+def test_prefill_128_row_tiles(dtype, causal, page_size, head_dim, hq, hkv, gen):
+    """The 4 x 1 x 2 prefill CTA (32 rows per warp: two m16 fragments, 128-row tiles): requests whose rows end
+    inside a warp's first or second fragment, at a 128-row tile, one row past it, several tiles; qo_len 1;
+    prefixes across page and 64-token tile boundaries; every row written (the outputs are NaN-poisoned). The mean
+    request has > 64 rows (92 tokens), so the launcher takes the 128-row CTA."""
+    qo_lens = [1, 5, 33, 64, 129, 200, 3, 300]
+    prefix = [0, 16, 17, 63, 64, 1, 130, 700]
+    kv = make_paged_kv([a + b for a, b in zip(qo_lens, prefix)], page_size, hkv, head_dim, dtype, "cuda", gen=gen)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = randn((sum(qo_lens), hq, head_dim), dtype, "cuda", gen)
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device="cuda"))
+    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal,
+                                            head_dim ** -0.5, out, lse), "native")
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 32, 4), (64, 3, 1)])
+def test_prefill_128_row_tiles_split_kv_and_empty_range(dtype, head_dim, hq, hkv, gen):
+    """Few query rows on long prefixes (split-KV + merge over the 128-row tile map), next to a request with no
+    pages (non-causal: out 0, lse -inf); 100 rows per request on average (128-row CTA)."""
+    from test_paged_decode_attention import without_pages
+
+    kv_lens = [3000, 2500, 20]
+    kv = without_pages(make_paged_kv(kv_lens, 16, hkv, head_dim, dtype, "cuda", gen=gen), {2})
+    qo_indptr = torch.tensor([0, 7, 97, 100], dtype=torch.int32, device="cuda")
+    q = randn((100, hq, head_dim), dtype, "cuda", gen)
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device="cuda"))
+    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, False,
+                                            head_dim ** -0.5, out, lse), "native")
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, False, head_dim ** -0.5), dtype)
+    assert bool((out[97:] == 0).all()) and bool((lse[97:] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_short_extends_64_row_tiles(dtype, causal, gen):
+    """Short extends on long prefixes (mean <= 64 rows per request: the launcher keeps the 64-row 4 x 1 x 1 CTA),
+    with one longer request whose rows span two 64-row tiles."""
+    qo_lens = [1, 2, 4, 3, 1, 20, 2, 1]
+    kv = make_paged_kv([900 + 37 * i for i in range(8)], 16, 8, 128, dtype, "cuda", gen=gen)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = randn((sum(qo_lens), 32, 128), dtype, "cuda", gen)
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device="cuda"))
+    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, 0.09, out, lse),
+                "native")
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, 0.09), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_bad_page_table_poisons_only_its_request(dtype, gen):
+    """128-row tiles: a bad page index and (causal) qo_len > kv_len give NaN rows for that request only."""
+    kv = make_paged_kv([50, 90, 10, 30], 16, 2, 128, dtype, "cuda", gen=gen)
+    bad = kv.kv_indices.clone()
+    bad[int(kv.kv_indptr[1]) + 2] = kv.k_cache.shape[0] + 5  # request 1: a page past the pool
+    qo_indptr = torch.tensor([0, 20, 60, 72, 79], dtype=torch.int32, device="cuda")  # request 2: 12 queries, 10 keys
+    q = randn((79, 8, 128), dtype, "cuda", gen)
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(79, 8, device="cuda"))
+    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, kv.kv_indptr, bad,
+                                            kv.kv_last_page_len, True, 0.1, out, lse), "native", check=False)
+    assert torch.isnan(out[20:72]).all() and torch.isnan(lse[20:72]).all()
+    good = torch.cat([torch.arange(0, 20), torch.arange(72, 79)])
+    sel = torch.tensor([0, 20, 20, 20, 27], dtype=torch.int32)  # requests 1, 2 without queries
+    ro, rl = ref_prefill(q[good.cuda()], sel, kv, True, 0.1)
+    check(out[good.cuda()], lse[good.cuda()], ro, rl, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_target_shape_scaled(dtype, gen):
     """2 x 512 causal, 32/8 heads, d128 (the benchmark shape, smaller)."""
     kv = make_paged_kv([512, 512], 16, 8, 128, dtype, "cuda", gen=gen)
