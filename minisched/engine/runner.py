@@ -83,15 +83,20 @@ class ThreadTuner:
     the current one, alternately, within [1, max_threads] -- and keeps the candidate if those
     steps were `margin` faster than the current count's last `probe_steps` steps of a similar
     size (token counts within 1.5x; otherwise the probe is void); while probes lose, the interval
-    doubles, up to 8x. On a quiet machine all cores win; when other processes take cores,
+    doubles, up to 8x, and the next probe waits at least `cost_factor` times as long as the last
+    one took, so probing costs at most ~1/cost_factor of the time even when steps are long (three
+    1-second 512-token prefills at the wrong count every 3 s cost a third of prefill throughput);
+    a probe step 1.5x slower than the current count's mean ends the probe at once. On a quiet machine all cores win; when other processes take cores,
     fork/join barriers wait for descheduled threads and fewer threads win -- 3x at batch 8 with
     one busy process on 2 cores (issue 14). Thread counts do not change the model's numbers
     (the kernels split work by rows, not by sums; tests/engine checks it)."""
 
-    def __init__(self, max_threads: int, interval: float = 3.0, probe_steps: int = 3, margin: float = 0.1):
+    def __init__(self, max_threads: int, interval: float = 3.0, probe_steps: int = 3, margin: float = 0.1,
+                 cost_factor: float = 20.0):
         self.max_threads = max_threads
         self.current = max_threads
         self.interval, self.probe_steps, self.margin = interval, probe_steps, margin
+        self.cost_factor = cost_factor
         self.recent: list[tuple[int, float]] = []  # (tokens, seconds) of the last steps at `current`
         self.probe: Optional[tuple[int, list[tuple[int, float]]]] = None
         self.next_probe = time.monotonic() + interval
@@ -118,20 +123,24 @@ class ThreadTuner:
             return
         cand, got = self.probe
         got.append((tokens, seconds))
-        if len(got) < self.probe_steps:
+        # a clearly losing probe ends after one step (1.5x slower than the current count's mean)
+        clear_loss = seconds > 1.5 * sum(s for _, s in self.recent) / max(1, len(self.recent))
+        if len(got) < self.probe_steps and not clear_loss:
             return
         self.probe = None
         self.go_down = not self.go_down
         sizes = [t for t, _ in got + self.recent]
         similar = max(sizes) <= 1.5 * max(1, min(sizes))
-        if similar and sum(s for _, s in got) < (1 - self.margin) * sum(s for _, s in self.recent):
+        mean = lambda steps: sum(s for _, s in steps) / len(steps)
+        if similar and mean(got) < (1 - self.margin) * mean(self.recent):
             self.current = cand
             self.recent = got
             self.switches += 1
             self.backoff = 1
         elif similar:  # the current count held: probe less often (up to 8x the interval)
             self.backoff = min(8, self.backoff * 2)
-        self.next_probe = time.monotonic() + self.interval * self.backoff
+        probe_time = sum(s for _, s in got)
+        self.next_probe = time.monotonic() + max(self.interval * self.backoff, self.cost_factor * probe_time)
         torch.set_num_threads(self.current)
 
 
