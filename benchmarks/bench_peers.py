@@ -12,8 +12,8 @@ token-id prompts (random ids from the shared 49,152-token vocabulary; greedy, EO
 interleaves the systems: for each round, for each --busy level (number of competing
 `while True: pass` processes, started for that level only), for each case, every system runs
 once, in an order that reverses every round -- so all see the same machine load, which is
-recorded with each number (/proc/loadavg before the run). Every round draws fresh prompts (the
-same for every system), so no system's prefix cache can serve a later round from an earlier one.
+recorded with each number (/proc/loadavg before the run). Every round and busy level draws fresh
+prompts (the same for every system), so no system's prefix cache can serve a run from an earlier one.
 
 Cases: `batch B` -- B prompts of --prompt-len tokens, --new-tokens each, all submitted at once
 (output tok/s, prefill included); `mixed N` -- N requests at once, prompts 16-512 tokens, outputs
@@ -273,7 +273,7 @@ def make_hf_model(out: str) -> None:
 
 
 def make_cases(args, rnd: int) -> list[dict]:
-    """Fresh prompts each round (seeded by round), identical for every system."""
+    """Fresh prompts for each (round, busy level) -- `rnd` numbers them -- identical for every system."""
     rng = random.Random(1000 + rnd)
     ids = lambda n: [rng.randrange(1000, 20000) for _ in range(n)]  # noqa: E731 ordinary BPE tokens
     cases = [dict(label=f"batch {b}", kind="batch", prompts=[ids(args.prompt_len) for _ in range(b)],
@@ -392,8 +392,11 @@ def main(argv=None):
             peer.run(warm[0]["prompts"][:2], [4, 4])
             peer.run(warm[-1]["prompts"], warm[-1]["new"])
         for r in range(args.rounds):
-            cases = make_cases(args, r)
-            for level in args.busy:
+            for i, level in enumerate(args.busy):
+                # fresh prompts per round and busy level: the same prompts twice in a round would be
+                # served from the prefix caches the second time (a bug of the first runs: their
+                # busy prefill figures were cache hits)
+                cases = make_cases(args, r * len(args.busy) + i)
                 busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(level)]
                 time.sleep(1.0 if level else 0.0)
                 for case in cases:
