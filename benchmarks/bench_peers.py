@@ -388,9 +388,10 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _stop)
     try:
         warm = make_cases(args, -1)
-        for peer in peers:  # warm-up: a short batch and the prefill shape
-            peer.run(warm[0]["prompts"][:2], [4, 4])
-            peer.run(warm[-1]["prompts"], warm[-1]["new"])
+        for peer in peers:  # warm-up: two short requests, and the prefill shape if it is a case
+            peer.run([p[:32] for p in warm[0]["prompts"][:2]], [4, 4])
+            if warm[-1]["kind"] == "prefill":
+                peer.run(warm[-1]["prompts"], warm[-1]["new"])
         for r in range(args.rounds):
             for i, level in enumerate(args.busy):
                 # fresh prompts per round and busy level: the same prompts twice in a round would be
