@@ -291,8 +291,6 @@ class TPSession:
     def engine(self, tokenizer=None, **engine_kwargs):
         """An Engine on this session's shard whose steps run on every rank (earlier engines of the session
         stop working: the workers' KV pool belongs to the newest)."""
-        from minisched.engine import Engine
-
         from minisched import ops
         from minisched.engine import Engine
 
