@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from minisched.sched.batch import Batch
-from minisched.sched.req import FinishReason, Req, ReqStatus
+from minisched.sched.req import FinishReason, Req, ReqStatus, finish_reason
 
 if TYPE_CHECKING:
     from minisched.sched.scheduler import Scheduler
@@ -124,7 +124,7 @@ def _apply(sched: Scheduler, batch: Batch, next_token_ids: Sequence[int], finish
             req.first_token_time = time.monotonic()
         if (len(req.output_ids) >= req.max_new_tokens or valid + 1 >= sched.config.max_context_len
                 or checker is not None or tok in req.sampling.stop_token_ids):
-            reason = sched._finish_reason(req)
+            reason = finish_reason(req, sched.config.max_context_len, checker)
             if reason is not None:
                 _end(sched, req, valid, reason)
                 finished.append(req)

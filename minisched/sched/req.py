@@ -28,7 +28,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 class ReqStatus(enum.Enum):
@@ -214,3 +214,24 @@ def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, ma
                              f"({pool_tokens} tokens)")
     max_new = min(sampling.max_new_tokens, max_context_len - len(prompt), pool_tokens + 1 - len(prompt))
     return Req(rid=rid, prompt_ids=prompt, sampling=sampling, max_new_tokens=max_new)
+
+
+def finish_reason(req: Req, max_context_len: int, stop_checker: Callable[[Req], bool] | None) -> FinishReason | None:
+    """Why `req` ends after its newest token, or None: stop token, the length limits, then the
+    engine's stop checker (which may raise: that ends this request with ERROR, not the batch)."""
+    sp = req.sampling
+    if not sp.ignore_eos and req.output_ids[-1] in sp.stop_token_ids:
+        return FinishReason.STOP_TOKEN
+    if len(req.output_ids) >= req.max_new_tokens:  # the clip (context or pool) is a LENGTH end
+        return FinishReason.MAX_NEW_TOKENS if len(req.output_ids) >= sp.max_new_tokens else FinishReason.LENGTH
+    if req.prompt_len + len(req.output_ids) >= max_context_len:  # (not counting placeholders)
+        return FinishReason.LENGTH
+    if stop_checker is not None:
+        try:
+            hit = stop_checker(req)
+        except Exception as exc:  # a broken checker ends this request, not the batch
+            req.error = f"stop checker failed: {type(exc).__name__}: {exc}"
+            return FinishReason.ERROR
+        if hit:
+            return FinishReason.STOP_STR
+    return None

@@ -62,13 +62,14 @@ from minisched.sched.config import SchedulerConfig
 from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.events import Event, StepStats
 from minisched.sched.invariants import check_scheduler
-from minisched.sched.kv_pool import KVPool, cdiv
+from minisched.sched.kv_pool import KVPool
 from minisched.sched import overlap
 from minisched.sched.policy import SchedulePolicy
 from minisched.sched.prefill_adder import AddResult, PrefillAdder
 from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, new_request
-from minisched.sched.retraction import pick_victim, reestimate_ratio
+from minisched.sched.req import (FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason,
+                                  new_request)
+from minisched.sched.retraction import fail_stalled, make_room_for_decode
 
 __all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
 
@@ -208,13 +209,13 @@ class Scheduler:
             batch = self._mix(batch)
         if batch is None and self.running and not (self._launched and not self._decode_fits()):
             # (with a batch launched, no retraction: its tokens are resolved first, see overlap.py)
-            n_retracted = self._make_room_for_decode()
+            n_retracted = make_room_for_decode(self)
             if self.running:
                 batch = self._decode_batch(n_retracted)
         if batch is None:
             self._stalled = self._stalled + 1 if self.has_work() and not self._launched else 0
             if self._stalled >= self.config.max_stalled_steps:
-                self._fail_stalled()
+                fail_stalled(self)
             return None
         self._stalled = 0
         self._prefill_rounds = self._prefill_rounds + 1 if batch.mode is ForwardMode.PREFILL and self.running else 0
@@ -265,7 +266,7 @@ class Scheduler:
             sp = req.sampling
             if (len(req.output_ids) >= req.max_new_tokens or p + e + 1 >= max_ctx or checker is not None
                     or tok in sp.stop_token_ids):
-                reason = self._finish_reason(req)
+                reason = finish_reason(req, max_ctx, checker)
                 if reason is not None:
                     if status is running:
                         self.running.remove(req)
@@ -352,53 +353,6 @@ class Scheduler:
             self.pool.free(self.tree.evict(need - self.pool.num_free))
         return need <= self.pool.num_free
 
-    def _make_room_for_decode(self) -> int:
-        """Evict, then retract (retraction.py) until the next decode step's pages fit, then
-        re-estimate new_token_ratio. Returns the number of retracted requests."""
-        pool, running, retracted = self.pool, self.running, []
-        while True:
-            need = pool.decode_pages_needed(running)
-            if need > pool.num_free:
-                pool.free(self.tree.evict(need - pool.num_free))
-            if need <= pool.num_free:
-                break
-            if len(running) == 1 and self.chunked_req is None:
-                # it alone outgrew the pool: only possible if pages leaked (arrival clips max_new_tokens)
-                req = running.pop()
-                self._release(req, ReqStatus.FINISHED, FinishReason.LENGTH)
-                self._finished_early.append(req)
-                break
-            if len(running) == 1:
-                victim, self.chunked_req = self.chunked_req, None
-            else:
-                victim = pick_victim(running)
-                running.remove(victim)
-            self._retract(victim)
-            retracted.append(victim)
-        if retracted:
-            self.waiting[:0] = retracted
-            if running:
-                self.new_token_ratio = reestimate_ratio(running, self.config.retract_decode_steps)
-        return len(retracted)
-
-    def _fail_stalled(self) -> None:
-        """Defence in depth: work but no batch for `max_stalled_steps` steps with nothing running
-        cannot resolve itself (no running request will free pages), so end the stuck requests:
-        LENGTH if one cannot fit even the whole pool, else ERROR with the reason in `req.error`."""
-        pool, tree, n = self.pool, self.tree, self._stalled
-        stuck = ([self.chunked_req] if self.chunked_req is not None else []) + list(self.waiting)
-        for req in stuck:
-            self._unlink(req)
-            if cdiv(req.seq_len, pool.page_size) > pool.num_pages:
-                reason = FinishReason.LENGTH
-            else:
-                reason = FinishReason.ERROR
-                req.error = (f"scheduler stalled: no batch could be formed for {n} steps with nothing running "
-                             f"({pool.num_free} free + {tree.evictable_pages} evictable of {pool.num_pages} pages)")
-            self._release(req, ReqStatus.FINISHED, reason)
-            self._finished_early.append(req)
-        self._stalled = 0
-
     # -- KV release -----------------------------------------------------------
     def _retract(self, req: Req) -> None:
         self._free_kv(req)
@@ -419,24 +373,6 @@ class Scheduler:
 
     def _cache_unfinished(self, req: Req, kv_len: int | None = None) -> None:
         self.tree.cache_unfinished_req(req, self.pool, kv_len)
-
-    def _finish_reason(self, req: Req) -> FinishReason | None:
-        sp = req.sampling
-        if not sp.ignore_eos and req.output_ids[-1] in sp.stop_token_ids:
-            return FinishReason.STOP_TOKEN
-        if len(req.output_ids) >= req.max_new_tokens:  # the clip (context or pool) is a LENGTH end
-            return FinishReason.MAX_NEW_TOKENS if len(req.output_ids) >= sp.max_new_tokens else FinishReason.LENGTH
-        if req.prompt_len + len(req.output_ids) >= self.config.max_context_len:  # (not counting placeholders)
-            return FinishReason.LENGTH
-        if self.stop_checker is not None:
-            try:
-                hit = self.stop_checker(req)
-            except Exception as exc:  # a broken checker ends this request, not the batch
-                req.error = f"stop checker failed: {type(exc).__name__}: {exc}"
-                return FinishReason.ERROR
-            if hit:
-                return FinishReason.STOP_STR
-        return None
 
     # -- events and stats -----------------------------------------------------
     def _record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:
