@@ -1,4 +1,4 @@
-"""Starting, watching and stopping the ranks of a tensor-parallel engine.
+"""Starting, watching and stopping the ranks of a tensor-parallel engine (what they load: source.py).
 
     session = TPSession.start(2, ModelSource("smollm2"))     # rank 0: spawns rank 1 (or joins torchrun's)
     engine = session.engine(page_size=16)                    # an Engine whose runner drives every rank
@@ -30,7 +30,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -40,78 +39,11 @@ from minisched.dist import protocol
 from minisched.dist.group import TPError, TPGroup, seconds
 from minisched.dist.runner import TPModelRunner, report_worker_error, worker_loop
 from minisched.dist.shard import check_tp, shard_model
-from minisched.model.config import ModelConfig
+from minisched.dist.source import ModelSource
 from minisched.model.llama import LlamaModel
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for the slowest rank
 DEFAULT_STARTUP_TIMEOUT = 600.0  # seconds the ranks may take to start and load their weights
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """What every rank loads (picklable: it travels to spawned workers). `spec` is a model spec as
-    for `Engine(model=...)`; or `config` + `seed` for random weights of any shape (tests), with the
-    projections scaled by `weight_scale` (at 1, std 0.02, the embedding dominates and greedy output
-    repeats the prompt's last token; at 10 it depends on the whole context)."""
-
-    spec: Optional[str] = None
-    config: Optional[ModelConfig] = None
-    seed: int = 0
-    dtype: torch.dtype = torch.float32
-    weight_scale: float = 1.0
-
-    @property
-    def name(self) -> str:
-        from minisched.model import weights
-
-        return "custom" if self.config is not None else (self.spec or weights.DEFAULT_MODEL)
-
-    def model_config(self) -> ModelConfig:
-        """The config alone, cheaply (a GGUF header, a config.json): to validate --tp before loading."""
-        import json
-
-        from minisched.model import weights
-        from minisched.model.config import preset
-
-        if self.config is not None:
-            return self.config
-        kind, where = weights.resolve(self.spec)
-        if kind == "dummy":
-            return preset(where)
-        try:
-            if kind == "hf":
-                with open(os.path.join(where, "config.json")) as f:
-                    return weights.config_from_hf(json.load(f))
-            from minisched.model.gguf_file import GGUFFile
-
-            return weights.config_from_gguf(GGUFFile(where).metadata)
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise weights.ModelLoadError(f"cannot load the model: {where}: {type(exc).__name__}: {exc}") from None
-
-    def load(self) -> LlamaModel:
-        """The full model on the CPU."""
-        from minisched.model import weights
-
-        if self.config is not None:
-            cfg, state = weights.dummy_weights(self.config, dtype=self.dtype, seed=self.seed)
-            if self.weight_scale != 1.0:
-                for name, w in state.items():
-                    if name.endswith("_proj.weight"):
-                        w.mul_(self.weight_scale)
-        else:
-            cfg, state = weights.load(self.spec, dtype=self.dtype, seed=self.seed)
-        try:
-            return LlamaModel.from_state_dict(cfg, state, dtype=self.dtype)
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise weights.ModelLoadError(f"cannot load the model {self.name}: its weights do not fit its config "
-                                         f"({type(exc).__name__}: {exc})") from None
-
-    def tokenizer(self):
-        from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
-
-        if self.config is not None:
-            return MiniTokenizer.byte_level(self.config.vocab_size)
-        return load_tokenizer(self.spec)
 
 
 # -- the environment: torchrun or not ------------------------------------------------------------------
