@@ -17,89 +17,28 @@ others.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
-import numbers
-import os
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from minisched import ops
 from minisched.model import weights
 from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
-from minisched.sched.req import InvalidRequest, Req, SamplingParams
-from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.model.packed import pack_model, want_packed
 from minisched.model.quant import QuantConfig, quantize_model
+from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
+from minisched.sched.req import InvalidRequest, Req, SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.engine.cuda_graph import CudaGraphRunner
+from minisched.engine.options import is_int, pick_backend, pool_pages, want_cuda_graph
+from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner, ThreadTuner, default_num_threads
-from minisched.sched.scheduler import Scheduler, SchedulerConfig
-from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
-CPU_DEFAULT_POOL_TOKENS = 16384
-
-
-@dataclass
-class Output:
-    index: int
-    rid: str
-    prompt_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: Optional[str] = None
-    error: Optional[str] = None
-    ttft: Optional[float] = None  # seconds from add_request to the first token
-    e2e_latency: Optional[float] = None
-    cached_tokens: int = 0
-    num_retractions: int = 0
-
-
-@dataclass
-class StreamChunk:
-    index: int
-    rid: str
-    delta: str  # new text since the previous chunk of this request
-    token_ids: list[int]  # new tokens
-    finished: bool
-    output: Optional[Output] = None  # set on the last chunk
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def pick_backend(backend: str, device: torch.device) -> str:
-    if backend != "auto":
-        if backend not in ops.BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {ops.BACKENDS}")
-        if backend == "native" and not ops.native_available():
-            raise RuntimeError(ops.NATIVE_ERROR)
-        if backend == "triton":
-            if importlib.util.find_spec("triton") is None:
-                raise RuntimeError("backend 'triton' needs the triton package (pip install triton)")
-            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise RuntimeError(f"backend 'triton' compiles for CUDA GPUs, and the device is {device}; use "
-                                   f"--device cuda, another backend, or TRITON_INTERPRET=1 to run the Triton "
-                                   f"interpreter on the CPU (very slow)")
-        return backend
-    if ops.native_available():
-        return "native"
-    return "triton" if device.type == "cuda" else "torch"
-
-
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 1 << 40
 
 
 class Engine:
@@ -117,7 +56,7 @@ class Engine:
         # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
         # shared machine costs throughput in proportion to the cores taken. The OpenMP wait policy
         # that goes with it is set in minisched/__init__.py (issue 14).
-        if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
+        if num_threads is not None and (not is_int(num_threads) or num_threads < 1):
             raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
         if overlap is not None and not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True, False or None (the device's default), got {overlap!r}")
@@ -158,11 +97,11 @@ class Engine:
                                         self.quant.enabled, runner_factory is not None)
         if self.pack_weights:
             pack_model(self.model)
-        self.cuda_graph = self._want_cuda_graph(cuda_graph, check, runner_factory is not None)
-        num_pages = self._pool_pages(page_size, num_pages, mem_fraction)
+        self.cuda_graph = want_cuda_graph(cuda_graph, self.device, self.backend, check, runner_factory is not None)
+        num_pages = pool_pages(self.cfg, self.model.dtype.itemsize, self.device, page_size, num_pages, mem_fraction)
         if max_context_len is None:
             max_context_len = min(self.cfg.max_position, num_pages * page_size)
-        elif not _is_int(max_context_len) or not 2 <= max_context_len <= self.cfg.max_position:
+        elif not is_int(max_context_len) or not 2 <= max_context_len <= self.cfg.max_position:
             raise ValueError(f"max_context_len must be an int in [2, {self.cfg.max_position}] (the model's "
                              f"position limit), got {max_context_len!r}")
         # with CUDA graphs one more page, outside the scheduler's pool: the padding rows' scratch page
@@ -189,51 +128,6 @@ class Engine:
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
 
-    # -- setup ------------------------------------------------------------------------------------------
-    def _want_cuda_graph(self, cuda_graph: Optional[bool], check: bool, custom_runner: bool) -> bool:
-        """Decode by CUDA graph replay (engine/cuda_graph.py). None: on for CUDA with the native or Triton
-        kernels, check=False and the plain runner (a tensor-parallel runner's forward is not captured);
-        True where that cannot work is an error."""
-        if cuda_graph is not None and not isinstance(cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be True, False or None (the device's default), got {cuda_graph!r}")
-        usable = self.device.type == "cuda" and self.backend != "torch" and not check and not custom_runner
-        if cuda_graph and not usable:
-            why = (f"the device is {self.device}" if self.device.type != "cuda" else
-                   "a custom runner_factory (tensor parallel) is not captured" if custom_runner else
-                   "the torch reference backend reads index values on the host" if self.backend == "torch" else
-                   "check=True reads index values on the host (a sync, which capture forbids)")
-            raise ValueError(f"cuda_graph=True needs a CUDA device, the native or Triton kernels, check=False "
-                             f"and the plain runner: {why}")
-        return usable if cuda_graph is None else cuda_graph
-
-    def _pool_pages(self, page_size: int, num_pages: Optional[int], mem_fraction: Optional[float]) -> int:
-        if not _is_int(page_size) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if num_pages is not None and mem_fraction is not None:
-            raise ValueError("give num_pages or mem_fraction, not both")
-        if num_pages is not None and not _is_int(num_pages):
-            raise ValueError(f"num_pages must be an int, got {num_pages!r}")
-        per_page = self.cfg.kv_bytes_per_token(self.model.dtype.itemsize) * page_size
-        avail = _available_bytes(self.device)
-        if num_pages is None:
-            if mem_fraction is not None:
-                if isinstance(mem_fraction, bool) or not isinstance(mem_fraction, (int, float)) \
-                        or not 0 < mem_fraction <= 1:
-                    raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-                num_pages = int(avail * mem_fraction) // per_page
-            elif self.device.type == "cuda":
-                num_pages = int(avail * 0.85) // per_page
-            else:
-                num_pages = -(-CPU_DEFAULT_POOL_TOKENS // page_size)
-        if not isinstance(num_pages, int) or num_pages < 2:
-            raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages} "
-                             f"(page_size={page_size}, {per_page} bytes per page)")
-        if num_pages * per_page > avail:
-            raise ValueError(f"a KV pool of {num_pages} pages x {page_size} tokens needs "
-                             f"{num_pages * per_page / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is free "
-                             f"on {self.device}; lower num_pages or mem_fraction")
-        return num_pages
-
     # -- requests ---------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Text, chat messages, or token ids (a list of ints, a NumPy integer array, a 1-D integer tensor)."""
@@ -250,7 +144,7 @@ class Engine:
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
             return self.tokenizer.encode_chat(items)
-        if all(_is_int(t) for t in items):
+        if all(is_int(t) for t in items):
             vocab = self.cfg.vocab_size
             for pos, tok in enumerate(items):
                 if not 0 <= tok < vocab:
@@ -329,7 +223,7 @@ class Engine:
     # -- batch APIs -------------------------------------------------------------------------------------
     def _submit(self, prompts: Sequence[Prompt], sampling, chat: bool) -> tuple[list[Output], dict[str, int]]:
         if isinstance(prompts, (str, dict, torch.Tensor, np.ndarray)) or (
-                isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])):
+                isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
             raise TypeError("prompts must be a list of prompts (strings, token-id lists or arrays, chat message "
                             "lists); wrap a single prompt in a list")
         prompts = list(prompts)

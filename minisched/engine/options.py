@@ -1,0 +1,95 @@
+"""Engine options resolved at construction: the kernel backend, CUDA graphs, the KV pool's size."""
+from __future__ import annotations
+
+import importlib.util
+import numbers
+import os
+from typing import Optional
+
+import torch
+
+from minisched import ops
+from minisched.model.config import ModelConfig
+
+CPU_DEFAULT_POOL_TOKENS = 16384
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend != "auto":
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {ops.BACKENDS}")
+        if backend == "native" and not ops.native_available():
+            raise RuntimeError(ops.NATIVE_ERROR)
+        if backend == "triton":
+            if importlib.util.find_spec("triton") is None:
+                raise RuntimeError("backend 'triton' needs the triton package (pip install triton)")
+            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError(f"backend 'triton' compiles for CUDA GPUs, and the device is {device}; use "
+                                   f"--device cuda, another backend, or TRITON_INTERPRET=1 to run the Triton "
+                                   f"interpreter on the CPU (very slow)")
+        return backend
+    if ops.native_available():
+        return "native"
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 40
+
+
+def want_cuda_graph(cuda_graph: Optional[bool], device: torch.device, backend: str, check: bool,
+                    custom_runner: bool) -> bool:
+    """Decode by CUDA graph replay (engine/cuda_graph.py). None: on for CUDA with the native or Triton
+    kernels, check=False and the plain runner (a tensor-parallel runner's forward is not captured);
+    True where that cannot work is an error."""
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
+        raise ValueError(f"cuda_graph must be True, False or None (the device's default), got {cuda_graph!r}")
+    usable = device.type == "cuda" and backend != "torch" and not check and not custom_runner
+    if cuda_graph and not usable:
+        why = (f"the device is {device}" if device.type != "cuda" else
+               "a custom runner_factory (tensor parallel) is not captured" if custom_runner else
+               "the torch reference backend reads index values on the host" if backend == "torch" else
+               "check=True reads index values on the host (a sync, which capture forbids)")
+        raise ValueError(f"cuda_graph=True needs a CUDA device, the native or Triton kernels, check=False "
+                         f"and the plain runner: {why}")
+    return usable if cuda_graph is None else cuda_graph
+
+
+def pool_pages(cfg: ModelConfig, itemsize: int, device: torch.device, page_size: int, num_pages: Optional[int],
+               mem_fraction: Optional[float]) -> int:
+    """The KV pool's page count: given, a fraction of the free memory, or the device's default."""
+    if not is_int(page_size) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if num_pages is not None and mem_fraction is not None:
+        raise ValueError("give num_pages or mem_fraction, not both")
+    if num_pages is not None and not is_int(num_pages):
+        raise ValueError(f"num_pages must be an int, got {num_pages!r}")
+    per_page = cfg.kv_bytes_per_token(itemsize) * page_size
+    avail = available_bytes(device)
+    if num_pages is None:
+        if mem_fraction is not None:
+            if isinstance(mem_fraction, bool) or not isinstance(mem_fraction, (int, float)) \
+                    or not 0 < mem_fraction <= 1:
+                raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+            num_pages = int(avail * mem_fraction) // per_page
+        elif device.type == "cuda":
+            num_pages = int(avail * 0.85) // per_page
+        else:
+            num_pages = -(-CPU_DEFAULT_POOL_TOKENS // page_size)
+    if not isinstance(num_pages, int) or num_pages < 2:
+        raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages} "
+                         f"(page_size={page_size}, {per_page} bytes per page)")
+    if num_pages * per_page > avail:
+        raise ValueError(f"a KV pool of {num_pages} pages x {page_size} tokens needs "
+                         f"{num_pages * per_page / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is free "
+                         f"on {device}; lower num_pages or mem_fraction")
+    return num_pages
