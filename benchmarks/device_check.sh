@@ -7,10 +7,11 @@
 #
 #   usage: benchmarks/device_check.sh OUTDIR
 #
-# Writes into OUTDIR: env.txt, build.log, res_usage.txt, pytest.log, junit.xml, bench_gpu.log,
+# Writes into OUTDIR: env.txt, build.log, res_usage.txt, pytest.log, junit.xml, pytest_wgmma.log, junit_wgmma.xml,
+# bench_gpu.log,
 # bench_gpu.json, e2e.log (+ e2e.json), cuda_graph.log (+ cuda_graph.json), stages.tsv, summary.txt.
 # Environment knobs: PYTHON (default python3), CUDA_HOME (default /usr/local/cuda when present),
-# BUDGET, BUILD_TIMEOUT/TEST_TIMEOUT/BENCH_TIMEOUT/E2E_TIMEOUT (seconds), PYTEST_ARGS, PYTEST_XDIST (workers, 0: off),
+# BUDGET, BUILD_TIMEOUT/TEST_TIMEOUT/WGMMA_TEST_TIMEOUT/BENCH_TIMEOUT/E2E_TIMEOUT (seconds), PYTEST_ARGS, PYTEST_XDIST (workers, 0: off),
 # E2E_ARGS, BENCH_ARGS, CG_TIMEOUT, CG_ARGS;
 # SKIP_BUILD=1 and BENCH_ARGS=--dry-run give a CPU smoke run of the script itself.
 set -u
@@ -33,6 +34,7 @@ export PYTHONUNBUFFERED=1
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-180}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
+WGMMA_TEST_TIMEOUT=${WGMMA_TEST_TIMEOUT:-45}
 E2E_TIMEOUT=${E2E_TIMEOUT:-60}
 CG_TIMEOUT=${CG_TIMEOUT:-60}
 BUDGET=${BUDGET:-450}
@@ -97,8 +99,14 @@ fi
 XDIST=""
 if [ "${PYTEST_XDIST:-8}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then XDIST="-n ${PYTEST_XDIST:-8}"; fi
 # shellcheck disable=SC2086
-run_stage tests "$(stage_limit "$TEST_TIMEOUT" 130)" "$OUT/pytest.log" \
-  env OMP_NUM_THREADS=2 bash -c "$PY -m pytest tests $PYTEST_ARGS $XDIST --junitxml='$OUT/junit.xml'"
+# The wgmma prefill kernel's GPU cases run apart (2b): it has never run on hardware, and a device fault
+# would poison the CUDA context of every later test in the same worker.
+run_stage tests "$(stage_limit "$TEST_TIMEOUT" 150)" "$OUT/pytest.log" \
+  env OMP_NUM_THREADS=2 bash -c "$PY -m pytest tests $PYTEST_ARGS $XDIST -k 'not (test_cuda_kernels and wgmma)' --junitxml='$OUT/junit.xml'"
+# -- 2b. the wgmma prefill kernel (tests/ops/test_cuda_kernels.py -k wgmma + its build guard), own processes --
+# shellcheck disable=SC2086
+run_stage tests_wgmma "$(stage_limit "$WGMMA_TEST_TIMEOUT" 120)" "$OUT/pytest_wgmma.log" \
+  env OMP_NUM_THREADS=2 bash -c "$PY -m pytest tests/ops/test_cuda_kernels.py tests/ops/test_cuda_build.py -k wgmma $PYTEST_ARGS $XDIST --junitxml='$OUT/junit_wgmma.xml'"
 
 # -- 3. kernel benchmarks ------------------------------------------------------------------------
 # shellcheck disable=SC2086
@@ -125,6 +133,9 @@ run_stage cuda_graph "$(stage_limit "$CG_TIMEOUT" 0)" "$OUT/cuda_graph.log" $PY 
   echo "-- pytest (tail)"
   grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
   grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" | head -30
+  echo "-- pytest, the wgmma prefill kernel (tail)"
+  grep -E "passed|failed|error" "$OUT/pytest_wgmma.log" 2>/dev/null | tail -3
+  grep -E "^(FAILED|ERROR) " "$OUT/pytest_wgmma.log" 2>/dev/null | head -15
   echo
   echo "-- kernel resource usage (REG / STACK / LOCAL)"
   if [ -s "$OUT/res_usage.txt" ]; then
