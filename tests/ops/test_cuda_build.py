@@ -274,10 +274,10 @@ def test_wgmma_kernel_resources_and_hgmma(tmp_path):
     sass = subprocess.run([CUOBJDUMP, "-sass", target], capture_output=True, text=True, timeout=300).stdout
     loops = tile_loop_ops(sass, "paged_attention_wgmma_kernel", "HGMMA")
     assert len(loops) == 4, sorted(loops)
-    print(f"{'kernel':48} {'instr':>6} {'HGMMA':>5} {'ARRIVE':>6} {'LDGSTS':>6} {'MUFU':>5}", file=sys.stderr)
+    print(f"{'kernel':48} {'instr':>6} {'HGMMA':>5} {'WARPGROUP':>9} {'LDGSTS':>6} {'MUFU':>5}", file=sys.stderr)
     for n, c in sorted(loops.items()):
         d = int(WGMMA_KERNEL.search(n).group(2))
-        print(f"{n:48} {sum(c.values()):>6} {c['HGMMA']:>5} {c['WARPGROUP']:>6} {c['LDGSTS']:>6} {c['MUFU']:>5}",
+        print(f"{n:48} {sum(c.values()):>6} {c['HGMMA']:>5} {c['WARPGROUP']:>9} {c['LDGSTS']:>6} {c['MUFU']:>5}",
               file=sys.stderr)
         assert c["HGMMA"] == d // 16 + 4, f"{n}: {c['HGMMA']} HGMMA per tile, want {d // 16 + 4}"
         assert c["HMMA"] == 0, f"{n}: mma.sync in the wgmma kernel"

@@ -411,8 +411,51 @@ BUGS = ["no-swizzle-xor", "swizzle-mode-none", "lbo-sbo-swapped", "transpose-off
         "no-warpgroup-row-offset", "p-fragment-swap", "causal-rows-without-wg"]
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bug", BUGS)
-def test_index_bugs_are_caught(bug):
+def test_index_bugs_are_caught(bug, d):
     """Each deliberate error in the kernel's index math makes the emulation disagree with the reference."""
     with pytest.raises(AssertionError):
-        check(*run_case(128, 2, 2, 16, [100, 30], [120, 90], True, seed=11, bug=bug))
+        check(*run_case(d, 2, 2, 16, [100, 30], [120, 90], True, seed=11, bug=bug))
+
+
+# The expressions of attention_wgmma.cu / wgmma_utils.cuh that this file mirrors: editing one of them in the
+# kernel fails here until the emulation above is updated with it.
+KERNEL_SOURCE_MIRRORED = {
+    "wgmma_utils.cuh": [
+        "return ((c >> 3) * R + r) * 64 + (((c & 7) ^ (r & 7)) << 3);",
+        "return uint64_t((addr >> 4) & 0x3FFF) | (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16) |",
+        "(uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) | kSwizzle128;",
+        "constexpr uint64_t kSwizzle128 = uint64_t(1) << 62;",
+        '"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MS_R32 ", %32, %33, p, 1, 1, 0, 0;',
+        '", {%64, %65, %66, %67}, %68, p, 1, 1, 1;',
+    ],
+    "attention_wgmma.cu": [
+        "unsigned char* base = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);",
+        "cp_async_16(sQ + wgmma::sw128_elem(r, c, kRows), src, valid);",
+        "auto kv_off = [](int r, int c) { return wgmma::sw128_elem(r, c, kBlockN); };",
+        "const uint64_t dq = wgmma::make_desc(smem_addr(sQ) + wg * 64 * 128, 16, SBO);",
+        "const uint64_t dk = wgmma::make_desc(smem_addr(sK), 16, SBO);",
+        "const uint64_t dv = wgmma::make_desc(smem_addr(sV), kBlockN * 128, SBO);",
+        "const uint32_t koff = (ks >> 2) * 8192 + (ks & 3) * 32;",
+        "wgmma::mma_ss_n64<T>(s, wgmma::desc_add(dq, (ks >> 2) * kRows * 128 + (ks & 3) * 32),",
+        "wgmma::desc_add(dk, stage_off + koff), ks > 0);",
+        "wgmma::mma_rs<T, D>(o, pa[kb], wgmma::desc_add(dv, stage_off + kb * 2048));",
+        "kv.copy_kv_to(sK + ((t + 1) & 1) * KV_ELEMS, sV + ((t + 1) & 1) * KV_ELEMS, kv_off);",
+        "const int trow0 = wg * 64 + (warp & 3) * 16 + (lane >> 2);",
+        "lim[h] = min(s_end, p.causal ? kv_len - qo_len + (row_beg + trow0 + 8 * h) / g + 1 : kv_len) - 1;",
+        "const bool need_mask = t * kBlockN + kBlockN - 1 > lim[0];",
+        "pa[kb][1] = pack2<T>(s[8 * kb + 2], s[8 * kb + 3]);",
+        "pa[kb][2] = pack2<T>(s[8 * kb + 4], s[8 * kb + 5]);",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_SOURCE_MIRRORED))
+def test_emulated_expressions_are_the_kernels(name):
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "csrc", "cuda", name)
+    src = " ".join(open(path).read().split())
+    for expr in KERNEL_SOURCE_MIRRORED[name]:
+        assert " ".join(expr.split()) in src, f"{name} no longer has `{expr}`: update the emulation with it"
