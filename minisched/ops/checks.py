@@ -223,7 +223,7 @@ PREFILL_KERNELS = {"auto": 0, "mma": 1, "wgmma": 2}
 def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal,
                             sm_scale, out, lse=None, kernel: int = 0, *, values: bool = True) -> None:
     op = "paged_prefill_attention"
-    if not isinstance(kernel, int) or kernel not in PREFILL_KERNELS.values():
+    if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel not in PREFILL_KERNELS.values():
         _fail(ValueError, op, f"kernel must be 0 (auto), 1 (mma.sync) or 2 (wgmma), got {kernel!r}")
     check_cache_pair(op, k_cache, v_cache)
     check_query(op, q, k_cache, out)
