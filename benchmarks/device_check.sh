@@ -39,7 +39,9 @@ E2E_TIMEOUT=${E2E_TIMEOUT:-60}
 CG_TIMEOUT=${CG_TIMEOUT:-60}
 BUDGET=${BUDGET:-450}
 # --maxfail rather than -x: one device run should report every failing kernel case, not the first.
-PYTEST_ARGS=${PYTEST_ARGS:--q -m "not slow" --maxfail=30 -p no:cacheprovider}
+# (The value is re-parsed by `bash -c` below, so the marker expression keeps literal quotes; with
+# -m "not slow" here the quotes were removed at assignment and pytest got `-m not slow`: rc 4, no tests.)
+PYTEST_ARGS=${PYTEST_ARGS:-"-q -m 'not slow' --maxfail=30 -p no:cacheprovider"}
 E2E_ARGS=${E2E_ARGS:-bench --model dummy:llama3-1b --device cuda --dtype bfloat16 --backend native --num-requests 64 --scale 0.25 --no-progress --json $OUT/e2e.json}
 
 STAGES="$OUT/stages.tsv"
