@@ -241,7 +241,8 @@ WGMMA_KERNEL = re.compile(r"paged_attention_wgmma_kernel<(\w+), (\d+)>")
 
 
 def wgmma_smem_bytes(d: int) -> int:
-    """wgmma_smem_bytes<D>(): Q (128 rows) + 2 stages of 64-token K and V, unpadded (swizzled) + 1 KB alignment slack."""
+    """wgmma_smem_bytes<D>(): Q (128 rows) + 2 stages of 64-token K and V, unpadded (swizzled) + 1 KB of slack
+    for the 1024-byte alignment."""
     return 128 * d * 2 + 4 * 64 * d * 2 + 1024
 
 

@@ -327,8 +327,8 @@ def test_descriptors_read_what_the_loaders_wrote(d):
             np.testing.assert_array_equal(a, Q[64 * wg:64 * wg + 64, 16 * ks:16 * ks + 16])
     for st, (K, V) in enumerate(KV):
         for ks in range(d // 16):
-            b = hw_read_kmajor(smem, desc_add(make_desc(sk, 16, 1024), st * stage_bytes + (ks >> 2) * 8192 + (ks & 3) * 32),
-                               64)
+            koff = st * stage_bytes + (ks >> 2) * 8192 + (ks & 3) * 32
+            b = hw_read_kmajor(smem, desc_add(make_desc(sk, 16, 1024), koff), 64)
             np.testing.assert_array_equal(b, K[:, 16 * ks:16 * ks + 16])
         for kb in range(4):
             v = hw_read_mnmajor(smem, desc_add(make_desc(sv, BLOCK_N * 128, 1024), st * stage_bytes + kb * 2048), d)
