@@ -14,6 +14,8 @@ Targets (met / not met in the table, printed last):
   decode  (B 64, ctx 4096, 32/8 heads, d128, bf16)              >= 80% of copy bandwidth, faster than
                                                                   the best torch path
   prefill (8 x 2048 causal, 32/8 heads, d128, bf16)              >= 300 TFLOP/s, <= 1.5x SDPA's best
+  prefill, the wgmma kernel (cuda_kernel="wgmma", same shape)    >= 400 TFLOP/s (issue 15), after its output
+                                                                  matched the mma.sync kernel's in this run
   cascade (64 requests sharing a 4096 prefix + 256 own tokens)  >= 5x faster than plain paged decode
 
 Usage:  python benchmarks/bench_kernels_gpu.py [--json PATH] [--quick] [--no-flex]
@@ -42,6 +44,7 @@ from minisched import ops  # noqa: E402
 RESULTS: list[dict] = []
 TARGETS: list[dict] = []
 FLEX_JOBS: list = []  # FlexAttention runs last (torch.compile time); its inputs stay alive until then
+WGMMA_JOBS: list = []  # the wgmma prefill kernel runs after everything else (never run on hardware before)
 
 
 # -- timing ------------------------------------------------------------------------------------------
@@ -358,6 +361,38 @@ def bench_prefill(timer, device, dtype, args, mm_rate):
     time_sdpa(timer, case, qd, kd, vd, True, kw, device)
     if device == "cuda" and not args.no_flex:
         FLEX_JOBS.append(lambda: time_flex(timer, case, qd, kd, vd, True, kw))
+    if device == "cuda" and ops.native_available():
+        # the Hopper wgmma kernel next to the mma.sync one ("native" = cuda_kernel "auto" = mma.sync today); run
+        # LAST (its own stage, after flex): it has never run on hardware, and a fault would take the CUDA context
+        # of every later stage with it
+        WGMMA_JOBS.append(lambda: bench_prefill_wgmma(timer, case, (q, qo, kc, vc, table, d, out, lse), kw))
+
+
+def bench_prefill_wgmma(timer, case, inputs, kw):
+    """cuda_kernel="wgmma" (schema kernel=2): first its output against the mma.sync kernel's on the same inputs
+    (a wrong kernel gets no speed recorded), then timed as "native wgmma" (and "native mma" beside it)."""
+    q, qo, kc, vc, table, d, out, lse = inputs
+    if torch.cuda.get_device_capability() != (9, 0):
+        record(case, "native wgmma", None, error="not an sm_90 device", **kw)
+        return
+
+    def run(kernel, o, l):
+        ops.call_op("paged_prefill_attention", (q, qo, kc, vc, *table, True, d ** -0.5, o, l, kernel), "native",
+                    check=False)
+
+    ref_o, ref_l = torch.empty_like(out), torch.empty_like(lse)
+    run(1, ref_o, ref_l)
+    got_o, got_l = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    run(2, got_o, got_l)
+    torch.cuda.synchronize()
+    err = (got_o.float() - ref_o.float()).abs().max().item()
+    lse_err = (got_l - ref_l).abs().max().item()
+    print(f"  wgmma vs mma.sync: max |out diff| {err:.3g}, max |lse diff| {lse_err:.3g}", flush=True)
+    if not (err <= 2e-2 and lse_err <= 2e-3):  # NaN fails too
+        record(case, "native wgmma", None, error=f"output differs from mma.sync: {err:.3g} / lse {lse_err:.3g}", **kw)
+        return
+    attempt(timer, case, "native mma", lambda: (lambda: run(1, out, lse)), **kw)
+    attempt(timer, case, "native wgmma", lambda: (lambda: run(2, out, lse)), **kw)
 
 
 def bench_cascade(timer, device, dtype, args):
@@ -420,6 +455,9 @@ def evaluate(copy_bw: float) -> None:
     r, sd = get("prefill", "native"), best("prefill", "sdpa")
     target("prefill >= 300 TFLOP/s", None if not r else r["TFLOP/s"] >= 300,
            "n/a" if not r else f"{r['TFLOP/s']:.0f} TFLOP/s ({r['ms']:.3f} ms)", ">= 300")
+    w = get("prefill", "native wgmma")
+    target("prefill wgmma >= 400 TFLOP/s", None if not w else w["TFLOP/s"] >= 400,
+           "n/a" if not w else f"{w['TFLOP/s']:.0f} TFLOP/s ({w['ms']:.3f} ms)", ">= 400")
     target("prefill within 1.5x SDPA best", None if not (r and sd) else r["ms"] <= 1.5 * sd["ms"],
            "n/a" if not (r and sd) else f"{r['ms'] / sd['ms']:.2f}x of {sd['impl']} ({sd['ms']:.3f} ms)", "<= 1.5x")
     c, p = get("cascade", "native cascade"), get("cascade", "native plain decode")
@@ -485,7 +523,8 @@ def main(argv=None) -> int:
               ("prefill", lambda: bench_prefill(timer, device, dtype, args, mm_rate)),
               ("cascade", lambda: bench_cascade(timer, device, dtype, args)),
               ("merge", lambda: bench_merge(timer, device, dtype, args, copy_bw)),
-              ("flex", lambda: [job() for job in FLEX_JOBS])]
+              ("flex", lambda: [job() for job in FLEX_JOBS]),
+              ("prefill_wgmma", lambda: [job() for job in WGMMA_JOBS])]
 
     def save():
         evaluate(copy_bw)
@@ -495,7 +534,7 @@ def main(argv=None) -> int:
                 json.dump({"meta": meta, "results": RESULTS, "targets": TARGETS}, f, indent=1)
 
     for name, fn in stages:
-        if not want(name):
+        if not want(name) and not (name == "prefill_wgmma" and want("prefill")):
             continue
         print(f"-- {name}", flush=True)
         try:
@@ -507,6 +546,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         save()
     FLEX_JOBS.clear()
+    WGMMA_JOBS.clear()
     save()
     print(table(), flush=True)
     return 0

@@ -317,8 +317,10 @@ inline void check_paged_prefill_attention(const at::Tensor& q, const at::Tensor&
                                           const at::Tensor& k_cache, const at::Tensor& v_cache,
                                           const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                                           const at::Tensor& kv_last_page_len, const at::Tensor& out,
-                                          const std::optional<at::Tensor>& lse) {
+                                          const std::optional<at::Tensor>& lse, int64_t kernel = 0) {
   const char* op = "paged_prefill_attention";
+  TORCH_CHECK_VALUE(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (mma.sync) or 2 (wgmma), got ",
+                    kernel);
   check_cache_pair(op, k_cache, v_cache);
   check_query(op, q, k_cache, out);
   check_lse(op, lse, q);

@@ -18,7 +18,9 @@ TORCH_LIBRARY(minisched, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor qo_indptr, Tensor k_cache, Tensor v_cache, "
       "Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, bool causal, float sm_scale, "
-      "Tensor(a!) out, Tensor(b!)? lse) -> ()");
+      "Tensor(a!) out, Tensor(b!)? lse, int kernel=0) -> ()");
+  // kernel (CUDA only, ignored elsewhere): 0 auto, 1 the mma.sync kernel, 2 the Hopper wgmma kernel
+  // (sm_90, bf16/fp16, head_dim 64/128; one KV split). See minisched.ops.paged_prefill_attention.
   m.def(
       "shared_prefix_attention(Tensor q, Tensor group_indptr, Tensor k_cache, Tensor v_cache, "
       "Tensor prefix_kv_indptr, Tensor prefix_kv_indices, Tensor prefix_kv_last_page_len, float sm_scale, "

@@ -188,6 +188,7 @@ def _paged_prefill_attention_op(q: torch.Tensor, qo_indptr: torch.Tensor, k_cach
 
 
 def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal,
-                            sm_scale, out, lse=None) -> None:
+                            sm_scale, out, lse=None, kernel: int = 0) -> None:
+    """`kernel` picks a CUDA kernel of the native backend (the op schema's last argument); ignored here."""
     torch.ops.minisched_triton.paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices,
                                                        kv_last_page_len, causal, sm_scale, out, lse)

@@ -1,7 +1,7 @@
 // The K/V loader of the paged attention kernel (attention_kernel.cu): gathers a request's 64-token
 // KV tiles for one kv head through the page table into shared memory with 16-byte cp.async, branch-
-// free, page entries fetched a tile ahead. Included by attention_kernel.cu only (anonymous namespace:
-// internal to that translation unit).
+// free, page entries fetched a tile ahead. Included by attention_kernel.cu and attention_wgmma.cu
+// (anonymous namespace: a copy per translation unit).
 //
 // Per tile, lane l of warp w resolves the pages of "its" rows (warp-rows k = l, l + 32: one coalesced
 // kv_indices load per row, issued a whole tile ahead (fetch_idx) and validated when used
@@ -76,8 +76,12 @@ struct KvLoader {
   // the tile's K and V rows into stage `stage` of sK / sV (kBlockN rows of pitch SP elements per stage)
   template <int SP>
   __device__ __forceinline__ void copy_kv(T* sK, T* sV, int stage) const {
-    T* k_dst = sK + stage * kBlockN * SP;
-    T* v_dst = sV + stage * kBlockN * SP;
+    copy_kv_to(sK + stage * kBlockN * SP, sV + stage * kBlockN * SP, [](int r, int c) { return r * SP + c * 8; });
+  }
+  // The same copy into any shared layout: tile row r, 16-byte chunk c goes to element dst_off(r, c) of
+  // k_dst / v_dst (the wgmma kernel's 128-byte swizzle, attention_wgmma.cu).
+  template <class DstOff>
+  __device__ __forceinline__ void copy_kv_to(T* k_dst, T* v_dst, DstOff dst_off) const {
     const int c = lane % CH, sub = lane / CH;
     const char* kc = reinterpret_cast<const char*>(reinterpret_cast<const T*>(p.k_cache) + c * 8);
     const char* vc = reinterpret_cast<const char*>(reinterpret_cast<const T*>(p.v_cache) + c * 8);
@@ -87,8 +91,8 @@ struct KvLoader {
       const long long off = b & ~1LL;
       const int src_bytes = (int(b) & 1) << 4;
       const int r = it * RPI + warp * RPW + sub;
-      cp_async_16_src(k_dst + r * SP + c * 8, kc + off, src_bytes);
-      cp_async_16_src(v_dst + r * SP + c * 8, vc + off, src_bytes);
+      cp_async_16_src(k_dst + dst_off(r, c), kc + off, src_bytes);
+      cp_async_16_src(v_dst + dst_off(r, c), vc + off, src_bytes);
     }
   }
 };

@@ -154,4 +154,9 @@ struct WorkspaceAllocator {
 cudaError_t launch_paged_attention(AttentionParams p, bool dtype_is_bf16, int head_dim, int64_t est_kv_len,
                                    int num_sms, WorkspaceAllocator& alloc, cudaStream_t stream);
 
+// The Hopper prefill kernel (attention_wgmma.cu, sm_90a): ragged rows only (p.qo_indptr set), one KV
+// split, bf16 / fp16, head_dim 64 / 128 (else cudaErrorInvalidValue).
+cudaError_t launch_paged_attention_wgmma(AttentionParams p, bool dtype_is_bf16, int head_dim,
+                                         WorkspaceAllocator& alloc, cudaStream_t stream);
+
 }  // namespace minisched::cuda

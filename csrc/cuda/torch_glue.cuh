@@ -60,13 +60,28 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 namespace minisched::cuda {
 
+// The wgmma prefill kernel (attention_wgmma.cu) is built for sm_90a only: a Hopper device (compute
+// capability 9.0), bf16 / fp16, head_dim 64 or 128. A ValueError otherwise.
+inline void check_wgmma_prefill(const char* op, const at::Tensor& q) {
+  int major = 0, minor = 0;
+  const int dev = q.device().index();
+  MINISCHED_CUDA_CHECK(op, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  MINISCHED_CUDA_CHECK(op, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  TORCH_CHECK_VALUE(major == 9 && minor == 0, op, ": the wgmma kernel needs an sm_90 (Hopper) GPU, device ", dev,
+                    " is sm_", major, minor);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op,
+                    ": the wgmma kernel takes bfloat16 or float16, got ", checks::dtype_name(q.scalar_type()));
+  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128, op, ": the wgmma kernel takes head_dim 64 or 128, got ",
+                    q.size(2));
+}
+
 // The common tail of the three attention wrappers (inputs already checked by checks.h):
 // fills AttentionParams and launches the paged attention kernel on the current stream.
 // qo_indptr undefined: decode (one query per request).
 inline void run_paged_attention(const char* op, const at::Tensor& q, const at::Tensor& qo_indptr,
                                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& kv_indptr,
                                 const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len, bool causal,
-                                double sm_scale, const at::Tensor& out, float* lse) {
+                                double sm_scale, const at::Tensor& out, float* lse, bool wgmma = false) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op,
                    ": q has dtype ", checks::dtype_name(q.scalar_type()),
                    ", expected one of (torch.bfloat16, torch.float16) on CUDA (float32 attention runs on the CPU)");
@@ -108,6 +123,11 @@ inline void run_paged_attention(const char* op, const at::Tensor& q, const at::T
   p.scale_log2 = float(sm_scale * 1.4426950408889634);
   const int64_t est_kv_len = kv_indices.numel() * k_cache.size(1) / batch;
   TorchWorkspace ws(q.device());
+  if (wgmma) {  // prefill only (qo_indptr defined), eligibility checked by check_wgmma_prefill
+    MINISCHED_CUDA_CHECK(op, launch_paged_attention_wgmma(p, q.scalar_type() == at::kBFloat16, int(d), ws,
+                                                          current_stream(q)));
+    return;
+  }
   MINISCHED_CUDA_CHECK(op, launch_paged_attention(p, q.scalar_type() == at::kBFloat16, int(d), est_kv_len,
                                                   sm_count(q.device().index()), ws, current_stream(q)));
 }

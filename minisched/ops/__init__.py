@@ -152,13 +152,18 @@ def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
 
 def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, *,
                             causal: bool = True, sm_scale: Optional[float] = None, return_lse: bool = False,
-                            backend: Backend = "native", check: bool = True):
+                            backend: Backend = "native", check: bool = True, cuda_kernel: str = "auto"):
     """Ragged queries q [Nq, Hq, D] (request b: rows qo_indptr[b]:qo_indptr[b+1], the LAST positions
-    of its KV; causal is bottom-right aligned). Returns out [Nq, Hq, D] (and lse [Nq, Hq])."""
+    of its KV; causal is bottom-right aligned). Returns out [Nq, Hq, D] (and lse [Nq, Hq]).
+
+    cuda_kernel (native backend on CUDA): "auto" (today the mma.sync kernel: the wgmma kernel has not
+    run on hardware yet), "mma" (mma.sync, FA2-style, split-KV), "wgmma" (Hopper warpgroup MMA,
+    one KV split; sm_90, bf16/fp16, head_dim 64/128). A ValueError for anything else."""
+    kernel = checks.prefill_cuda_kernel(q, cuda_kernel, backend)
     out, lse = _outputs(q, return_lse)
     scale = default_scale(q.shape[-1]) if sm_scale is None else sm_scale
     call_op("paged_prefill_attention",
-            (q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, scale, out, lse),
+            (q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, scale, out, lse, kernel),
             backend, check)
     return (out, lse) if return_lse else out
 

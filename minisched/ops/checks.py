@@ -216,9 +216,15 @@ def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
                      k_cache.shape[1], q.device, values)
 
 
+# paged_prefill_attention's `kernel` schema argument (CUDA only): the Python wrapper's cuda_kernel names
+PREFILL_KERNELS = {"auto": 0, "mma": 1, "wgmma": 2}
+
+
 def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal,
-                            sm_scale, out, lse=None, *, values: bool = True) -> None:
+                            sm_scale, out, lse=None, kernel: int = 0, *, values: bool = True) -> None:
     op = "paged_prefill_attention"
+    if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel not in PREFILL_KERNELS.values():
+        _fail(ValueError, op, f"kernel must be 0 (auto), 1 (mma.sync) or 2 (wgmma), got {kernel!r}")
     check_cache_pair(op, k_cache, v_cache)
     check_query(op, q, k_cache, out)
     check_lse(op, lse, q)
@@ -235,6 +241,30 @@ def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indice
         if bool((qo_lens > lens).any()):
             b = int((qo_lens > lens).nonzero()[0])
             _fail(ValueError, op, f"request {b}: qo_len {int(qo_lens[b])} > kv_len {int(lens[b])}")
+
+
+def prefill_cuda_kernel(q: torch.Tensor, cuda_kernel: str, backend: str) -> int:
+    """The `kernel` argument for cuda_kernel ("auto" | "mma" | "wgmma"), or a one-line ValueError.
+
+    "mma" and "wgmma" name kernels of the native CUDA backend; "wgmma" also needs an sm_90 (Hopper)
+    device, bf16 / fp16 and head_dim 64 / 128 (the CUDA wrapper checks the same)."""
+    op = "paged_prefill_attention"
+    if not isinstance(cuda_kernel, str) or cuda_kernel not in PREFILL_KERNELS:
+        _fail(ValueError, op, f"cuda_kernel must be one of {tuple(PREFILL_KERNELS)}, got {cuda_kernel!r}")
+    if cuda_kernel == "auto":
+        return 0
+    if backend != "native" or q.device.type != "cuda":
+        _fail(ValueError, op, f"cuda_kernel={cuda_kernel!r} selects a kernel of the native CUDA backend; got "
+              f"backend={backend!r} with q on {q.device}")
+    if cuda_kernel == "wgmma":
+        cap = torch.cuda.get_device_capability(q.device)
+        if cap != (9, 0):
+            _fail(ValueError, op, f"cuda_kernel='wgmma' needs an sm_90 (Hopper) GPU, {q.device} is sm_{cap[0]}{cap[1]}")
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            _fail(ValueError, op, f"cuda_kernel='wgmma' takes bfloat16 or float16, got {q.dtype}")
+        if q.dim() != 3 or q.shape[-1] not in (64, 128):
+            _fail(ValueError, op, f"cuda_kernel='wgmma' takes head_dim 64 or 128, got shape {tuple(q.shape)}")
+    return PREFILL_KERNELS[cuda_kernel]
 
 
 def _check_qo(op: str, name: str, indptr, n: int) -> None:

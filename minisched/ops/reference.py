@@ -95,9 +95,11 @@ def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
 
 
 def paged_prefill_attention(
-    q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, out, lse=None
+    q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, out, lse=None,
+    kernel=0,
 ):
-    """Ragged queries q [Nq, Hq, D]; request b's queries are the last qo_len_b positions of its KV."""
+    """Ragged queries q [Nq, Hq, D]; request b's queries are the last qo_len_b positions of its KV.
+    `kernel` picks a CUDA kernel (the op schema's last argument); ignored here."""
     for b in range(qo_indptr.shape[0] - 1):
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if q1 == q0:

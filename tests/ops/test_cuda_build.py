@@ -68,16 +68,16 @@ def parse_res_usage(text: str) -> dict:
     return kernels
 
 
-def _compile_attention_kernel(tmp_path) -> str:
+def _compile_attention_kernel(tmp_path, source: str = "attention_kernel.cu") -> str:
     from torch.utils.cpp_extension import include_paths
 
-    obj = str(tmp_path / "attention_kernel.o")
+    obj = str(tmp_path / source.replace(".cu", ".o"))
     incs = [f"-I{p}" for p in include_paths()] + [f"-I{os.path.join(ROOT, 'csrc')}"]
     for site in __import__("site").getsitepackages():
         incs += [f"-I{p}" for p in glob.glob(os.path.join(site, "nvidia", "cu13", "include"))]
     cmd = [os.path.join(CUDA_HOME, "bin", "nvcc"), "-std=c++20", "-gencode=arch=compute_90a,code=sm_90a", "-O3",
            "--use_fast_math", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills,-Werror", "-c",
-           os.path.join(ROOT, "csrc", "cuda", "attention_kernel.cu"), "-o", obj, *incs]
+           os.path.join(ROOT, "csrc", "cuda", source), "-o", obj, *incs]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
     return obj
 
@@ -186,16 +186,16 @@ SASS_FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
 SASS_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
-def tile_loop_ops(sass: str) -> dict:
-    """{demangled kernel: Counter of opcodes} over each paged_attention_kernel's tile loop: the innermost loop
-    (a backward BRA) that contains every HMMA, from its head to its back edge (`cuobjdump -sass` text)."""
+def tile_loop_ops(sass: str, kernel: str = "paged_attention_kernel", mma: str = "HMMA") -> dict:
+    """{demangled kernel: Counter of opcodes} over each `kernel`'s tile loop: the innermost loop (a backward BRA)
+    that contains every `mma` instruction, from its head to its back edge (`cuobjdump -sass` text)."""
     import collections
 
     loops, name, ins = {}, None, []
 
     def flush():
-        if name and "paged_attention_kernel" in name and ins:
-            hmma = [a for a, op, _ in ins if op.startswith("HMMA")]
+        if name and kernel in name and ins:
+            hmma = [a for a, op, _ in ins if op.startswith(mma)]
             head = edge = None  # the innermost backward branch around all HMMA: largest target
             for a, op, arg in ins:
                 m = re.match(r"0x([0-9a-f]+)", arg.strip())
@@ -234,3 +234,53 @@ def test_prefill_tile_loop_shares_kv_fragments(tmp_path):
         d = int(KERNEL.search(n).group(2))
         assert c["HMMA"] == 2 * d, f"{n}: {c['HMMA']} HMMA per tile, want {2 * d}"
         assert c["LDSM"] <= 0.32 * c["HMMA"], f"{n}: {c['LDSM']} LDSM for {c['HMMA']} HMMA"
+
+
+# -- the Hopper wgmma prefill kernel (attention_wgmma.cu, NOTES.md round 5) ----------------------------------
+WGMMA_KERNEL = re.compile(r"paged_attention_wgmma_kernel<(\w+), (\d+)>")
+
+
+def wgmma_smem_bytes(d: int) -> int:
+    """wgmma_smem_bytes<D>(): Q (128 rows) + 2 stages of 64-token K and V, unpadded (swizzled) + 1 KB of slack
+    for the 1024-byte alignment."""
+    return 128 * d * 2 + 4 * 64 * d * 2 + 1024
+
+
+def _wgmma_target(tmp_path) -> str:
+    """The built extension when it holds the wgmma kernel, else attention_wgmma.cu compiled alone."""
+    for so in glob.glob(os.path.join(ROOT, "minisched", "_C*.so")):
+        res = subprocess.run([CUOBJDUMP, "-res-usage", so], capture_output=True, text=True, timeout=120)
+        if "paged_attention_wgmma_kernel" in res.stdout:
+            return so
+    return _compile_attention_kernel(tmp_path, "attention_wgmma.cu")
+
+
+def test_wgmma_kernel_resources_and_hgmma(tmp_path):
+    """Each paged_attention_wgmma_kernel<T, D>: 0 stack / local (no spills), the CTAs per SM its registers and
+    shared memory allow (D 128: 1 CTA = 8 warps, 166 registers; D 64: 2 CTAs, <= 128 registers by the launch
+    bounds), and its tile loop issues D / 16 HGMMA 64x64x16 (S = Q K^T) + 4 HGMMA 64xDx16 (O += P V) per 64-token
+    tile, with the warpgroup arrive / wait around them; no mma.sync (HMMA) left."""
+    target = _wgmma_target(tmp_path)
+    res = subprocess.run([CUOBJDUMP, "-res-usage", target], capture_output=True, text=True, timeout=120).stdout
+    kernels = {_demangle(n): r for n, r in parse_res_usage(res).items() if "paged_attention_wgmma_kernel" in n}
+    assert len(kernels) == 4, f"{{bf16, fp16}} x D {{64, 128}}: {sorted(kernels)}"
+    want_ctas = {128: 1, 64: 2}
+    print(f"\n{'kernel':48} {'REG':>4} {'smem':>7} {'CTAs/SM':>7}", file=sys.stderr)
+    for n, (reg, stack, _shared, local) in sorted(kernels.items()):
+        d = int(WGMMA_KERNEL.search(n).group(2))
+        ctas = ctas_per_sm(reg, 256, wgmma_smem_bytes(d))
+        print(f"{n:48} {reg:>4} {wgmma_smem_bytes(d):>7} {ctas:>7}", file=sys.stderr)
+        assert stack == 0 and local == 0, f"{n}: stack {stack}, local {local}"
+        assert ctas >= want_ctas[d], f"{n}: {reg} registers -> {ctas} CTAs per SM, want {want_ctas[d]}"
+    sass = subprocess.run([CUOBJDUMP, "-sass", target], capture_output=True, text=True, timeout=300).stdout
+    loops = tile_loop_ops(sass, "paged_attention_wgmma_kernel", "HGMMA")
+    assert len(loops) == 4, sorted(loops)
+    print(f"{'kernel':48} {'instr':>6} {'HGMMA':>5} {'WARPGROUP':>9} {'LDGSTS':>6} {'MUFU':>5}", file=sys.stderr)
+    for n, c in sorted(loops.items()):
+        d = int(WGMMA_KERNEL.search(n).group(2))
+        print(f"{n:48} {sum(c.values()):>6} {c['HGMMA']:>5} {c['WARPGROUP']:>9} {c['LDGSTS']:>6} {c['MUFU']:>5}",
+              file=sys.stderr)
+        assert c["HGMMA"] == d // 16 + 4, f"{n}: {c['HGMMA']} HGMMA per tile, want {d // 16 + 4}"
+        assert c["HMMA"] == 0, f"{n}: mma.sync in the wgmma kernel"
+        assert c["WARPGROUP"] >= 4, f"{n}: {c['WARPGROUP']} warpgroup arrive / depbar, want 2 of each per tile"
+        assert c["FENCE"] >= 1, f"{n}: no fence.proxy.async in the tile loop"

@@ -172,6 +172,110 @@ def test_prefill_target_shape_scaled(dtype, gen):
     check(out, lse, *ref_prefill(q, qo_indptr, kv, True, 128 ** -0.5), dtype)
 
 
+# -- the Hopper wgmma prefill kernel (attention_wgmma.cu; cuda_kernel="wgmma", schema kernel=2) ----------------
+IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not IS_SM90, reason="the wgmma kernel is built for sm_90a (Hopper) only")
+WGMMA = 2
+
+
+def run_wgmma(q, qo_indptr, kv, causal, scale, table=None, check_values=True):
+    """The wgmma kernel into NaN-poisoned outputs (every valid row must be written)."""
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device=q.device))
+    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *(table or kv.table), causal,
+                                            scale, out, lse, WGMMA), "native", check=check_values)
+    return out, lse
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 4), (32, 4)], ids=["gqa1", "gqa4", "gqa8"])
+def test_wgmma_prefill_matches_reference(dtype, causal, page_size, head_dim, hq, hkv, gen):
+    """Ragged requests whose rows end inside either warpgroup (64-row halves), at a 128-row tile and one row past
+    it, several tiles; qo_len 1; prefixes across page and 64-token tile boundaries (63, 64, 65 keys)."""
+    qo_lens = [1, 5, 33, 64, 65, 129, 200, 3, 300]
+    prefix = [0, 16, 17, 0, 63, 64, 1, 130, 700]
+    kv = make_paged_kv([a + b for a, b in zip(qo_lens, prefix)], page_size, hkv, head_dim, dtype, "cuda", gen=gen)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = randn((sum(qo_lens), hq, head_dim), dtype, "cuda", gen)
+    out, lse = run_wgmma(q, qo_indptr, kv, causal, head_dim ** -0.5)
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim ** -0.5), dtype)
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wgmma_prefill_empty_range_and_long_prefix(dtype, head_dim, gen):
+    """A request with no pages (non-causal: out 0, lse -inf) between long-prefix requests (one KV split: the
+    wgmma kernel walks the whole range)."""
+    from test_paged_decode_attention import without_pages
+
+    kv = without_pages(make_paged_kv([3000, 20, 2500], 16, 4, head_dim, dtype, "cuda", gen=gen), {1})
+    qo_indptr = torch.tensor([0, 7, 10, 100], dtype=torch.int32, device="cuda")
+    q = randn((100, 16, head_dim), dtype, "cuda", gen)
+    out, lse = run_wgmma(q, qo_indptr, kv, False, head_dim ** -0.5)
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, False, head_dim ** -0.5), dtype)
+    assert bool((out[7:10] == 0).all()) and bool((lse[7:10] == float("-inf")).all())
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wgmma_prefill_bad_page_table_poisons_only_its_request(dtype, gen):
+    kv = make_paged_kv([50, 90, 10, 30], 16, 2, 128, dtype, "cuda", gen=gen)
+    bad = kv.kv_indices.clone()
+    bad[int(kv.kv_indptr[1]) + 2] = kv.k_cache.shape[0] + 5  # request 1: a page past the pool
+    qo_indptr = torch.tensor([0, 20, 60, 72, 79], dtype=torch.int32, device="cuda")  # request 2: 12 queries, 10 keys
+    q = randn((79, 8, 128), dtype, "cuda", gen)
+    out, lse = run_wgmma(q, qo_indptr, kv, True, 0.1, table=(kv.kv_indptr, bad, kv.kv_last_page_len),
+                         check_values=False)
+    assert torch.isnan(out[20:72]).all() and torch.isnan(lse[20:72]).all()
+    good = torch.cat([torch.arange(0, 20), torch.arange(72, 79)])
+    sel = torch.tensor([0, 20, 20, 20, 27], dtype=torch.int32)
+    ro, rl = ref_prefill(q[good.cuda()], sel, kv, True, 0.1)
+    check(out[good.cuda()], lse[good.cuda()], ro, rl, dtype)
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wgmma_prefill_target_shape_scaled_equals_mma(dtype, gen):
+    """2 x 512 causal, 32/8 heads, d128 through the wrapper's cuda_kernel="wgmma": the reference, and the mma.sync
+    kernel within the 16-bit tolerance."""
+    kv = make_paged_kv([512, 512], 16, 8, 128, dtype, "cuda", gen=gen)
+    qo_indptr = torch.tensor([0, 512, 1024], dtype=torch.int32, device="cuda")
+    q = randn((1024, 32, 128), dtype, "cuda", gen)
+    out, lse = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, return_lse=True,
+                                           cuda_kernel="wgmma")
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, True, 128 ** -0.5), dtype)
+    out_mma = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, cuda_kernel="mma")
+    torch.testing.assert_close(out, out_mma, **TOL[dtype])
+
+
+def test_cuda_kernel_errors_on_device(gen):
+    """An unknown cuda_kernel is a ValueError; "wgmma" off sm_90 or with head_dim 96 too (checked in Python and,
+    for the schema argument, in the CUDA wrapper)."""
+    kv = make_paged_kv([8], 16, 2, 64, torch.float16, "cuda", gen=gen)
+    qo_indptr = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    q = randn((8, 2, 64), torch.float16, "cuda", gen)
+    with pytest.raises(ValueError, match="cuda_kernel"):
+        ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, cuda_kernel="fa3")
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="kernel"):
+        ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.1, out, None,
+                                                7), "native")
+    if not IS_SM90:
+        with pytest.raises(ValueError, match="sm_90"):
+            ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, cuda_kernel="wgmma")
+        with pytest.raises(ValueError, match="sm_90"):
+            ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.1, out,
+                                                    None, WGMMA), "native")
+    kv96 = make_paged_kv([8], 16, 2, 96, torch.float16, "cuda", gen=gen)
+    q96 = randn((8, 2, 96), torch.float16, "cuda", gen)
+    with pytest.raises(ValueError, match="wgmma"):
+        ops.paged_prefill_attention(q96, qo_indptr, kv96.k_cache, kv96.v_cache, *kv96.table, cuda_kernel="wgmma")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cascade_equals_full_decode(dtype, page_size, gen):

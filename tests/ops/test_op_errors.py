@@ -140,3 +140,54 @@ def test_copy_pages_overlap(t):
     with pytest.raises(ValueError, match="distinct"):
         ops.copy_kv_pages(pool, i32([0, 1]), i32([4, 4]), backend=t.backend)
     assert torch.equal(pool, before)
+
+
+# -- paged_prefill_attention's kernel choice (cuda_kernel= / the schema's trailing `kernel`) ------------------
+PREFILL_TARGETS = [p for p in targets("paged_prefill_attention") if p.values[0].dtype == torch.float32]
+
+
+def prefill_case(gen):
+    kv = make_paged_kv([5, 20], 16, 2, 64, torch.float32, "cpu", gen=gen)
+    qo_indptr = torch.tensor([0, 3, 10], dtype=torch.int32)
+    return torch.randn(10, 4, 64, generator=gen), qo_indptr, kv
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_prefill_cuda_kernel_names(backend, gen):
+    """A bad name is a one-line ValueError; "mma" / "wgmma" name kernels of the native CUDA backend, so they are
+    a ValueError on the CPU (and on other backends) before anything runs; "auto" is the default everywhere."""
+    if backend == "native" and not ops.native_available():
+        pytest.skip(ops.NATIVE_ERROR)
+    q, qo_indptr, kv = prefill_case(gen)
+    call = lambda name: ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table,  # noqa: E731
+                                                    backend=backend, cuda_kernel=name)
+    for bad in ("fa3", "WGMMA", "", None, 2):
+        with pytest.raises(ValueError, match=r"cuda_kernel must be one of \('auto', 'mma', 'wgmma'\)") as e:
+            call(bad)
+        assert "\n" not in str(e.value)
+    for name in ("mma", "wgmma"):
+        with pytest.raises(ValueError, match="native CUDA backend") as e:
+            call(name)
+        assert "\n" not in str(e.value)
+    torch.testing.assert_close(call("auto"), ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache,
+                                                                         *kv.table, backend=backend))
+
+
+@pytest.mark.parametrize("t", PREFILL_TARGETS)
+def test_prefill_kernel_argument(t, gen):
+    """The op's trailing `kernel` argument: 0, 1, 2 accepted (a CUDA choice: the CPU, Triton and the reference
+    ignore it, same result), anything else a ValueError on every backend; omitting it is kernel 0."""
+    q, qo_indptr, kv = prefill_case(gen)
+    outs = []
+    for kernel in (None, 0, 1, 2):
+        out = torch.empty_like(q)
+        extra = () if kernel is None else (kernel,)
+        ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.125, out,
+                                                None, *extra), t.backend)
+        outs.append(out)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    for bad in (-1, 3):
+        with pytest.raises(ValueError, match="kernel must be 0 \\(auto\\), 1 \\(mma.sync\\) or 2 \\(wgmma\\)"):
+            ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.125,
+                                                    torch.empty_like(q), None, bad), t.backend)
