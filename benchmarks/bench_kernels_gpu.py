@@ -10,13 +10,14 @@ Timing: triton.testing.do_bench (median; it flushes L2 between runs) or CUDA eve
 the copy ops rotate over input sets larger than the L2 cache.
 
 Targets (met / not met in the table, printed last):
-  copy ops (store_kv, copy/gather/scatter_kv_pages, tens of MB)  >= 80% of measured copy bandwidth
-  decode  (B 64, ctx 4096, 32/8 heads, d128, bf16)              >= 80% of copy bandwidth, faster than
+  copy ops (store_kv, copy/gather/scatter_kv_pages, tens of MB)  >= 85% of measured copy bandwidth
+  decode  (B 64, ctx 4096, 32/8 heads, d128, bf16)              >= 85% of copy bandwidth, faster than
                                                                   the best torch path
-  prefill (8 x 2048 causal, 32/8 heads, d128, bf16)              >= 300 TFLOP/s, <= 1.5x SDPA's best
+  prefill (8 x 2048 causal, 32/8 heads, d128, bf16)              >= 400 TFLOP/s, <= 1.5x SDPA's best
   prefill, the wgmma kernel (cuda_kernel="wgmma", same shape)    >= 400 TFLOP/s (issue 15), after its output
                                                                   matched the mma.sync kernel's in this run
-  cascade (64 requests sharing a 4096 prefix + 256 own tokens)  >= 5x faster than plain paged decode
+  cascade (64 requests sharing a 4096 prefix + 256 own tokens)  >= 10x faster than plain paged decode
+(the targets of issues 15 and 16; the mma.sync prefill kernel is not expected to reach 400, NOTES.md)
 
 Usage:  python benchmarks/bench_kernels_gpu.py [--json PATH] [--quick] [--no-flex]
         python benchmarks/bench_kernels_gpu.py --dry-run     # tiny shapes on the CPU: plumbing only
@@ -441,28 +442,28 @@ def evaluate(copy_bw: float) -> None:
     for case in ("store_kv", "copy_kv_pages", "gather_kv_pages", "scatter_kv_pages"):
         r = get(case, "native")
         frac = (r["GB/s"] * 1e9 / copy_bw) if (r and copy_bw) else None
-        target(f"{case} >= 80% copy bw", None if frac is None else frac >= 0.8,
-               "n/a" if frac is None else f"{100 * frac:.0f}% ({r['GB/s']:.0f} GB/s)", ">= 80%")
+        target(f"{case} >= 85% copy bw", None if frac is None else frac >= 0.85,
+               "n/a" if frac is None else f"{100 * frac:.0f}% ({r['GB/s']:.0f} GB/s)", ">= 85%")
     r = get("decode", "native")
     torch_best = min([x for x in (best("decode", "sdpa"), get("decode", "flex-attention")) if x],
                      key=lambda x: x["ms"], default=None)
     frac = r["GB/s"] * 1e9 / copy_bw if (r and copy_bw) else None
-    target("decode >= 80% copy bw", None if frac is None else frac >= 0.8,
-           "n/a" if frac is None else f"{100 * frac:.0f}% ({r['GB/s']:.0f} GB/s, {r['ms']:.3f} ms)", ">= 80%")
+    target("decode >= 85% copy bw", None if frac is None else frac >= 0.85,
+           "n/a" if frac is None else f"{100 * frac:.0f}% ({r['GB/s']:.0f} GB/s, {r['ms']:.3f} ms)", ">= 85%")
     target("decode faster than best torch", None if not (r and torch_best) else r["ms"] < torch_best["ms"],
            "n/a" if not (r and torch_best) else f"{r['ms']:.3f} vs {torch_best['ms']:.3f} ms ({torch_best['impl']})",
            "native < torch")
     r, sd = get("prefill", "native"), best("prefill", "sdpa")
-    target("prefill >= 300 TFLOP/s", None if not r else r["TFLOP/s"] >= 300,
-           "n/a" if not r else f"{r['TFLOP/s']:.0f} TFLOP/s ({r['ms']:.3f} ms)", ">= 300")
+    target("prefill >= 400 TFLOP/s", None if not r else r["TFLOP/s"] >= 400,
+           "n/a" if not r else f"{r['TFLOP/s']:.0f} TFLOP/s ({r['ms']:.3f} ms)", ">= 400")
     w = get("prefill", "native wgmma")
     target("prefill wgmma >= 400 TFLOP/s", None if not w else w["TFLOP/s"] >= 400,
            "n/a" if not w else f"{w['TFLOP/s']:.0f} TFLOP/s ({w['ms']:.3f} ms)", ">= 400")
     target("prefill within 1.5x SDPA best", None if not (r and sd) else r["ms"] <= 1.5 * sd["ms"],
            "n/a" if not (r and sd) else f"{r['ms'] / sd['ms']:.2f}x of {sd['impl']} ({sd['ms']:.3f} ms)", "<= 1.5x")
     c, p = get("cascade", "native cascade"), get("cascade", "native plain decode")
-    target("cascade >= 5x plain decode", None if not (c and p) else p["ms"] / c["ms"] >= 5,
-           "n/a" if not (c and p) else f"{p['ms'] / c['ms']:.1f}x ({c['ms']:.3f} vs {p['ms']:.3f} ms)", ">= 5x")
+    target("cascade >= 10x plain decode", None if not (c and p) else p["ms"] / c["ms"] >= 10,
+           "n/a" if not (c and p) else f"{p['ms'] / c['ms']:.1f}x ({c['ms']:.3f} vs {p['ms']:.3f} ms)", ">= 10x")
 
 
 # -- main ---------------------------------------------------------------------------------------------
