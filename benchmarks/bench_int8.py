@@ -3,8 +3,8 @@
     python benchmarks/bench_int8.py [--rounds 3] [--threads 1 2] [--json benchmarks/results/int8.json]
 
 Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same machine load:
-  kernels    F.linear (fp32 sgemm/sgemv) vs torch.ops.minisched.int8_linear on SmolLM2's shapes,
-             M = 1..64 rows, best of N calls per turn;
+  kernels    F.linear (fp32 sgemm/sgemv), packed_linear (fp32, the engine default) and
+             torch.ops.minisched.int8_linear on SmolLM2's shapes, --rows M, best of N calls per turn;
   decode     one engine per mode on SmolLM2-135M, B prompts decoded to --new-tokens greedy tokens
              (ignore_eos): output tok/s of the whole generate;
   agreement  int8 vs fp32 on chat prompts: teacher-forced top-1 agreement along fp32's own greedy
@@ -47,6 +47,8 @@ def best_us(fn, calls: int) -> float:
 
 
 def run_kernels(args) -> list[dict]:
+    """Per shape and row count, interleaved (the order flips every round): fp32 F.linear (ATen sgemm), fp32
+    packed_linear (the engine's fp32 default) and int8_linear."""
     rows = []
     gen = torch.Generator().manual_seed(0)
     for threads in args.threads:
@@ -54,19 +56,26 @@ def run_kernels(args) -> list[dict]:
         for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k, generator=gen) * 0.05
             w_q, scales = ops.quantize_int8(w, 64)
-            for m in (1, 4, 8, 16, 64):
+            w_packed = ops.pack_linear_weight(w)
+            for m in args.rows:
                 x = torch.randn(m, k, generator=gen)
                 out = torch.empty(m, n)
                 calls = 4 if name == "lm_head" else 20
-                a, b = [], []
-                for _ in range(args.rounds):
-                    a.append(best_us(lambda: F.linear(x, w), calls))
-                    b.append(best_us(lambda: torch.ops.minisched.int8_linear(x, w_q, scales, out), calls))
-                row = dict(threads=threads, shape=name, n=n, k=k, m=m, fp32_us=min(a), int8_us=min(b),
-                           speedup=min(a) / min(b), loadavg=loadavg())
+                fns = {"fp32": lambda: F.linear(x, w),
+                       "packed": lambda: torch.ops.minisched.packed_linear(x, w_packed, out),
+                       "int8": lambda: torch.ops.minisched.int8_linear(x, w_q, scales, out)}
+                times = {key: [] for key in fns}
+                for r in range(args.rounds):
+                    for key in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+                        times[key].append(best_us(fns[key], calls))
+                us = {key: min(v) for key, v in times.items()}
+                row = dict(threads=threads, shape=name, n=n, k=k, m=m, fp32_us=us["fp32"], packed_us=us["packed"],
+                           int8_us=us["int8"], speedup=us["fp32"] / us["int8"],
+                           int8_vs_packed=us["packed"] / us["int8"], loadavg=loadavg())
                 rows.append(row)
-                print(f"kernel t={threads} {name:8s} M={m:3d}  fp32 {row['fp32_us']:9.1f} us  "
-                      f"int8 {row['int8_us']:9.1f} us  x{row['speedup']:.2f}  load {row['loadavg']}", flush=True)
+                print(f"kernel t={threads} {name:8s} M={m:3d}  fp32 {us['fp32']:9.1f} us  packed {us['packed']:9.1f} us"
+                      f"  int8 {us['int8']:9.1f} us  int8/packed x{row['int8_vs_packed']:.2f}  load {row['loadavg']}",
+                      flush=True)
     return rows
 
 
@@ -121,6 +130,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 17, 32, 64, 512], help="kernel rows M")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--engine-threads", type=int, default=None, help="engines' num_threads (default: tuned)")

@@ -6,11 +6,17 @@
 //   * few rows (decode, M <= 16): a fused kernel that converts int8 -> fp32 in registers,
 //     applies the group scale once per 8 weights and FMAs against up to 4 activation rows, so each
 //     weight byte is read once per 4 rows and never written back as fp32;
-//   * many rows (prefill): the work is compute-bound, so blocks of the weight are dequantized into
-//     a small fp32 buffer and handed to ATen's sgemm, which is faster than anything hand-written here.
+//   * many rows (batched decode, prefill): the work is compute-bound, so each task dequantizes one
+//     16-column panel of the weight into a small fp32 buffer in packed_linear's layout and runs
+//     packed_linear's register-blocked micro-kernel (packed_microkernel.h) over all the rows. The
+//     buffer stays in L1/L2; the conversion costs 16 x K per panel against 16 x K x M FMAs.
+//     (It replaced a dequantize + ATen sgemm path that ran 0.77-0.86x of packed fp32 at 32-64 rows.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -18,14 +24,15 @@
 #endif
 
 #include "checks.h"
+#include "cpu/packed_microkernel.h"
 
 namespace minisched::cpu {
 namespace {
 
-// From this many rows on, dequantize + sgemm: the fused kernel converts each weight row once per 8
-// activation rows, so past two such tiles sgemm wins (benchmarks/bench_int8.py, RESULTS.md).
+// From this many rows on, dequantized panels + the packed micro-kernel: the fused kernel converts each
+// weight row once per 8 activation rows (benchmarks/bench_int8.py, RESULTS.md).
 constexpr int64_t kGemmRows = 17;
-constexpr int64_t kDequantBlock = 1024;  // weight rows per dequantized block (K = 576: 2.3 MB of fp32)
+using packed::kPanel;
 
 #ifdef MINISCHED_INT8_AVX2
 inline __m256 load8_scaled(const int8_t* w, __m256 scale) {
@@ -68,16 +75,54 @@ inline void dot_row(const float* x, int64_t ldx, const int8_t* w, const float* s
   }
 }
 
-// One weight row to fp32: 8 weights per step, the group's scale broadcast once per group.
-inline void dequant_row(const int8_t* w, const float* s, int64_t K, int64_t G, float* out) {
-  for (int64_t g0 = 0; g0 < K; g0 += G) {
-    const __m256 scale = _mm256_set1_ps(s[g0 / G]);
-    for (int64_t k = g0; k < g0 + G; k += 8) _mm256_storeu_ps(out + k, load8_scaled(w + k, scale));
+// An 8 x 8 block of floats transposed in registers: r[i][j] <- r[j][i].
+inline void transpose8(__m256 (&r)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// Weight rows n0 .. n0 + 15 (zero past N) to one fp32 panel, panel[k * 16 + j] = w[n0 + j, k] *
+// scale: 8 rows x 8 weights converted and scaled per step, then transposed in registers. G % 32 == 0,
+// so the 8 weights of a step share their group's scale.
+inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K, int64_t G, int64_t n0,
+                          float* panel) {
+  const int64_t ng = K / G;
+  for (int64_t jh = 0; jh < kPanel; jh += 8) {
+    const int64_t rows = std::min<int64_t>(8, N - n0 - jh);  // may be <= 0: a zero half
+    for (int64_t k = 0; k < K; k += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t n = n0 + jh + i;
+        r[i] = i < rows ? load8_scaled(w + n * K + k, _mm256_set1_ps(s[n * ng + k / G])) : _mm256_setzero_ps();
+      }
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kPanel + jh, r[i]);
+    }
   }
 }
 #else
-inline void dequant_row(const int8_t* w, const float* s, int64_t K, int64_t G, float* out) {
-  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(w[k]) * s[k / G];
+inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K, int64_t G, int64_t n0,
+                          float* panel) {
+  const int64_t ng = K / G;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const int64_t n = n0 + j;
+      panel[k * kPanel + j] = n < N ? static_cast<float>(w[n * K + k]) * s[n * ng + k / G] : 0.f;
+    }
 }
 
 template <int MT>
@@ -117,23 +162,22 @@ void fused_rows(const float* x, int64_t M, int64_t ldx, const int8_t* w, const f
   }
 }
 
-void dequant_gemm(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& scales, const at::Tensor& out) {
-  const int64_t N = w_q.size(0), K = w_q.size(1), ng = scales.size(1), G = K / ng;
+// All M rows, one dequantized 16-column panel at a time (a task per panel; the panel is reused by
+// every row block while it is in cache).
+void panel_gemm(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& scales, const at::Tensor& out) {
+  const int64_t M = x.size(0), N = w_q.size(0), K = w_q.size(1), G = K / scales.size(1);
   const int8_t* w = w_q.const_data_ptr<int8_t>();
   const float* s = scales.const_data_ptr<float>();
-  at::Tensor buf = at::empty({std::min(N, kDequantBlock), K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += kDequantBlock) {
-    const int64_t nb = std::min(kDequantBlock, N - n0);
-    float* b = buf.data_ptr<float>();
-    at::parallel_for(0, nb, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) dequant_row(w + (n0 + r) * K, s + (n0 + r) * ng, K, G, b + r * K);
-    });
-    if (nb == N) {
-      at::mm_out(const_cast<at::Tensor&>(out), x, buf.t());
-    } else {  // sgemm into a contiguous block, then into its columns of out
-      out.narrow(1, n0, nb).copy_(at::mm(x, buf.narrow(0, 0, nb).t()));
+  const float* xp = x.const_data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t P = (N + kPanel - 1) / kPanel, ldx = x.stride(0);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> panel(static_cast<size_t>(K * kPanel));
+    for (int64_t p = p0; p < p1; ++p) {
+      dequant_panel(w, s, N, K, G, p * kPanel, panel.data());
+      packed::panel_rows(xp, M, ldx, panel.data(), 1, K, o + p * kPanel, N, std::min(kPanel, N - p * kPanel));
     }
-  }
+  });
 }
 
 void int8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& scales, const at::Tensor& out) {
@@ -141,7 +185,7 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& s
   const int64_t M = x.size(0), N = w_q.size(0), K = w_q.size(1);
   if (M == 0 || N == 0) return;
   if (M >= kGemmRows) {
-    dequant_gemm(x, w_q, scales, out);
+    panel_gemm(x, w_q, scales, out);
     return;
   }
   const int64_t G = K / scales.size(1);

@@ -1,6 +1,6 @@
 """int8_linear: weight-only int8 matmul against the float64 reference, on both native paths
-(fused decode kernel for M < 16, dequantize + sgemm from 16 rows), poisoned outputs, strided rows,
-edge cases; quantize_int8's error bound; the op's input checks."""
+(fused decode kernel up to 16 rows, dequantized panels + packed_linear's micro-kernel from 17),
+poisoned outputs, strided rows, edge cases; quantize_int8's error bound; the op's input checks."""
 
 import pytest
 import torch
@@ -37,6 +37,24 @@ def test_matches_reference(backend, m, n, k, group, gen):
     ops.call_op("int8_linear", (x, w_q, scales, out), backend)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))
+@pytest.mark.parametrize("m", [17, 23, 100])
+@pytest.mark.parametrize("n,k,group", [(9, 64, 32), (200, 1536, 64), (33, 576, 576)])
+def test_many_rows_equal_packed_fp32_bitwise(m, n, k, group, gen):
+    """From 17 rows the weight is dequantized panel by panel (an 8 x 8 register transpose) and run through
+    packed_linear's micro-kernel: the result must be packed_linear on the dequantized weight, bit for bit
+    (any misplaced, unscaled or stale panel element would show), and each row must not depend on the others."""
+    x = torch.randn(m, k, generator=gen)
+    w_q, scales = random_weights(n, k, group, gen)
+    w = w_q.float() * scales.repeat_interleave(group, dim=1)  # float(w) * scale, as the kernel rounds it
+    out = poison(torch.empty(m, n))
+    ops.int8_linear(x, w_q, scales, out=out)
+    expected = ops.packed_linear(x, ops.pack_linear_weight(w), n)
+    assert torch.equal(out, expected)
+    first = ops.int8_linear(x[:17].clone(), w_q, scales)  # the same rows in a smaller batch
+    assert torch.equal(first, out[:17])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
