@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -422,6 +423,29 @@ inline void check_packed_linear(const at::Tensor& x, const at::Tensor& w_packed,
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"out", &out}}) {
     check_device(op, name, *t, x.device());
     check_contiguous(op, name, *t);
+  }
+}
+
+inline void check_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                           double eps, const at::Tensor& out) {
+  const char* op = "rms_norm";
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dim(op, "x", x, 2);
+  check_contiguous(op, "x", x);
+  check_dtype(op, "weight", weight, {at::kFloat});
+  check_shape(op, "weight", weight, {x.size(1)});
+  check_contiguous(op, "weight", weight);
+  check_dtype(op, "out", out, {at::kFloat});
+  check_shape(op, "out", out, {x.size(0), x.size(1)});
+  check_contiguous(op, "out", out);
+  TORCH_CHECK_VALUE(eps > 0 && std::isfinite(eps), op, ": eps must be a positive finite number, got ", eps);
+  check_device(op, "weight", weight, x.device());
+  check_device(op, "out", out, x.device());
+  if (delta.has_value()) {
+    check_dtype(op, "delta", *delta, {at::kFloat});
+    check_shape(op, "delta", *delta, {x.size(0), x.size(1)});
+    check_contiguous(op, "delta", *delta);
+    check_device(op, "delta", *delta, x.device());
   }
 }
 

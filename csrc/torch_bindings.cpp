@@ -32,6 +32,8 @@ TORCH_LIBRARY(minisched, m) {
   m.def("int8_linear(Tensor x, Tensor w_q, Tensor scales, Tensor(a!) out) -> ()");
   // Packed float32 matmul (CPU): out [M, N] = x [M, K] @ w.T, w packed as [ceil(N/16), K, 16] panels
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor(a!) out) -> ()");
+  // RMSNorm (CPU, float32): with delta, x += delta first (the residual add); out = x / rms(x) * weight
+  m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
 }
 
 // `import minisched._C` loads this library (and so the registrations above); it has no

@@ -73,6 +73,22 @@ def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def fused_norm_applies(x: torch.Tensor, backend: str) -> bool:
+    """The native CPU kernels in float32 have a fused add + RMSNorm (ops.rms_norm, csrc/cpu/rms_norm.cpp)."""
+    return (backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32
+            and hasattr(torch.ops.minisched, "rms_norm"))
+
+
+def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                 fused: bool) -> torch.Tensor:
+    """x += delta (the residual add, in place; skipped when None), then RMSNorm(x) * weight."""
+    if fused:
+        return ops.rms_norm(x, weight, eps, delta=None if delta is None else delta.contiguous())
+    if delta is not None:
+        x += delta
+    return fast_rms_norm(x, weight, eps)
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -189,8 +205,8 @@ class LlamaModel(nn.Module):
         On a tensor-parallel rank (`self.tp`): the whole vocabulary's logits on rank 0, None on the others.
 
         Same arithmetic as `dense_forward`, in fewer kernels and temporaries: RoPE on q and k
-        together (`apply_rope_signed`), in-place residual adds and SiLU*up, one ATen rms_norm,
-        the pool's per-layer views taken once."""
+        together (`apply_rope_signed`), in-place residual adds and SiLU*up, one ATen rms_norm (on the CPU
+        in float32 one fused add + RMSNorm kernel), the pool's per-layer views taken once."""
         c = self.cfg
         n = input_ids.shape[0]
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -198,24 +214,28 @@ class LlamaModel(nn.Module):
         x = embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
         sin = signed_sin(sin)
+        # The residual adds ride along with the next norm: one fused CPU kernel (ops.rms_norm) where it applies.
+        fused = fused_norm_applies(x, backend)
+        pending = None  # the last MLP's output, not yet added to x
         for layer, kv_layer in zip(self.layers, kv_cache.unbind(0)):
             k_cache, v_cache = kv_layer.unbind(0)
-            h = fast_rms_norm(x, layer.ln1, c.rms_eps)
+            h = add_rms_norm(x, pending, layer.ln1, c.rms_eps, fused)
             qkv = linear(h, layer.qkv, backend)
             qk = apply_rope_signed(qkv[:, :c.q_size + c.kv_size].view(n, hq + hkv, d), cos, sin)
             v = qkv[:, c.q_size + c.kv_size:].view(n, hkv, d)
             ops.store_kv(qk[:, hq:], v, k_cache, v_cache, meta.out_slots, backend=backend, check=check)
             attn = self._attention(qk[:, :hq].contiguous(), k_cache, v_cache, meta, backend, check)
             o = linear(attn.view(n, c.q_size), layer.o, backend)
-            x += o if tp is None else tp.all_reduce(o)
-            h = fast_rms_norm(x, layer.ln2, c.rms_eps)
+            h = add_rms_norm(x, o if tp is None else tp.all_reduce(o), layer.ln2, c.rms_eps, fused)
             gate_up = linear(h, layer.gate_up, backend)
             gate, up = gate_up.chunk(2, dim=-1)
             down = linear(F.silu(gate, inplace=True).mul_(up), layer.down, backend)
-            x += down if tp is None else tp.all_reduce(down)
+            pending = down if tp is None else tp.all_reduce(down)
+        if pending is not None:
+            x += pending
         if not (meta.is_decode and meta.logits_indices.shape[0] == n):  # decode: every row, in order
             x = x[meta.logits_indices]
-        x = fast_rms_norm(x, self.norm, c.rms_eps)
+        x = add_rms_norm(x, None, self.norm, c.rms_eps, fused)
         logits = linear(x, self.embed if self.lm_head is None else self.lm_head, backend).float()
         return logits if tp is None else tp.gather_logits(logits)
 

@@ -38,12 +38,14 @@ OP_FAMILY = {
     "merge_attention_states": "merge_attention_states",
     "int8_linear": "int8_linear",
     "packed_linear": "packed_linear",
+    "rms_norm": "rms_norm",
 }
 # Ops whose checks read no index values (no `values=` switch).
-VALUE_FREE = ("merge_attention_states", "int8_linear", "packed_linear")
+VALUE_FREE = ("merge_attention_states", "int8_linear", "packed_linear", "rms_norm")
 # Ops with a native CPU kernel only: weight-only int8 serves bandwidth-bound CPU decode, the packed
-# float32 matmul the CPU's small-batch projections (GPUs have cuBLAS for both).
-CPU_ONLY = ("int8_linear", "packed_linear")
+# float32 matmul the CPU's small-batch projections, the fused RMSNorm the CPU's per-op overhead (GPUs have
+# cuBLAS and torch's fused norm).
+CPU_ONLY = ("int8_linear", "packed_linear", "rms_norm")
 
 try:  # importing the extension registers torch.ops.minisched.*
     from minisched import _C  # noqa: F401
@@ -243,4 +245,14 @@ def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, *, backend: B
     if out is None:
         out = x.new_empty((x.shape[0], n))
     call_op("packed_linear", (x, w_packed, out), backend)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, delta: Optional[torch.Tensor] = None,
+             backend: Backend = "native", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of x [M, D] (float32) times weight [D]; with `delta` [M, D], first x += delta in place
+    (the residual add, fused). Returns out [M, D]."""
+    if out is None:
+        out = torch.empty_like(x)
+    call_op("rms_norm", (x, delta, weight, eps, out), backend)
     return out

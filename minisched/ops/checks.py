@@ -14,6 +14,8 @@ and on GPU tensors whose page tables were validated on the host already).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -358,3 +360,23 @@ def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) ->
             _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
         if not t.is_contiguous():
             _fail(ValueError, op, f"{name} must be contiguous")
+
+
+def rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """x [M, D] float32 contiguous (updated in place when delta is given), delta None or [M, D], weight [D],
+    eps > 0, out [M, D] (csrc/checks.h: check_rms_norm)."""
+    op = "rms_norm"
+    for name, t in (("x", x), ("weight", weight), ("out", out)) + ((("delta", delta),) if delta is not None else ()):
+        check_dtype(op, name, t, (torch.float32, torch.float64))
+    if x.dim() != 2:
+        _fail(ValueError, op, f"x must have 2 dims (shape {tuple(x.shape)})")
+    check_shape(op, "weight", weight, (x.shape[1],))
+    check_shape(op, "out", out, tuple(x.shape))
+    if delta is not None:
+        check_shape(op, "delta", delta, tuple(x.shape))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+        _fail(ValueError, op, f"eps must be a positive finite number, got {eps!r}")
+    for name, t in (("x", x), ("weight", weight), ("out", out)) + ((("delta", delta),) if delta is not None else ()):
+        if t.device != x.device:
+            _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
+        check_contiguous(op, name, t)

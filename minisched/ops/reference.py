@@ -164,3 +164,11 @@ def unpack_linear_weight(w_packed: torch.Tensor, n: int) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> None:
     """out = x @ w.T for the packed weight, accumulated in float64."""
     out.copy_(x.double() @ unpack_linear_weight(w_packed, out.shape[1]).double().T)
+
+
+def rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """x += delta (when given), then out = x / sqrt(mean(x^2) + eps) * weight, in float64."""
+    if delta is not None:
+        x.add_(delta)
+    xd = x.double()
+    out.copy_(weight.double() * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)))
