@@ -224,21 +224,28 @@ def valid_rows(qo_indptr, num_qo):
     return want
 
 
-def run_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, splits, seed, empty=(), bug=None):
+def prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty=()):
+    """A random float64 prefill case (requests in `empty` lose their pages) and the reference's answer:
+    (q, qo_indptr, kv, scale, ref_out, ref_lse), shared with test_cuda_emulation_wgmma.py."""
     gen = torch.Generator().manual_seed(seed)
     kv = make_paged_kv(kv_lens, page_size, hkv, d, torch.float64, "cpu", gen=gen)
     if empty:
         kv = without_pages(kv, set(empty))
     qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
-    num_qo = int(qo_indptr[-1])
-    q = torch.randn((num_qo, hq, d), generator=gen, dtype=torch.float64)
+    q = torch.randn((int(qo_indptr[-1]), hq, d), generator=gen, dtype=torch.float64)
     scale = d ** -0.5
+    ref_out, ref_lse = torch.full_like(q, np.nan), torch.full(q.shape[:2], np.nan, dtype=torch.float64)
+    reference.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, ref_out, ref_lse)
+    return q, qo_indptr, kv, scale, ref_out.numpy(), ref_lse.numpy()
+
+
+def run_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, splits, seed, empty=(), bug=None):
+    q, qo_indptr, kv, scale, ref_out, ref_lse = prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed,
+                                                             empty)
     indptr, indices, last = (x.numpy() for x in kv.table)
     out, lse, counts = emulate_prefill(q.numpy(), qo_indptr.numpy(), kv.k_cache.numpy(), kv.v_cache.numpy(), indptr,
                                        indices, last, causal, scale, splits, bug=bug)
-    ref_out, ref_lse = torch.full_like(q, np.nan), torch.full(q.shape[:2], np.nan, dtype=torch.float64)
-    reference.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, ref_out, ref_lse)
-    return out, lse, counts, ref_out.numpy(), ref_lse.numpy(), qo_indptr.numpy(), num_qo
+    return out, lse, counts, ref_out, ref_lse, qo_indptr.numpy(), q.shape[0]
 
 
 def check(out, lse, counts, ref_out, ref_lse, qo_indptr, num_qo):

@@ -23,7 +23,7 @@ import torch
 from conftest import make_paged_kv
 from minisched.ops import reference
 from test_cuda_emulation import BLOCK_N, emulate_loader, locate_tile, tile_map
-from test_paged_decode_attention import without_pages
+from test_cuda_emulation_prefill import prefill_case
 
 ROWS, THREADS, WARPS = 128, 256, 8  # the CTA: 2 warpgroups x 64 rows
 T = np.arange(128)  # threads of one warpgroup
@@ -346,21 +346,13 @@ def test_accumulator_converts_to_register_a():
 
 
 def run_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty=(), bug=None):
-    gen = torch.Generator().manual_seed(seed)
-    kv = make_paged_kv(kv_lens, page_size, hkv, d, torch.float64, "cpu", gen=gen)
-    if empty:
-        kv = without_pages(kv, set(empty))
-    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
-    num_qo = int(qo_indptr[-1])
-    q = torch.randn((num_qo, hq, d), generator=gen, dtype=torch.float64)
-    scale = d ** -0.5
+    q, qo_indptr, kv, scale, ref_out, ref_lse = prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed,
+                                                             empty)
     indptr, indices, last = (x.numpy() for x in kv.table)
     out, lse, counts = emulate_prefill(q.numpy(), qo_indptr.numpy(), kv.k_cache.numpy(), kv.v_cache.numpy(), indptr,
                                        indices, last, causal, scale, bug=bug)
-    ref_out, ref_lse = torch.full_like(q, np.nan), torch.full(q.shape[:2], np.nan, dtype=torch.float64)
-    reference.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, ref_out, ref_lse)
     assert (counts == 1).all(), "each row written exactly once"
-    return out, lse, ref_out.numpy(), ref_lse.numpy()
+    return out, lse, ref_out, ref_lse
 
 
 def check(out, lse, ref_out, ref_lse):
