@@ -92,10 +92,6 @@ if [ "${SKIP_BUILD:-0}" = 1 ]; then
 else
   run_stage build "$(stage_limit "$BUILD_TIMEOUT" 230)" "$OUT/build.log" env MINISCHED_CUDA=1 $PY setup.py build_ext --inplace
 fi
-# build_ext --inplace does not install the package: `minisched.triton_kernels` (the top-level triton_kernels/,
-# mapped by pyproject's package-dir in an install) would not import, and every Triton case would fail.
-# A link gives the source tree the installed layout.
-[ -e minisched/triton_kernels ] || ln -s ../triton_kernels minisched/triton_kernels
 $PY -c "import minisched.triton_kernels.paged_decode_attention" >> "$OUT/env.txt" 2>&1 \
   || echo "minisched.triton_kernels does not import (see env.txt)" | tee -a "$OUT/env.txt"
 SO=$(ls minisched/_C*.so 2>/dev/null | head -1)
