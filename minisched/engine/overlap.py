@@ -75,7 +75,7 @@ class OverlapLoop:
             return sched.take_finished()
         except BaseException as exc:
             self._drain()
-            sched.fail_launched(f"{type(exc).__name__}: {exc}")
+            sched.fail_in_flight(f"{type(exc).__name__}: {exc}")
             raise
 
     def _drain(self) -> None:

@@ -19,7 +19,7 @@ class Event:
     src: ReqStatus | None  # None: the request just arrived
     dst: ReqStatus
     prompt_len: int
-    output_len: int
+    output_len: int  # tokens sampled, or being sampled by a launched step
     kv_len: int
     cached_len: int  # prefix tokens reused from the radix cache at (last) admission
     note: str = ""

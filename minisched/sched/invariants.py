@@ -4,29 +4,43 @@
 - each radix node's lock count == the live requests whose prefix passes through it;
 - each live request sits in exactly the queue its status names (waiting, running, the
   carried chunk), and its token counts and page table agree with that state (`Req.check`);
-- overlap scheduling: a batch may be launched (its tokens pending); the requests held back at
-  their length limit (`_limbo`) are live too, and only launched batches' rows have placeholders.
+- a batch may be launched (its tokens pending); the requests held back at their length limit
+  (`in_flight.limbo`) are live too, and only launched batches' rows have placeholders.
 
 Pure Python; raises AssertionError.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from minisched.sched.req import ReqStatus
+from minisched.sched.config import SchedulerConfig
+from minisched.sched.in_flight import InFlight
+from minisched.sched.kv_pool import KVPool
+from minisched.sched.radix_cache import RadixCache
+from minisched.sched.req import Req, ReqStatus
 
-if TYPE_CHECKING:
-    from minisched.sched.scheduler import Scheduler
+
+class SchedulerState(Protocol):
+    config: SchedulerConfig
+    pool: KVPool
+    tree: RadixCache
+    waiting: list[Req]
+    running: list[Req]
+    chunked_req: Req | None
+    reqs: dict[str, Req]
+    in_flight: InFlight
 
 
-def check_scheduler(sched: Scheduler) -> None:
-    assert sched._in_flight is None, "check_invariants called with a batch in flight"
+def check_scheduler(sched: SchedulerState) -> None:
+    flight = sched.in_flight
+    assert flight.built is None, "check_invariants called with a batch built but not launched"
+    assert not flight.aborted, "aborts pending with no batch built"
     tree, cfg = sched.tree, sched.config
     queues = [(sched.waiting, ReqStatus.WAITING), (sched.running, ReqStatus.RUNNING),
-              ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING), (sched._limbo, None)]
+              ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING), (flight.limbo, None)]
     assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, sched.reqs.values())), \
         "live requests != waiting + running + chunked + limbo"
-    futures = {f for b in sched._launched for f in b.future_ids if f < 0}
+    futures = flight.future_ids()
     locks: dict[int, int] = {}
     held: list[int] = []
     for queue, status in queues:

@@ -25,6 +25,23 @@ from minisched.sched.req import Req
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
 
 
+def take_admitted(waiting: list[Req], admitted: list[Req], aging: bool) -> list[Req]:
+    """The waiting queue without the admitted requests; with `aging`, every request that a later
+    arrival overtook counts one more overtake."""
+    k = len(admitted)
+    if all(a is w for a, w in zip(admitted, waiting[:k])):  # FCFS: a prefix
+        rest = waiting[k:]
+    else:
+        ids = {id(r) for r in admitted}
+        rest = [r for r in waiting if id(r) not in ids]
+    if aging and admitted:
+        newest = max(r.arrival_seq for r in admitted)
+        for r in rest:
+            if r.arrival_seq < newest:
+                r.overtaken += 1
+    return rest
+
+
 @dataclass
 class SchedulePolicy:
     name: str

@@ -111,6 +111,17 @@ class PrefillAdder:
         self._admit(req, req.kv_len, n, truncated)
         return True
 
+    def add_waiting(self, ordered: list[Req]) -> list[Req]:
+        """Offer waiting requests in policy order until a budget stops it; returns the admitted ones."""
+        admitted = []
+        for req in ordered:
+            result = self.add_one_req(req)
+            if self.can_run and self.can_run[-1] is req:
+                admitted.append(req)
+            if result is not AddResult.CONTINUE and result is not AddResult.DEFERRED:
+                break
+        return admitted
+
     def add_one_req(self, req: Req) -> AddResult:
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER

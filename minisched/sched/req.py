@@ -16,7 +16,7 @@ Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
   radix-cache pages locked through `last_node`, the rest are owned by the request.
 - A RUNNING request always has `kv_len == seq_len - 1`: its last sampled token is
   the next decode step's input.
-- `pending_ids` (overlap scheduling, overlap.py): placeholders (negative ids) for tokens
+- `pending_ids` (launched steps, scheduler.py): placeholders (negative ids) for tokens
   that launched steps are still computing; they follow `output_ids` and count in
   `seq_len` and `fill_ids`, so the next step is scheduled as if they were known. Readers
   of the output (streams, stop checks) see only `output_ids`.

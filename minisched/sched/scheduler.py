@@ -1,4 +1,4 @@
-"""The scheduler: request lifecycle over a paged KV pool and a radix cache (DESIGN.md §4).
+"""The scheduler: request lifecycle over a paged KV pool and a radix cache (docs/lifecycle.md).
 
 Engine-facing API (pure Python; no torch):
 
@@ -13,14 +13,26 @@ Engine-facing API (pure Python; no torch):
             finished = sched.process_batch_result(batch, tokens)
     # or simply: finished = sched.step(runner)    # the same loop body
     sched.abort(rid)                              # any state; False if unknown/done
-    sched.fail_in_flight("why")                   # the forward/sampling of `batch` raised: end its
-                                                  # requests with FinishReason.ERROR, release their KV
+    sched.fail_in_flight("why")                   # the step raised: end the requests of every
+                                                  # built or launched batch with FinishReason.ERROR
     sched.events, sched.step_stats, sched.check_invariants()
 
-Overlap scheduling (overlap.py): `launch(batch)` right after `get_next_batch` advances the
-state with placeholder tokens, the next `get_next_batch` may run while that batch computes,
-and `resolve(batch, tokens)` applies its tokens one step late (oldest launched batch first);
-`fail_launched("why")` ends every launched batch's requests.
+One way through a step, overlapped or not (in_flight.py): a built batch is *launched* --
+`launch(batch)` advances the state as if its sampled tokens were known (each row's `kv_len`
+becomes prefix + extend; each sampled row gets a placeholder token, a negative "future id",
+in `req.pending_ids`; a completed prompt joins `running`; a request whose placeholder reaches
+its length limit is held back in `limbo`, so it is never scheduled past its end) -- and then
+*resolved*: `resolve(batch, tokens)` replaces the placeholders by the sampled tokens, runs the
+finish checks and releases what ended. `process_batch_result` is launch-then-resolve at once;
+overlap scheduling (engine/overlap.py) builds step N+1 between the two calls of step N. A
+request found finished at resolve may already sit in the next launched batch: that token is
+dropped and the request gives back its KV as of the resolved steps (`InFlight.committed_len`),
+so the pool and the radix cache end exactly as without overlap. Rules that keep every page
+valid even if a launched step fails: the radix cache only learns pages written by resolved
+steps; no retraction while a batch is launched (`get_next_batch` waits for it instead); an
+abort releases at once with the committed length (a row of a built, unlaunched batch is
+released when that batch resolves, with the K/V its forward wrote). Pages freed under a
+running forward are only handed to later steps, whose forwards run after it.
 
 `stop_checker(req) -> bool` is called after each new token (engine-side stop strings;
 finish reason STOP_STR). Request ids must be unique among live requests.
@@ -30,48 +42,43 @@ its own (`Req.max_new_tokens`; reaching the clip ends it with LENGTH), so no req
 wait for more pages than exist. `max_new_tokens=0` prefills the prompt into the cache and
 ends with LENGTH and no tokens.
 
-One step (`get_next_batch`): prefill first — the carried chunked request, then waiting
-requests in policy order through the PrefillAdder (skipping, for one round, requests whose
-uncached prefix another request in the batch is computing: deferral.py); with
-`enable_mixed_chunk` the decode requests ride along and count against the chunk budget;
-otherwise decode the running requests, retracting some first if their next pages do not
-fit even after evicting the radix cache (retraction.py). At most
-`max_prefill_rounds_between_decodes` prefill-only rounds run while requests wait to decode.
-`process_batch_result` appends tokens, finishes requests and moves completed prefills into
-the running (decode) batch.
+Building a batch (`get_next_batch`, batch_builder.py): prefill first -- the carried chunked
+request, then waiting requests in policy order through the PrefillAdder; with
+`enable_mixed_chunk` the decode requests ride along; otherwise decode the running requests,
+retracting some first if their next pages do not fit even after evicting the radix cache
+(retraction.py). At most `max_prefill_rounds_between_decodes` prefill-only rounds run while
+requests wait to decode.
 
 Requests can also end inside `get_next_batch`, which then may return None: a lone running
 request whose next page does not exist (only if pages leaked), or, after `max_stalled_steps`
-steps with work but no batch, every request that is not running (FinishReason.ERROR with
-`req.error`). They are returned by the next `process_batch_result`, or by `take_finished()`
-when no batch was formed; `step()` does both, so callers never lose or spin on a request.
+steps with work but no batch, every request that is not running. They are returned by the
+next resolve, or by `take_finished()` when no batch was formed; `step()` does both.
 
-KV: after each prefill chunk a request's full pages are shared through the radix cache
-(its `page_ids` then start with locked tree pages); when it finishes, aborts or is
-retracted, its full pages stay in the cache (evictable) and the rest are freed. An
-abort of a request in the batch in flight takes effect at `process_batch_result`.
-`sched.reqs` maps rid -> live Req.
+KV: after each prefill chunk a request's full pages are shared through the radix cache; when
+it finishes, aborts or is retracted, its full pages stay in the cache (evictable) and the rest
+are freed. `sched.reqs` maps rid -> live Req.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Protocol, Sequence
 
+from minisched.sched import batch_builder
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.config import SchedulerConfig
-from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.events import Event, StepStats
+from minisched.sched.in_flight import InFlight
 from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool
-from minisched.sched import overlap
 from minisched.sched.policy import SchedulePolicy
-from minisched.sched.prefill_adder import AddResult, PrefillAdder
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import (FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason,
                                   new_request)
-from minisched.sched.retraction import fail_stalled, make_room_for_decode
+from minisched.sched.retraction import pick_victim, reestimate_ratio, stall_reason
 
 __all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
+
+LIVE = (ReqStatus.RUNNING, ReqStatus.PREFILLING)
 
 
 class ModelRunner(Protocol):
@@ -89,21 +96,15 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.reqs: dict[str, Req] = {}  # live requests
+        self.in_flight = InFlight()
         self.events: list[Event] = []
         self.step_stats: list[StepStats] = []
         self.new_token_ratio = config.init_new_token_ratio
         self.step_count = 0
-        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / config.new_token_ratio_decay_steps
-        self._prefill_rounds = 0  # prefill-only rounds since the last decode
-        self._in_flight: Batch | None = None
-        self._step_hits = 0
+        self.prefill_rounds = 0  # prefill-only rounds since the last decode
+        self.stalled = 0  # consecutive steps with work but no batch
+        self._finished_early: list[Req] = []  # ended outside resolve, not reported yet
         self._num_arrivals = 0
-        self._abort_pending: set[int] = set()  # id(req) of in-flight requests to abort
-        self._stalled = 0  # consecutive steps with work but no batch
-        self._finished_early: list[Req] = []  # finished inside get_next_batch (pool outgrown)
-        self._launched: list[Batch] = []  # overlap: batches computing, tokens not applied yet (oldest first)
-        self._limbo: list[Req] = []  # overlap: live, at their length limit, ending when their batch resolves
-        self._next_future = 0  # overlap: placeholder token ids are -1, -2, ...
 
     # -- requests -------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
@@ -115,73 +116,34 @@ class Scheduler:
         self._num_arrivals += 1
         self.reqs[rid] = req
         self.waiting.append(req)
-        self._record(req, None, ReqStatus.WAITING)
+        self.record(req, None, ReqStatus.WAITING)
         return req
 
     def abort(self, rid: str) -> bool:
-        """Abort in any state; False if `rid` is unknown or already done. A request in the
-        batch in flight is released when that batch's result arrives (its pages stay valid
-        while the forward pass writes them)."""
+        """Abort in any state; False if `rid` is unknown or already done. A row of the built,
+        unlaunched batch is released when that batch resolves (its forward may be writing its
+        pages); anywhere else the request is released now, with its committed KV."""
         req = self.reqs.get(rid)
         if req is None:
             return False
-        if self._in_flight is not None and any(r is req for r in self._in_flight.reqs):
-            self._abort_pending.add(id(req))
-            return True
-        if self._launched:
-            overlap.abort_launched(self, req)
-            return True
-        self._unlink(req)
-        self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
+        if self.in_flight.in_built(req):
+            self.in_flight.aborted.add(id(req))
+        else:
+            self.end(req, self.in_flight.committed_len(req), ReqStatus.ABORTED, FinishReason.ABORT)
         return True
 
-    def fail_in_flight(self, message: str) -> list[Req]:
-        """The batch in flight could not be computed (its forward, sampling or a stop checker
-        raised). Its live requests end with FinishReason.ERROR and release their KV: their
-        `kv_len` still counts only the tokens written by earlier steps, so only valid pages
-        reach the radix cache; the pages allocated for this step are freed. Returns them."""
-        batch, self._in_flight = self._in_flight, None
-        self._abort_pending.clear()
-        failed, self._finished_early = self._finished_early, []
-        if batch is None:
-            return failed
-        for req in batch.reqs:
-            if req.status not in (ReqStatus.RUNNING, ReqStatus.PREFILLING) or req.rid not in self.reqs:
-                continue
-            self._unlink(req)
-            req.error = message
-            self._release(req, ReqStatus.FINISHED, FinishReason.ERROR)
-            failed.append(req)
-        return failed
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req is not None or self.in_flight.limbo)
 
     def take_finished(self) -> list[Req]:
-        """Requests that ended outside `process_batch_result` (failed with a step, or outgrew
-        the pool while a batch was built) and were not reported yet; reported once."""
+        """Requests that ended outside resolve (failed with a step, or outgrew the pool while a
+        batch was built) and were not reported yet; reported once."""
         done, self._finished_early = self._finished_early, []
         return done
 
-    def _unlink(self, req: Req) -> None:
-        if self._limbo and req in self._limbo:
-            self._limbo.remove(req)
-        elif req.status is ReqStatus.WAITING:
-            self.waiting.remove(req)
-        elif req is self.chunked_req:
-            self.chunked_req = None
-        elif req.status is ReqStatus.RUNNING:
-            self.running.remove(req)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req is not None or self._limbo)
-
-    # -- overlap scheduling (overlap.py) --------------------------------------
-    def launch(self, batch: Batch) -> None:
-        overlap.launch(self, batch)
-
-    def resolve(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
-        return overlap.resolve(self, batch, next_token_ids)
-
-    def fail_launched(self, message: str) -> list[Req]:
-        return overlap.fail_launched(self, message)
+    def finished_early(self, req: Req) -> None:
+        """`req` ended outside resolve: report it with the next finished list."""
+        self._finished_early.append(req)
 
     # -- one step -------------------------------------------------------------
     def step(self, runner: ModelRunner) -> list[Req]:
@@ -193,207 +155,236 @@ class Scheduler:
         try:
             tokens = runner.forward(batch)
         except BaseException as exc:  # KeyboardInterrupt included: never leave a batch in flight
-            self._finished_early = self.fail_in_flight(f"{type(exc).__name__}: {exc}")
+            self.fail_in_flight(f"{type(exc).__name__}: {exc}")
             raise
         return self.process_batch_result(batch, tokens)
 
     def get_next_batch(self) -> Batch | None:
-        if self._in_flight is not None:
-            raise RuntimeError("get_next_batch called before process_batch_result of the previous batch")
+        if self.in_flight.built is not None:
+            raise RuntimeError("get_next_batch called before the previous batch was launched (or process_batch_result)")
         self.step_count += 1
-        k = self.config.max_prefill_rounds_between_decodes
-        decode_due = bool(self.running) and k is not None and self._prefill_rounds >= k
-        self._step_hits, n_retracted = 0, 0
-        batch = None if decode_due else self._prefill_batch()
-        if batch is not None and self.config.enable_mixed_chunk and self.running:
-            batch = self._mix(batch)
-        if batch is None and self.running and not (self._launched and not self._decode_fits()):
-            # (with a batch launched, no retraction: its tokens are resolved first, see overlap.py)
-            n_retracted = make_room_for_decode(self)
-            if self.running:
-                batch = self._decode_batch(n_retracted)
+        batch, n_retracted, hits = batch_builder.build(self)
         if batch is None:
-            self._stalled = self._stalled + 1 if self.has_work() and not self._launched else 0
-            if self._stalled >= self.config.max_stalled_steps:
-                fail_stalled(self)
+            self.stalled = self.stalled + 1 if self.has_work() and not self.in_flight.launched else 0
+            if self.stalled >= self.config.max_stalled_steps:
+                self._fail_stalled()
             return None
-        self._stalled = 0
-        self._prefill_rounds = self._prefill_rounds + 1 if batch.mode is ForwardMode.PREFILL and self.running else 0
-        self._in_flight = batch
-        self._record_step(batch, n_retracted)
+        self.stalled = 0
+        self.prefill_rounds = self.prefill_rounds + 1 if batch.mode is ForwardMode.PREFILL and self.running else 0
+        self.in_flight.built = batch
+        self._record_step(batch, n_retracted, hits)
         return batch
 
     def process_batch_result(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
-        """Apply one step's sampled tokens (batch order); returns the requests that finished
-        (including any finished while the batch was built, e.g. by outgrowing the pool)."""
-        if batch is not self._in_flight:
-            raise RuntimeError("process_batch_result: not the batch returned by the last get_next_batch")
+        """Apply the sampled tokens (batch order) of the batch from the last `get_next_batch`:
+        launch and resolve at once. Returns the requests that finished (with any that ended
+        while the batch was built)."""
+        if batch is self.in_flight.built and len(next_token_ids) != len(batch.reqs):
+            raise ValueError(f"expected {len(batch.reqs)} tokens, got {len(next_token_ids)}")
+        self.launch(batch)
+        return self.resolve(batch, next_token_ids)
+
+    def launch(self, batch: Batch) -> None:
+        """The batch from the last `get_next_batch` goes to the forward: advance the state with
+        placeholder tokens for its sampled rows."""
+        flight = self.in_flight
+        if batch is not flight.built:
+            raise RuntimeError("launch: not the batch returned by the last get_next_batch")
+        flight.built = None
+        flight.launched.append(batch)
+        max_ctx, futures = self.config.max_context_len, []
+        for req, p, e, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled):
+            req.kv_len = p + e
+            if not sampled:  # a chunk that does not finish its prompt: it stays the carried request
+                futures.append(0)
+                continue
+            fid = flight.next_future()
+            futures.append(fid)
+            if req.max_new_tokens == 0:  # prefill only: ends at resolve, without a token
+                flight.limbo.append(req)
+                continue
+            req.pending_ids.append(fid)
+            done = len(req.output_ids) + len(req.pending_ids) >= req.max_new_tokens or p + e + 1 >= max_ctx
+            if req.status is ReqStatus.PREFILLING:
+                self.set_status(req, ReqStatus.RUNNING)
+                (flight.limbo if done else self.running).append(req)
+            elif done:
+                self.running.remove(req)
+                flight.limbo.append(req)
+        batch.future_ids = futures
+
+    def resolve(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
+        """The oldest launched batch's sampled tokens (batch order) arrived: apply them; returns
+        the requests that finished (and any that ended early)."""
+        flight = self.in_flight
+        if not flight.launched or batch is not flight.launched[0]:
+            raise RuntimeError("resolve: not the oldest launched batch")
         if len(next_token_ids) != len(batch.reqs):
             raise ValueError(f"expected {len(batch.reqs)} tokens, got {len(next_token_ids)}")
         finished, self._finished_early = self._finished_early, []
         try:
-            self._apply_tokens(batch, next_token_ids, finished)
-        except BaseException as exc:  # e.g. Ctrl-C in a stop checker: fail what was not applied yet
-            self._finished_early = finished + self.fail_in_flight(f"{type(exc).__name__}: {exc}")
+            self._apply(batch, next_token_ids, finished)
+        except BaseException as exc:  # e.g. Ctrl-C in a stop checker: fail what was not applied
+            self.fail_in_flight(f"{type(exc).__name__}: {exc}")
+            self._finished_early[:0] = finished
             raise
-        self._in_flight = None
+        flight.launched.pop(0)
         return finished
 
-    def _apply_tokens(self, batch: Batch, next_token_ids: Sequence[int], finished: list[Req]) -> None:
-        running, prefilling = ReqStatus.RUNNING, ReqStatus.PREFILLING
-        pending, max_ctx, checker = self._abort_pending, self.config.max_context_len, self.stop_checker
-        for req, p, e, sampled, tok in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
-                                           batch.sampled, next_token_ids):
-            status = req.status
-            if status is not running and status is not prefilling:
+    def _apply(self, batch: Batch, next_token_ids: Sequence[int], finished: list[Req]) -> None:
+        first_decode = batch.batch_size - batch.num_decode
+        checker, max_ctx, aborted = self.stop_checker, self.config.max_context_len, self.in_flight.aborted
+        for b, (req, p, e, sampled, fid, tok) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
+                                                             batch.sampled, batch.future_ids, next_token_ids)):
+            if req.status not in LIVE:
+                continue  # released while launched (abort, or finished by an earlier resolve): dropped
+            valid = p + e
+            if aborted and id(req) in aborted:
+                self.end(req, valid, ReqStatus.ABORTED, FinishReason.ABORT)
                 continue
-            req.kv_len = p + e
-            if pending and id(req) in pending:
-                self._unlink(req)
-                self._release(req, ReqStatus.ABORTED, FinishReason.ABORT)
+            if not sampled:
+                self.cache_unfinished(req, valid)
                 continue
-            if not sampled:  # a chunk that does not finish the prompt: the token is ignored
-                self._cache_unfinished(req)
-                continue
-            if req.max_new_tokens == 0:  # prefill only: the prompt is now cached, no token is kept
-                self._release(req, ReqStatus.FINISHED, FinishReason.LENGTH)
+            if req.max_new_tokens == 0:
+                self.end(req, valid, ReqStatus.FINISHED, FinishReason.LENGTH)
                 finished.append(req)
                 continue
+            if not req.pending_ids or req.pending_ids[0] != fid:
+                raise RuntimeError(f"{req.rid}: placeholder {fid} is not the oldest pending token")
             tok = int(tok)
+            req.pending_ids.pop(0)
             req.output_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            sp = req.sampling
-            if (len(req.output_ids) >= req.max_new_tokens or p + e + 1 >= max_ctx or checker is not None
-                    or tok in sp.stop_token_ids):
+            if (len(req.output_ids) >= req.max_new_tokens or valid + 1 >= max_ctx or checker is not None
+                    or tok in req.sampling.stop_token_ids):
                 reason = finish_reason(req, max_ctx, checker)
                 if reason is not None:
-                    if status is running:
-                        self.running.remove(req)
-                    self._release(req, ReqStatus.FINISHED, reason)
+                    self.end(req, valid, ReqStatus.FINISHED, reason)
                     finished.append(req)
                     continue
-            if status is prefilling:
-                self._cache_unfinished(req)
-                self._set_status(req, running)
-                self.running.append(req)
-        pending.clear()
+            if not req.pending_ids and req in self.in_flight.limbo:
+                raise RuntimeError(f"{req.rid}: held back at its length limit but not finished")
+            if b < first_decode:  # its prompt completed in this batch: share its pages
+                self.cache_unfinished(req, valid)
 
-    # -- batch building -------------------------------------------------------
-    def _prefill_batch(self) -> Batch | None:
-        cfg = self.config
-        if self.chunked_req is None and (not self.waiting or len(self.running) >= cfg.max_running_requests):
-            return None
-        defer = None
-        if cfg.in_batch_prefix_defer_tokens is not None and not self.tree.disable:
-            defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
-        mixed = len(self.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
-        adder = PrefillAdder(self.pool, self.tree, self.new_token_ratio, cfg.max_prefill_tokens, cfg.chunk_size,
-                             cfg.max_running_requests - len(self.running), self.running,
-                             cfg.clip_max_new_tokens_estimation, mixed, defer)
-        carried, self.chunked_req = self.chunked_req, None
-        if carried is not None and not adder.add_chunked_req(carried):
-            self.chunked_req = carried  # its pages do not fit yet: decode first
-            return None
-        if adder.new_chunked_req is None and self.waiting:
-            admitted, aging = [], self.policy.active(len(self.waiting)) != "fcfs"
-            for req in self.policy.order(self.waiting):
-                result = adder.add_one_req(req)
-                if adder.can_run and adder.can_run[-1] is req:
-                    admitted.append(req)
-                if result is not AddResult.CONTINUE and result is not AddResult.DEFERRED:
-                    break
-            if admitted:
-                k = len(admitted)
-                if all(a is w for a, w in zip(admitted, self.waiting[:k])):  # FCFS: a prefix
-                    del self.waiting[:k]
-                else:
-                    ids = {id(r) for r in admitted}
-                    self.waiting = [r for r in self.waiting if id(r) not in ids]
-                if aging:  # count overtakes
-                    newest = max(r.arrival_seq for r in admitted)
-                    for r in self.waiting:
-                        if r.arrival_seq < newest:
-                            r.overtaken += 1
-                now = time.monotonic()
-                for req in admitted:
-                    if req.first_scheduled_time is None:
-                        req.first_scheduled_time = now
-                    self._set_status(req, ReqStatus.PREFILLING)
-        self.chunked_req = adder.new_chunked_req
-        self._step_hits = adder.cache_hit_tokens
-        if not adder.can_run:
-            return None
-        return Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, self.config.page_size)
+    def fail_in_flight(self, message: str) -> list[Req]:
+        """A step failed (its forward, sampling or a stop checker raised, or the loop was
+        interrupted): every live request of every launched batch, and of the built one, ends
+        with FinishReason.ERROR and gives back its KV as of the resolved steps. With overlap
+        the caller lets the worker finish what it runs first (its results are dropped).
+        Returns the failed requests, also reported by `take_finished()`."""
+        batches = self.in_flight.take_all()
+        valid: dict[int, int] = {}
+        for batch in batches:
+            for r, p in zip(batch.reqs, batch.prefix_lens):
+                valid.setdefault(id(r), p)
+        failed = self.take_finished()
+        for batch in batches:
+            for req in batch.reqs:
+                if req.status in LIVE and self.reqs.get(req.rid) is req:
+                    req.error = message
+                    self.end(req, valid[id(req)], ReqStatus.FINISHED, FinishReason.ERROR)
+                    failed.append(req)
+        self._finished_early = failed
+        return list(failed)
 
-    def _mix(self, batch: Batch) -> Batch:
-        """Let the decode requests ride along with the prefill chunk if their pages fit."""
-        need = self.pool.decode_pages_needed(self.running)
-        if need > self.pool.num_free:
-            self.pool.free(self.tree.evict(need - self.pool.num_free))
-        if not self.pool.alloc_for_decode(self.running):
-            return batch
-        n = len(self.running)
-        return Batch(ForwardMode.MIXED, batch.reqs + self.running, batch.prefix_lens + [r.kv_len for r in self.running],
-                     batch.extend_lens + [1] * n, batch.page_size, batch.sampled + [True] * n, n)
+    # -- request state (also used by batch_builder.py) ------------------------
+    def unlink(self, req: Req) -> None:
+        """Take a live request out of whichever queue holds it."""
+        limbo = self.in_flight.limbo
+        if limbo and req in limbo:
+            limbo.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req is self.chunked_req:
+            self.chunked_req = None
+        elif req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
 
-    def _decode_batch(self, n_retracted: int) -> Batch:
-        cfg = self.config
-        if not n_retracted:  # (after a retraction _make_room_for_decode re-estimated it)
-            self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
-        if not self.pool.alloc_for_decode(self.running):
-            raise RuntimeError("decode pages do not fit after retraction")  # _make_room_for_decode ensures they do
-        reqs = list(self.running)
-        n = len(reqs)
-        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
-
-    def _decode_fits(self) -> bool:
-        need = self.pool.decode_pages_needed(self.running)
-        if need > self.pool.num_free:
-            self.pool.free(self.tree.evict(need - self.pool.num_free))
-        return need <= self.pool.num_free
-
-    # -- KV release -----------------------------------------------------------
-    def _retract(self, req: Req) -> None:
-        self._free_kv(req)
-        req.num_retractions += 1
-        self._set_status(req, ReqStatus.RETRACTED)
-        self._set_status(req, ReqStatus.WAITING)
-
-    def _release(self, req: Req, status: ReqStatus, reason: FinishReason) -> None:
-        """Finish or abort: KV into the radix cache, locks dropped, slot freed."""
-        self._free_kv(req)
+    def end(self, req: Req, kv_len: int, status: ReqStatus, reason: FinishReason) -> None:
+        """Finish or abort a live request holding `kv_len` tokens of valid K/V (placeholders dropped)."""
+        self.unlink(req)
+        req.pending_ids.clear()
+        req.kv_len = kv_len
+        self.in_flight.aborted.discard(id(req))
+        self.tree.cache_finished_req(req, self.pool)  # KV into the radix cache, locks dropped, rest freed
         req.finish_reason = reason
         req.finish_time = time.monotonic()
-        self._set_status(req, status, reason.value)
+        self.set_status(req, status, reason.value)
         del self.reqs[req.rid]
 
-    def _free_kv(self, req: Req) -> None:
+    def retract(self, req: Req) -> None:
+        """Back to waiting (the caller queues it): its full pages stay cached, the rest are freed."""
         self.tree.cache_finished_req(req, self.pool)
+        req.num_retractions += 1
+        self.set_status(req, ReqStatus.RETRACTED)
+        self.set_status(req, ReqStatus.WAITING)
 
-    def _cache_unfinished(self, req: Req, kv_len: int | None = None) -> None:
+    def cache_unfinished(self, req: Req, kv_len: int) -> None:
         self.tree.cache_unfinished_req(req, self.pool, kv_len)
 
-    # -- events and stats -----------------------------------------------------
-    def _record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:
-        self.events.append(Event(time.monotonic(), self.step_count, req.rid, src, dst, req.prompt_len,
-                                 len(req.output_ids), req.kv_len, req.cache_hit_tokens, note))
+    def make_room_for_decode(self) -> int:
+        """Evict, then retract until the next decode step's pages fit (victims: retraction.py),
+        then re-estimate new_token_ratio. Returns the number of retracted requests."""
+        pool, running, retracted = self.pool, self.running, []
+        while True:
+            need = pool.decode_pages_needed(running)
+            if need > pool.num_free:
+                pool.free(self.tree.evict(need - pool.num_free))
+            if need <= pool.num_free:
+                break
+            if len(running) == 1 and self.chunked_req is None:
+                # it alone outgrew the pool: only possible if pages leaked (arrival clips max_new_tokens)
+                req = running[0]
+                self.end(req, req.kv_len, ReqStatus.FINISHED, FinishReason.LENGTH)
+                self.finished_early(req)
+                break
+            if len(running) == 1:
+                victim, self.chunked_req = self.chunked_req, None
+            else:
+                victim = pick_victim(running)
+                running.remove(victim)
+            self.retract(victim)
+            retracted.append(victim)
+        if retracted:
+            self.waiting[:0] = retracted
+            if running:
+                self.new_token_ratio = reestimate_ratio(running, self.config.retract_decode_steps)
+        return len(retracted)
 
-    def _set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
-        self._record(req, req.status, dst, note)
+    def _fail_stalled(self) -> None:
+        """Work but no batch for `max_stalled_steps` steps with nothing running cannot resolve
+        itself: end the stuck requests (retraction.stall_reason says how)."""
+        stuck = ([self.chunked_req] if self.chunked_req is not None else []) + list(self.waiting)
+        for req in stuck:
+            reason, req.error = stall_reason(req, self.pool, self.tree, self.stalled)
+            self.end(req, req.kv_len, ReqStatus.FINISHED, reason)
+            self.finished_early(req)
+        self.stalled = 0
+
+    # -- events and stats -----------------------------------------------------
+    def record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:
+        # output_len counts placeholders: a prompt completes (-> RUNNING) at launch, which the plain
+        # step does right after the forward sampled its first token.
+        self.events.append(Event(time.monotonic(), self.step_count, req.rid, src, dst, req.prompt_len,
+                                 len(req.output_ids) + len(req.pending_ids), req.kv_len, req.cache_hit_tokens,
+                                 note))
+
+    def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
+        self.record(req, req.status, dst, note)
         req.status = dst
 
-    def _record_step(self, batch: Batch, n_retracted: int) -> None:
+    def _record_step(self, batch: Batch, n_retracted: int, hits: int) -> None:
         pool, tree = self.pool, self.tree
         decode = batch.num_decode
         self.step_stats.append(StepStats(
             self.step_count, time.monotonic(), batch.mode.value, batch.batch_size, batch.num_tokens - decode, decode,
             len(self.running), len(self.waiting), pool.num_free, tree.total_pages, tree.evictable_pages,
-            1 - (pool.num_free + tree.evictable_pages) / pool.num_pages, self._step_hits, n_retracted,
+            1 - (pool.num_free + tree.evictable_pages) / pool.num_pages, hits, n_retracted,
             self.new_token_ratio))
 
-    # -- invariants -----------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError unless the pool, the radix cache and the queues agree
-        (invariants.py). Call between steps (no batch in flight)."""
+        (invariants.py). Call between steps (no batch built and not launched)."""
         check_scheduler(self)

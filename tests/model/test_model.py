@@ -186,7 +186,9 @@ def test_logits_match_transformers(hf, engine):
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(dense_forward(engine.model, torch.tensor(ids)), want, atol=1e-4, rtol=1e-4)
+    # float32 sums in another order (packed_linear's micro-kernel vs the BLAS transformers calls) differ by
+    # ~1e-4 on logits of magnitude ~20 (1.2e-4 seen on an AVX-512 machine); greedy equality is checked below.
+    torch.testing.assert_close(dense_forward(engine.model, torch.tensor(ids)), want, atol=3e-4, rtol=1e-4)
     got = paged_logits(engine.model, [ids], [0], 16, engine.backend)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
 

@@ -1,4 +1,4 @@
-"""Overlap scheduling at the scheduler level (minisched/sched/overlap.py), with the fake runner.
+"""Overlap scheduling at the scheduler level (launch / resolve in minisched/sched/scheduler.py), with the fake runner.
 
 The engine's forward worker is emulated: a launched batch is computed at once (the worker runs
 steps in launch order), its inputs' placeholders swapped for the tokens earlier steps sampled,
@@ -161,7 +161,7 @@ def test_length_limit_is_never_scheduled_past():
     assert runner.num_forward == 5  # no forward for a token past max_new_tokens
 
 
-def test_fail_launched_releases_only_written_kv():
+def test_fail_in_flight_releases_only_written_kv():
     sched, launched = _sched(page_size=2), deque()
     runner = FutureFakeRunner(64, 2, VOCAB)
     a = sched.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=30))
@@ -169,7 +169,7 @@ def test_fail_launched_releases_only_written_kv():
         overlap_step(sched, runner, launched)
     assert len(launched) == 1 and a.pending_ids
     committed = launched[0][0].prefix_lens[0]
-    failed = sched.fail_launched("boom")
+    failed = sched.fail_in_flight("boom")
     assert failed == [a] and a.finish_reason is FinishReason.ERROR and a.error == "boom"
     assert sched.take_finished() == [a] and not sched.has_work() and not a.pending_ids
     sched.check_invariants()
@@ -182,7 +182,7 @@ def test_misuse_is_a_clear_error(bad):
     sched.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=3))
     batch = sched.get_next_batch()
     if bad == "get_next_batch":
-        with pytest.raises(RuntimeError, match="before process_batch_result"):
+        with pytest.raises(RuntimeError, match="before the previous batch was launched"):
             sched.get_next_batch()
     else:
         with pytest.raises(RuntimeError, match="oldest launched"):

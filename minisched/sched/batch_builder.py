@@ -1,0 +1,125 @@
+"""Building one step's batch: prefill first, mixed chunks, decode with retraction (scheduler.py).
+
+`build(sched)` returns (batch or None, requests retracted, prefix tokens reused). Order:
+1. unless a decode is due (`max_prefill_rounds_between_decodes` prefill-only rounds ran while
+   requests wait to decode), a prefill batch: the carried chunked request first, then waiting
+   requests in policy order through the PrefillAdder (skipping, for one round, requests whose
+   uncached prefix another request in the batch is computing: deferral.py);
+2. with `enable_mixed_chunk`, the running requests ride along if their pages fit;
+3. otherwise decode the running requests, retracting some first if their next pages do not
+   fit even after evicting the radix cache -- but never while a batch is launched: its tokens
+   are resolved first (overlap scheduling), so a retracted request never has placeholders.
+
+It reads and changes the scheduler's queues through the `Queues` protocol below (the
+Scheduler implements it). Pure Python.
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from minisched.sched.batch import Batch, ForwardMode
+from minisched.sched.config import SchedulerConfig
+from minisched.sched.deferral import InBatchPrefixes
+from minisched.sched.in_flight import InFlight
+from minisched.sched.kv_pool import KVPool
+from minisched.sched.policy import SchedulePolicy, take_admitted
+from minisched.sched.prefill_adder import PrefillAdder
+from minisched.sched.radix_cache import RadixCache
+from minisched.sched.req import Req, ReqStatus
+
+
+class Queues(Protocol):
+    config: SchedulerConfig
+    pool: KVPool
+    tree: RadixCache
+    policy: SchedulePolicy
+    waiting: list[Req]
+    running: list[Req]
+    chunked_req: Req | None
+    new_token_ratio: float
+    prefill_rounds: int
+    in_flight: InFlight
+
+    def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None: ...
+
+    def make_room_for_decode(self) -> int: ...
+
+
+def build(sched: Queues) -> tuple[Batch | None, int, int]:
+    cfg = sched.config
+    k = cfg.max_prefill_rounds_between_decodes
+    decode_due = bool(sched.running) and k is not None and sched.prefill_rounds >= k
+    batch, hits = (None, 0) if decode_due else prefill_batch(sched)
+    n_retracted = 0
+    if batch is not None and cfg.enable_mixed_chunk and sched.running:
+        batch = mix(sched, batch)
+    if batch is None and sched.running and not (sched.in_flight.launched and not decode_fits(sched)):
+        n_retracted = sched.make_room_for_decode()
+        if sched.running:
+            batch = decode_batch(sched, n_retracted)
+    return batch, n_retracted, hits
+
+
+def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
+    """(the prefill batch or None, prefix tokens its admitted requests reuse)."""
+    cfg = sched.config
+    if sched.chunked_req is None and (not sched.waiting or len(sched.running) >= cfg.max_running_requests):
+        return None, 0
+    defer = None
+    if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
+        defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
+    mixed = len(sched.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
+    adder = PrefillAdder(sched.pool, sched.tree, sched.new_token_ratio, cfg.max_prefill_tokens, cfg.chunk_size,
+                         cfg.max_running_requests - len(sched.running), sched.running,
+                         cfg.clip_max_new_tokens_estimation, mixed, defer)
+    carried, sched.chunked_req = sched.chunked_req, None
+    if carried is not None and not adder.add_chunked_req(carried):
+        sched.chunked_req = carried  # its pages do not fit yet: decode first
+        return None, 0
+    if adder.new_chunked_req is None and sched.waiting:
+        admitted = adder.add_waiting(sched.policy.order(sched.waiting))
+        if admitted:
+            sched.waiting = take_admitted(sched.waiting, admitted,
+                                          aging=sched.policy.active(len(sched.waiting)) != "fcfs")
+            now = time.monotonic()
+            for req in admitted:
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                sched.set_status(req, ReqStatus.PREFILLING)
+    sched.chunked_req = adder.new_chunked_req
+    if not adder.can_run:
+        return None, adder.cache_hit_tokens
+    return (Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size),
+            adder.cache_hit_tokens)
+
+
+def mix(sched: Queues, batch: Batch) -> Batch:
+    """Let the decode requests ride along with the prefill chunk if their pages fit."""
+    running = sched.running
+    if not decode_fits(sched) or not sched.pool.alloc_for_decode(running):
+        return batch
+    n = len(running)
+    return Batch(ForwardMode.MIXED, batch.reqs + running, batch.prefix_lens + [r.kv_len for r in running],
+                 batch.extend_lens + [1] * n, batch.page_size, batch.sampled + [True] * n, n)
+
+
+def decode_batch(sched: Queues, n_retracted: int) -> Batch:
+    cfg = sched.config
+    if not n_retracted:  # (after a retraction make_room_for_decode re-estimated it)
+        decay = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
+        sched.new_token_ratio = max(cfg.min_new_token_ratio, sched.new_token_ratio - decay)
+    if not sched.pool.alloc_for_decode(sched.running):
+        raise RuntimeError("decode pages do not fit after retraction")  # make_room_for_decode ensures they do
+    reqs = list(sched.running)
+    n = len(reqs)
+    return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
+
+
+def decode_fits(sched: Queues) -> bool:
+    """Do the running requests' next pages fit, after evicting the radix cache as needed?"""
+    pool = sched.pool
+    need = pool.decode_pages_needed(sched.running)
+    if need > pool.num_free:
+        pool.free(sched.tree.evict(need - pool.num_free))
+    return need <= pool.num_free
