@@ -18,7 +18,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minisched import ops  # noqa: E402
-from minisched.ops.page_table import build_csr  # noqa: E402
+from minisched.base.page_table import build_csr  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -106,10 +106,10 @@ def make_engine(args):
 
 
 def tp_source(args):
-    """What every tensor-parallel rank loads (minisched.dist.ModelSource)."""
+    """What every tensor-parallel rank loads (minisched.parallel.ModelSource)."""
     import torch
 
-    from minisched.dist import ModelSource
+    from minisched.parallel import ModelSource
 
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     return ModelSource(args.model, dtype=dtype)
@@ -119,7 +119,7 @@ def _make_tp_engine(args, kwargs):
     """`--tp N`: rank 0's engine; the other ranks are spawned here (or run by torchrun) and stopped at exit."""
     import atexit
 
-    from minisched.dist import TPSession
+    from minisched.parallel import TPSession
 
     if args.tp < 1:
         raise CLIError(f"--tp must be >= 1, got {args.tp}")
@@ -146,7 +146,7 @@ def run_tp_worker(args):
 
     if getattr(args, "tp", 1) <= 1 or int(os.environ.get("RANK", "0")) == 0:
         return None
-    from minisched.dist import run_torchrun_worker
+    from minisched.parallel import run_torchrun_worker
 
     return run_torchrun_worker(tp_source(args), args.device, timeout=args.tp_timeout, num_threads=args.threads)
 

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from minisched.base.values import cdiv
 from minisched.model.llama import ForwardMeta, LlamaModel
 
 
@@ -85,7 +86,7 @@ class CudaGraphRunner:
         self.model, self.kv_cache, self.page_size, self.backend = model, kv_cache, page_size, backend
         self.scratch_page = scratch_page
         self.buckets = buckets_for(max_batch)
-        self.max_pages = -(-max_context_len // page_size)
+        self.max_pages = cdiv(max_context_len, page_size)
         dev, n = kv_cache.device, self.buckets[-1]
         i32 = dict(dtype=torch.int32, device=dev)
         self.ids = torch.zeros(n, **i32)

@@ -36,7 +36,8 @@ from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.options import is_int, pick_backend, pool_pages, want_cuda_graph
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
-from minisched.engine.runner import ModelRunner, ThreadTuner, default_num_threads
+from minisched.engine.runner import ModelRunner
+from minisched.engine.threads import ThreadTuner, default_num_threads
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -110,7 +111,7 @@ class Engine:
             page_size=page_size, num_pages=num_pages, max_context_len=max_context_len, chunk_size=chunk_size,
             max_prefill_tokens=max_prefill_tokens, max_running_requests=max_running_requests, policy=policy,
             enable_radix_cache=enable_radix_cache, enable_mixed_chunk=enable_mixed_chunk, **scheduler_kwargs)
-        # runner_factory: ModelRunner's signature; minisched.dist passes its tensor-parallel runner
+        # runner_factory: ModelRunner's signature; minisched.parallel passes its tensor-parallel runner
         self.runner = (runner_factory or ModelRunner)(
             self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade, check=check,
             thread_tuner=tuner if self.device.type == "cpu" else None)

@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 import importlib.util
-import numbers
 import os
 from typing import Optional
 
 import torch
 
+from minisched.base.values import cdiv, is_int
 from minisched import ops
 from minisched.model.config import ModelConfig
 
 CPU_DEFAULT_POOL_TOKENS = 16384
-
-
-def is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def pick_backend(backend: str, device: torch.device) -> str:
@@ -84,7 +80,7 @@ def pool_pages(cfg: ModelConfig, itemsize: int, device: torch.device, page_size:
         elif device.type == "cuda":
             num_pages = int(avail * 0.85) // per_page
         else:
-            num_pages = -(-CPU_DEFAULT_POOL_TOKENS // page_size)
+            num_pages = cdiv(CPU_DEFAULT_POOL_TOKENS, page_size)
     if not isinstance(num_pages, int) or num_pages < 2:
         raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages} "
                          f"(page_size={page_size}, {per_page} bytes per page)")

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minisched.base.values import cdiv
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
        7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
@@ -79,7 +81,7 @@ class GGUFFile:
             qtype, offset = self._unpack("<IQ")
             infos.append((name, tuple(int(d) for d in dims), qtype, offset))
         align = int(self.metadata.get("general.alignment", 32))
-        start = -(-self._pos // align) * align
+        start = cdiv(self._pos, align) * align
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.tensors: dict[str, GGUFTensor] = {}

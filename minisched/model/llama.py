@@ -7,10 +7,10 @@ attention from `minisched.ops` -- prefill (ragged, causal), decode (one query pe
 cascade decode (shared prefix + own suffix). All batch metadata comes in a `ForwardMeta`:
 there is no module-level state.
 
-Tensor parallelism (minisched/dist) hooks in at four points through `model.tp`, None by default
+Tensor parallelism (minisched/parallel) hooks in at four points through `model.tp`, None by default
 (the single-process path, unchanged): the embedding lookup (`tp.embed`), the partial sums after
 the O and down projections (`tp.all_reduce`) and the logits (`tp.gather_logits`). A sharded
-model holds its rank's heads, MLP columns and vocabulary rows; `minisched.dist.shard` builds it.
+model holds its rank's heads, MLP columns and vocabulary rows; `minisched.parallel.shard` builds it.
 
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in float32 then cast back; RoPE
 cos/sin from float32 `position * inv_freq`; logits in float32.
@@ -26,7 +26,7 @@ from torch import nn
 
 from minisched import ops
 from minisched.model.config import ModelConfig
-from minisched.model.quant import embedding, linear
+from minisched.model.linear import embedding, linear
 
 PageTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_indptr, kv_indices, kv_last_page_len
 
@@ -138,7 +138,7 @@ class LlamaModel(nn.Module):
             layer.gate_up = nn.Parameter(torch.empty(2 * i, h, **kw), requires_grad=False)
             layer.down = nn.Parameter(torch.empty(h, i, **kw), requires_grad=False)
             self.layers.append(layer)
-        self.tp = None  # a minisched.dist.shard.TPShard on a tensor-parallel rank
+        self.tp = None  # a minisched.parallel.shard.TPShard on a tensor-parallel rank
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisched import ops
+from minisched.model.linear import plain
 from minisched.model.packed import PackedWeight
 
 QUANT_MODES = ("none", "int8")
@@ -55,25 +55,6 @@ class Int8Weight(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         return ops.int8_linear(x, self.w_q, self.scales, backend="native" if backend == "native" else "torch")
-
-
-def linear(x: torch.Tensor, w, backend: str = "native") -> torch.Tensor:
-    """F.linear for a float weight, the int8 kernel for an Int8Weight, the packed kernel for a PackedWeight."""
-    if isinstance(w, (Int8Weight, PackedWeight)):
-        return w.linear(x, backend)
-    return F.linear(x, w)
-
-
-def embedding(ids: torch.Tensor, w) -> torch.Tensor:
-    """The embedding lookup, from a plain [V, H] weight or a tied model's packed head."""
-    if isinstance(w, PackedWeight):
-        return w.rows(ids)
-    return F.embedding(ids.long(), w)
-
-
-def plain(w) -> torch.Tensor:
-    """The [N, K] float weight behind w (a packed one unpacked)."""
-    return w.unpacked() if isinstance(w, PackedWeight) else w
 
 
 def group_size_for(k: int, group_size: int) -> int:

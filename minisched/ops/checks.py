@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from minisched.base.values import cdiv
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -347,7 +349,7 @@ def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) ->
         if t.dim() != dims:
             _fail(ValueError, op, f"{name} must have {dims} dims (shape {tuple(t.shape)})")
     (m, k), n = x.shape, out.shape[1]
-    panels = -(-n // 16)
+    panels = cdiv(n, 16)
     if tuple(w_packed.shape) != (panels, k, 16):
         _fail(ValueError, op, f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k}, 16) for x "
                               f"{tuple(x.shape)} and out {tuple(out.shape)} (pack the [N, K] weight with "

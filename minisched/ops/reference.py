@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from minisched.base.values import cdiv
+
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -149,7 +151,7 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: t
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels [ceil(N / 16), K, 16]: w_packed[p, k, j] = w[16 p + j, k], zero past N."""
     n, k = w.shape
-    panels = -(-n // 16)
+    panels = cdiv(n, 16)
     padded = w.new_zeros(panels * 16, k)
     padded[:n] = w
     return padded.view(panels, 16, k).transpose(1, 2).contiguous()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minisched.sched.kv_pool import build_page_table
+from minisched.base.page_table import build_csr
 from minisched.sched.req import Req
 
 
@@ -100,7 +100,7 @@ class Batch:
     def page_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kv_indptr, kv_indices, kv_last_page_len) over prefix + new tokens."""
         kv_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
-        return build_page_table([r.page_ids for r in self.reqs], kv_lens, self.page_size)
+        return build_csr([r.page_ids for r in self.reqs], kv_lens, self.page_size)
 
     def logits_indices(self) -> np.ndarray:
         """Row of each request's last new token in the flattened new tokens."""

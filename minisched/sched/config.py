@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minisched.base.values import is_int
 from minisched.sched.policy import POLICIES
 
 
@@ -56,9 +57,6 @@ class SchedulerConfig:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(f"SchedulerConfig: {msg}")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
 
         for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running_requests",
                      "new_token_ratio_decay_steps", "clip_max_new_tokens_estimation", "retract_decode_steps",

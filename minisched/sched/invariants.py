@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from minisched.base.values import cdiv
 from minisched.sched.config import SchedulerConfig
 from minisched.sched.in_flight import InFlight
 from minisched.sched.kv_pool import KVPool
@@ -48,7 +49,7 @@ def check_scheduler(sched: SchedulerState) -> None:
             assert all(f in futures for f in r.pending_ids), f"{r.rid}: a placeholder no launched batch computes"
             if status is None:  # limbo: a finished prompt or a token at the length limit is being computed
                 assert r.status in (ReqStatus.RUNNING, ReqStatus.PREFILLING), f"{r.rid}: {r.status} in limbo"
-                assert len(r.page_ids) == -(-r.kv_len // cfg.page_size), f"{r.rid}: pages != kv_len"
+                assert len(r.page_ids) == cdiv(r.kv_len, cfg.page_size), f"{r.rid}: pages != kv_len"
             else:
                 assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
                 r.check(cfg.page_size, cfg.max_context_len)

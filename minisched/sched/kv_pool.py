@@ -10,22 +10,15 @@ engine. A request's page table is `Req.page_ids` (page i holds its tokens
   tables for their next tokens, filling the partly filled last page first. They
   return False (allocating nothing) when the free list is too short; the caller
   evicts the radix cache or retracts and retries.
-- `build_page_table(...)`: the FlashInfer CSR page table of a batch.
 
 Pure Python + numpy; no torch.
 """
 from __future__ import annotations
 
-from itertools import chain
 from typing import Iterable, Sequence
 
-import numpy as np
-
+from minisched.base.values import cdiv
 from minisched.sched.req import Req
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVPool:
@@ -104,16 +97,3 @@ class KVPool:
         ps, pages = self.page_size, req.page_ids
         return [pages[i // ps] * ps + i % ps for i in range(start, end)]
 
-
-def build_page_table(page_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],
-                     page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """CSR page table (FlashInfer layout): `kv_indptr int32[B+1]`, `kv_indices int32[nnz]`,
-    `kv_last_page_len int32[B]` with 1 <= last_page_len <= page_size. Request b uses the
-    first `ceil(kv_lens[b] / page_size)` pages of `page_lists[b]`."""
-    npages = [cdiv(n, page_size) for n in kv_lens]
-    indptr = np.zeros(len(npages) + 1, dtype=np.int32)
-    np.cumsum(npages, out=indptr[1:])
-    indices = np.fromiter(chain.from_iterable(pl[:n] for pl, n in zip(page_lists, npages)),
-                          dtype=np.int32, count=int(indptr[-1]))
-    last = np.fromiter(((n - 1) % page_size + 1 for n in kv_lens), dtype=np.int32, count=len(npages))
-    return indptr, indices, last

@@ -27,7 +27,8 @@ import enum
 from dataclasses import dataclass, field
 
 from minisched.sched.deferral import InBatchPrefixes
-from minisched.sched.kv_pool import KVPool, cdiv
+from minisched.base.values import cdiv
+from minisched.sched.kv_pool import KVPool
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import Req
 

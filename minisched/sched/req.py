@@ -24,11 +24,11 @@ Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
 from __future__ import annotations
 
 import enum
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from minisched.base.values import cdiv, is_int, is_real
 
 
 class ReqStatus(enum.Enum):
@@ -47,14 +47,6 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # the context or pool limit (max_new_tokens clipped on arrival), or max_new_tokens=0
     ABORT = "abort"
     ERROR = "error"  # the step computing it failed (an exception in the model, sampling, a stop checker)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class InvalidRequest(ValueError):
@@ -81,24 +73,24 @@ class SamplingParams:
 
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
-            if not _is_real(v):
+            if not is_real(v):
                 raise bad(f"{name} must be a finite number, got {v!r}")
             object.__setattr__(self, name, float(v))
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise bad(f"top_k must be an int, -1 or >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise bad(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:  # 0: prefill only (fills the cache)
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:  # 0: prefill only (fills the cache)
             raise bad(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         for name in ("top_k", "seed", "max_new_tokens"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+                is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -166,7 +158,7 @@ class Req:
         n_out = len(self.output_ids) + len(self.pending_ids)
         assert n_out <= self.max_new_tokens and self.seq_len <= max_context_len, \
             f"{self.rid}: too many tokens ({len(self.output_ids)} out, {self.seq_len} total)"
-        assert len(self.page_ids) == -(-self.kv_len // page_size), \
+        assert len(self.page_ids) == cdiv(self.kv_len, page_size), \
             f"{self.rid}: {len(self.page_ids)} pages for kv_len {self.kv_len}"
         if self.status is ReqStatus.WAITING:
             assert self.kv_len == 0 and self.last_node is None, f"{self.rid}: waiting request holds KV"
@@ -203,7 +195,7 @@ def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, ma
     prompt = list(prompt_ids)
     if not prompt:
         raise InvalidRequest(f"request {rid!r}: empty prompt")
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    if not all(is_int(t) and t >= 0 for t in prompt):
         raise InvalidRequest(f"request {rid!r}: prompt ids must be non-negative ints")
     prompt = [int(t) for t in prompt]
     if len(prompt) >= max_context_len:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from minisched.sched.kv_pool import KVPool, cdiv
+from minisched.base.values import cdiv
+from minisched.sched.kv_pool import KVPool
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, Req
 

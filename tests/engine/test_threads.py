@@ -9,7 +9,7 @@ import torch
 
 from minisched import ops
 from minisched.engine import Engine
-from minisched.engine.runner import ThreadTuner, default_num_threads
+from minisched.engine.threads import ThreadTuner, default_num_threads
 from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import LlamaModel

@@ -17,7 +17,7 @@ from minisched import ops
 from minisched.model import weights
 from minisched.model.config import ModelConfig, preset
 from minisched.model.llama import ForwardMeta, LlamaModel, dense_forward
-from minisched.ops.page_table import build_csr, slots_of
+from minisched.base.page_table import build_csr, slots_of
 from minisched.sched.req import SamplingParams
 from minisched.model.sampling import make_generator, sample
 

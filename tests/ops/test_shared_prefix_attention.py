@@ -7,7 +7,7 @@ import torch
 from conftest import make_paged_kv, poison, randn, targets, to_ref
 from minisched import ops
 from minisched.ops import reference
-from minisched.ops.page_table import build_csr
+from minisched.base.page_table import build_csr
 
 TARGETS = targets("shared_prefix_attention")
 

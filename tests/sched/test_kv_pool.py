@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from minisched.sched.batch import Batch, ForwardMode
-from minisched.sched.kv_pool import KVPool, build_page_table, cdiv
+from minisched.base.values import cdiv
+from minisched.sched.kv_pool import KVPool
 from minisched.sched.req import Req, SamplingParams
 
 
@@ -77,16 +78,6 @@ def test_alloc_for_decode(page_size):
     tiny.alloc_for_extend(r, page_size)
     r.kv_len = page_size
     assert not tiny.alloc_for_decode([r]) and len(r.page_ids) == 1
-
-
-def test_build_page_table_csr():
-    indptr, indices, last = build_page_table([[5, 2, 9], [7], [1, 3]], [9, 4, 5], page_size=4)
-    assert indptr.tolist() == [0, 3, 4, 6] and indices.tolist() == [5, 2, 9, 7, 1, 3]
-    assert last.tolist() == [1, 4, 1]
-    assert indptr.dtype == indices.dtype == last.dtype == np.int32
-    # only the pages covering kv_len are used
-    indptr, indices, last = build_page_table([[5, 2, 9]], [4], page_size=4)
-    assert indices.tolist() == [5] and last.tolist() == [4]
 
 
 def test_batch_arrays():

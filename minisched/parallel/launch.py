@@ -35,11 +35,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from minisched.dist import protocol
-from minisched.dist.group import TPError, TPGroup, seconds
-from minisched.dist.runner import TPModelRunner, report_worker_error, worker_loop
-from minisched.dist.shard import check_tp, shard_model
-from minisched.dist.source import ModelSource
+from minisched.parallel import protocol
+from minisched.parallel.group import TPError, TPGroup, seconds
+from minisched.parallel.runner import TPModelRunner, report_worker_error, worker_loop
+from minisched.parallel.shard import check_tp, shard_model
+from minisched.parallel.source import ModelSource
 from minisched.model.llama import LlamaModel
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for the slowest rank
@@ -67,7 +67,7 @@ def rank_device(device, local_rank: int) -> torch.device:
 
 def default_threads(world: int) -> int:
     """CPU threads per rank: the usable cores shared out (ranks on one node compete for them)."""
-    from minisched.engine.runner import default_num_threads
+    from minisched.engine.threads import default_num_threads
 
     return max(1, default_num_threads() // world)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisched.dist import ModelSource, TPSession
+from minisched.parallel import ModelSource, TPSession
 from minisched.model import weights
 from minisched.sched.req import SamplingParams
 

@@ -10,15 +10,15 @@ sends them. The pieces, lowest first:
   runner.py    TPModelRunner (rank 0's ModelRunner, forward routed to every rank); worker_loop (ranks > 0)
   launch.py    ModelSource, TPSession (spawn or torchrun, readiness, heartbeats, failure detection, close)
 
-    from minisched.dist import ModelSource, TPSession
+    from minisched.parallel import ModelSource, TPSession
     with TPSession.start(2, ModelSource("smollm2")) as session:
         engine = session.engine(page_size=16)
         print(engine.generate(["Hello"])[0].text)
 """
-from minisched.dist.group import CommStats, TPError, TPGroup
-from minisched.dist.launch import (DEFAULT_STARTUP_TIMEOUT, DEFAULT_TIMEOUT, ModelSource, TPSession,
+from minisched.parallel.group import CommStats, TPError, TPGroup
+from minisched.parallel.launch import (DEFAULT_STARTUP_TIMEOUT, DEFAULT_TIMEOUT, ModelSource, TPSession,
                                    run_torchrun_worker, torchrun_env)
-from minisched.dist.shard import ShardPlan, TPShard, check_tp, shard_model
+from minisched.parallel.shard import ShardPlan, TPShard, check_tp, shard_model
 
 __all__ = ["CommStats", "DEFAULT_STARTUP_TIMEOUT", "DEFAULT_TIMEOUT", "ModelSource", "ShardPlan", "TPError",
            "TPGroup", "TPSession", "TPShard", "check_tp", "run_torchrun_worker", "shard_model", "torchrun_env"]

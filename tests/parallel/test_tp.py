@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisched.dist import ModelSource, ShardPlan, TPError, TPSession, protocol
+from minisched.parallel import ModelSource, ShardPlan, TPError, TPSession, protocol
 from minisched.engine import Engine
 from minisched.model.config import preset
 from minisched.model.tokenizer import MiniTokenizer

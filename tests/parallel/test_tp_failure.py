@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from minisched.dist import ModelSource, TPError, TPSession
+from minisched.parallel import ModelSource, TPError, TPSession
 from minisched.model.config import preset
 from minisched.sched.req import SamplingParams
 
@@ -63,7 +63,7 @@ def test_idle_longer_than_the_timeout_is_not_a_failure():
 
 def test_rank_0_loading_longer_than_the_timeout_is_not_a_failure(monkeypatch):
     """A worker ready first waits for rank 0 under the startup timeout, not the collective one."""
-    from minisched.dist import launch
+    from minisched.parallel import launch
 
     real = launch.shard_model
 

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from minisched.base.values import cdiv
 from minisched.model.config import ModelConfig
 from minisched.model.llama import LlamaModel
 
@@ -65,7 +66,7 @@ class ShardPlan:
         check_tp(cfg, world)
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for {world} ranks")
-        hq, ffn, rows = cfg.num_heads // world, cfg.intermediate_size // world, -(-cfg.vocab_size // world)
+        hq, ffn, rows = cfg.num_heads // world, cfg.intermediate_size // world, cdiv(cfg.vocab_size, world)
         if cfg.num_kv_heads >= world:
             hkv = cfg.num_kv_heads // world
             kv = (rank * hkv, (rank + 1) * hkv)

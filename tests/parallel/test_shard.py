@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from minisched.dist import protocol
-from minisched.dist.shard import ShardPlan, check_tp, shard_model
+from minisched.parallel import protocol
+from minisched.parallel.shard import ShardPlan, check_tp, shard_model
 from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
-from minisched.ops.page_table import build_csr, slots_of
+from minisched.base.page_table import build_csr, slots_of
 
 
 def layouts():

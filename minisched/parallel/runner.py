@@ -14,8 +14,8 @@ import sys
 import torch
 
 from minisched import ops
-from minisched.dist import protocol
-from minisched.dist.group import TPGroup
+from minisched.parallel import protocol
+from minisched.parallel.group import TPGroup
 from minisched.engine.runner import ModelRunner
 from minisched.model.llama import ForwardMeta, LlamaModel
 

@@ -1,4 +1,4 @@
-"""Page-table arithmetic for the FlashInfer-style CSR page table (DESIGN.md §2).
+"""Page-table arithmetic for the FlashInfer-style CSR page table (docs/architecture.md, "The paged KV cache").
 
 A request of kv_len tokens holds ceil(kv_len / page_size) pages; its last page
 holds last_page_len in 1..page_size tokens; token t lives at slot
@@ -11,10 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-
-def num_pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages needed to hold num_tokens tokens."""
-    return -(-num_tokens // page_size)
+from minisched.base.values import cdiv
 
 
 def last_page_len(kv_len: int, page_size: int) -> int:
@@ -25,7 +22,7 @@ def last_page_len(kv_len: int, page_size: int) -> int:
 
 
 def kv_len_of(num_pages: int, last_len: int, page_size: int) -> int:
-    """Inverse of (num_pages_for, last_page_len)."""
+    """Inverse of (cdiv(kv_len, page_size), last_page_len)."""
     return (num_pages - 1) * page_size + last_len
 
 
@@ -39,11 +36,10 @@ def slots_of(page_ids: Sequence[int], start: int, end: int, page_size: int) -> n
 def build_csr(
     page_lists: Sequence[Sequence[int]], kv_lens: Sequence[int], page_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(kv_indptr, kv_indices, kv_last_page_len) as int32 arrays for requests with these pages/lengths.
-
-    Only the pages a request's kv_len needs are used; extra trailing pages are ignored.
-    """
-    counts = [num_pages_for(n, page_size) for n in kv_lens]
+    """(kv_indptr int32[B+1], kv_indices int32[nnz], kv_last_page_len int32[B]) for requests with these
+    pages and lengths, 1 <= last_page_len <= page_size. Only the pages a request's kv_len needs are used;
+    extra trailing pages are ignored."""
+    counts = [cdiv(n, page_size) for n in kv_lens]
     for pages, n, c in zip(page_lists, kv_lens, counts):
         if len(pages) < c:
             raise ValueError(f"{n} tokens need {c} pages of {page_size}, request has {len(pages)}")
