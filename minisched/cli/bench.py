@@ -1,7 +1,7 @@
 """`minisched bench`: a synthetic serving workload, live status, summary, run JSON and trace."""
 from __future__ import annotations
 
-from minisched.cli.common import CLIError, check_output_path, make_engine, make_engine_like
+from minisched.cli.common import CLIError, check_output_path, engine_config, make_engine
 from minisched.cli.status import StatusLine
 
 
@@ -26,7 +26,8 @@ def cmd_bench(args) -> int:
     check_output_path(args.trace, "--trace")
     if args.url:
         return _bench_http(args)
-    engine = make_engine(args)
+    config = engine_config(args)
+    engine = make_engine(config)
     workload = bw.make_workload(args.workload, args.num_requests, args.rate, vocab=engine.cfg.vocab_size,
                                 seed=args.seed, scale=args.scale)
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in workload)
@@ -37,7 +38,7 @@ def cmd_bench(args) -> int:
     modes = ["continuous"] + (["static"] if args.compare == "static" else [])
     for mode in modes:
         if mode != modes[0]:
-            engine = make_engine_like(engine, args, enable_radix_cache=False)  # static: no prefix reuse
+            engine = engine.fresh(enable_radix_cache=False)  # static: no prefix reuse, same loaded model
         status = StatusLine(f"{args.workload}/{mode}", not args.no_progress)
         result = bw.run_workload(engine, workload, mode, static_batch=args.static_batch, progress=status)
         status.close()
@@ -45,7 +46,7 @@ def cmd_bench(args) -> int:
         runs.append(s)
         print(format_summary(s) + (" (interrupted: partial)" if result.interrupted else ""))
         records.append(bw.run_record(engine, result, config={"workload": args.workload, "mode": mode,
-                                                            "model": args.model or "smollm2",
+                                                            "model": engine.model_name,
                                                             "backend": engine.backend, "rate": args.rate,
                                                             "workload_stats": bw.workload_stats(workload),
                                                             "interrupted": result.interrupted}))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from minisched.cli.common import make_engine, sampling_from
+from minisched.cli.common import engine_config, make_engine, sampling_from
 
 HELP = "commands: /reset (new conversation), /exit (quit); Ctrl-C stops a reply"
 
@@ -23,7 +23,7 @@ def _read(prompt: str) -> str | None:
 
 
 def cmd_chat(args, read=_read, out=sys.stdout) -> int:
-    engine = make_engine(args)
+    engine = make_engine(engine_config(args))
     sampling = sampling_from(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)

@@ -81,59 +81,77 @@ def check_output_path(path: str | None, what: str) -> None:
         raise CLIError(f"{what} {path}: {problem}")
 
 
-def make_engine(args):
-    import torch
+def engine_config(args):
+    """The one EngineConfig of a command, from its engine options (CLIError on a bad value)."""
+    import dataclasses
 
+    from minisched.engine.config import EngineConfig, default_scheduler
+
+    try:
+        sched = dataclasses.replace(
+            default_scheduler(), page_size=args.page_size, chunk_size=args.chunk_size or None,
+            max_running_requests=args.max_running_requests, policy=args.policy,
+            enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk)
+        return EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype, backend=args.backend, num_pages=args.num_pages,
+            mem_fraction=args.mem_fraction, max_context_len=args.max_context_len, cascade=args.cascade,
+            num_threads=args.threads, overlap=args.overlap, cuda_graph=args.cuda_graph, quantize=args.quantize,
+            pack_weights=args.pack_weights, tp=args.tp, tp_timeout=args.tp_timeout, scheduler=sched)
+    except ValueError as exc:
+        raise CLIError(flag_names(str(exc))) from exc
+
+
+# EngineConfig / SchedulerConfig field -> the option that sets it, for one-line errors that name the flag
+FLAGS = {"num_threads": "--threads", "tp_timeout": "--tp-timeout", "tp": "--tp", "quantize": "--quantize",
+         "num_pages": "--num-pages", "mem_fraction": "--mem-fraction", "max_context_len": "--max-context-len",
+         "page_size": "--page-size", "chunk_size": "--chunk-size", "max_running_requests": "--max-running-requests",
+         "tensor parallelism": "--tp"}
+
+
+def flag_names(message: str) -> str:
+    import re
+
+    message = message.removeprefix("SchedulerConfig: ")
+    return re.sub(r"\b(" + "|".join(map(re.escape, FLAGS)) + r")\b", lambda m: FLAGS[m.group(1)], message)
+
+
+def make_engine(config):
+    """An Engine for `config` (under --tp N, rank 0's; the other ranks are spawned here)."""
     from minisched.engine import Engine
     from minisched.model.weights import ModelNotFound
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    kwargs = dict(backend=args.backend, page_size=args.page_size, num_pages=args.num_pages,
-                  mem_fraction=args.mem_fraction, max_context_len=args.max_context_len, policy=args.policy,
-                  chunk_size=args.chunk_size or None, max_running_requests=args.max_running_requests,
-                  enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk,
-                  cascade=args.cascade, num_threads=args.threads, overlap=args.overlap,
-                  cuda_graph=getattr(args, "cuda_graph", None), quantize=getattr(args, "quantize", "none"),
-                  pack_weights=getattr(args, "pack_weights", None))
     try:
-        if getattr(args, "tp", 1) != 1:
-            return _make_tp_engine(args, kwargs)
-        return Engine(args.model, device=args.device, dtype=dtype, **kwargs)
+        if config.tp != 1:
+            return _make_tp_engine(config)
+        return Engine(config=config)
     except ModelNotFound as exc:
         raise CLIError(f"model not found: {exc}") from exc
     except (ValueError, RuntimeError, ImportError) as exc:  # TPError is a RuntimeError
         raise CLIError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
 
 
-def tp_source(args):
+def tp_source(config):
     """What every tensor-parallel rank loads (minisched.parallel.ModelSource)."""
     import torch
 
     from minisched.parallel import ModelSource
 
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
-    return ModelSource(args.model, dtype=dtype)
+    dtype = getattr(torch, config.dtype) if config.dtype else (
+        torch.float32 if config.device == "cpu" else torch.bfloat16)
+    return ModelSource(config.model, dtype=dtype)
 
 
-def _make_tp_engine(args, kwargs):
+def _make_tp_engine(config):
     """`--tp N`: rank 0's engine; the other ranks are spawned here (or run by torchrun) and stopped at exit."""
     import atexit
 
     from minisched.parallel import TPSession
 
-    if args.tp < 1:
-        raise CLIError(f"--tp must be >= 1, got {args.tp}")
-    if getattr(args, "quantize", "none") != "none":
-        raise CLIError("--quantize with --tp is not supported (the ranks shard fp32 weights)")
-    if getattr(args, "dp", 1) > 1:
-        raise CLIError("--tp with --dp is not supported (the replicas are daemon processes: they cannot spawn ranks)")
-    if not args.tp_timeout > 0:
-        raise CLIError(f"--tp-timeout must be > 0, got {args.tp_timeout}")
-    session = TPSession.start(args.tp, tp_source(args), device=args.device, timeout=args.tp_timeout,
-                              num_threads=args.threads)
+    session = TPSession.start(config.tp, tp_source(config), device=config.device, timeout=config.tp_timeout,
+                              num_threads=config.num_threads)
     atexit.register(session.close)  # STOP to the workers however the command ends
     try:
-        return session.engine(**kwargs)
+        return session.engine(config)
     except BaseException:
         session.close()
         raise
@@ -148,7 +166,9 @@ def run_tp_worker(args):
         return None
     from minisched.parallel import run_torchrun_worker
 
-    return run_torchrun_worker(tp_source(args), args.device, timeout=args.tp_timeout, num_threads=args.threads)
+    config = engine_config(args)
+    return run_torchrun_worker(tp_source(config), config.device, timeout=config.tp_timeout,
+                               num_threads=config.num_threads)
 
 
 def sampling_from(args, overrides: dict | None = None) -> SamplingParams:
@@ -159,18 +179,3 @@ def sampling_from(args, overrides: dict | None = None) -> SamplingParams:
         return SamplingParams(**base)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-
-
-def make_engine_like(engine, args, enable_radix_cache: bool):
-    """A fresh engine (empty cache) on the same loaded model."""
-    from minisched.engine import Engine
-
-    kwargs = dict(tokenizer=engine.tokenizer, backend=args.backend, page_size=args.page_size,
-                  num_pages=engine.sched_config.num_pages, policy=args.policy, chunk_size=args.chunk_size or None,
-                  max_running_requests=args.max_running_requests, enable_radix_cache=enable_radix_cache,
-                  enable_mixed_chunk=args.mixed_chunk, cascade=args.cascade, overlap=engine.overlap,
-                  pack_weights=engine.pack_weights)
-    session = getattr(engine.runner, "session", None)
-    if session is not None:  # --tp: a new engine on the same ranks (it replaces their KV pools)
-        return session.engine(**kwargs)
-    return Engine(engine.model, **kwargs)

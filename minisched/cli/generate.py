@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from minisched.cli.common import SAMPLING_FIELDS, CLIError, make_engine, sampling_from
+from minisched.cli.common import SAMPLING_FIELDS, CLIError, engine_config, make_engine, sampling_from
 from minisched.cli.status import StatusLine
 from minisched.sched.req import SamplingParams
 
@@ -129,7 +129,7 @@ def _record(item: PromptItem, out) -> dict:
 
 def cmd_generate(args) -> int:
     items = read_prompts(args)
-    engine = make_engine(args)
+    engine = make_engine(engine_config(args))
     prompts, params = [i.prompt for i in items], [i.sampling for i in items]
     if args.stream:
         failed = _stream(engine, items, prompts, params, args)

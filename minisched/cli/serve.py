@@ -7,12 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import logging
 import os
 
-from minisched.cli.common import CLIError, engine_args, make_engine
+from minisched.cli.common import CLIError, engine_args, engine_config, make_engine
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -57,10 +56,11 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     name = args.served_model_name or args.model or "smollm2"
+    config = engine_config(args)
     if args.dp > 1:
-        engine, loop = _start_replicas(args)
+        engine, loop = _start_replicas(args, config)
     else:
-        engine, loop = make_engine(args), None
+        engine, loop = make_engine(config), None
     app = create_app(engine, model_name=name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                      engine_loop=loop)
     print(f"minisched serve: model {name!r} on http://{args.host}:{args.port}/v1 "
@@ -78,16 +78,15 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _replica_args(args, index: int):
-    """Replica `index`'s engine options: on CUDA, one device per replica (cuda:0, cuda:1, ...)."""
-    out = copy.copy(args)
-    if args.dp > 1 and args.device.startswith("cuda"):
-        base = int(args.device.split(":")[1]) if ":" in args.device else 0
-        out.device = f"cuda:{base + index}"
-    return out
+def replica_config(config, index: int):
+    """Replica `index`'s engine config: on CUDA, one device per replica (cuda:0, cuda:1, ...)."""
+    if not config.device.startswith("cuda"):
+        return config
+    base = int(config.device.split(":")[1]) if ":" in config.device else 0
+    return config.with_options(device=f"cuda:{base + index}")
 
 
-def _start_replicas(args):
+def _start_replicas(args, config):
     """`--dp N`: N engine processes behind this server (minisched/serve/dp.py); returns (EngineInfo, pool)."""
     from minisched.serve.dp import DataParallelLoop
     from minisched.serve.replica import ReplicaStartError
@@ -99,7 +98,7 @@ def _start_replicas(args):
                               balance_rel_threshold=args.router_balance_rel_threshold)
     except ValueError as exc:
         raise CLIError(f"--router: {exc}") from exc
-    factories = [functools.partial(make_engine, _replica_args(args, i)) for i in range(args.dp)]
+    factories = [functools.partial(make_engine, replica_config(config, i)) for i in range(args.dp)]
     print(f"minisched serve: starting {args.dp} engine replicas ...", flush=True)
     try:
         pool = DataParallelLoop(factories, router).start()

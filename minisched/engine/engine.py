@@ -31,9 +31,11 @@ from minisched.model.packed import pack_model, want_packed
 from minisched.model.quant import QuantConfig, quantize_model
 from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
-from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.sched.scheduler import Scheduler
 from minisched.engine.cuda_graph import CudaGraphRunner
-from minisched.engine.options import is_int, pick_backend, pool_pages, want_cuda_graph
+from minisched.base.values import is_int
+from minisched.engine.config import EngineConfig
+from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner
@@ -43,91 +45,105 @@ Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
 class Engine:
-    def __init__(self, model: Union[str, LlamaModel, None] = None, *, tokenizer: Optional[MiniTokenizer] = None,
-                 device: str = "cpu", dtype: Optional[torch.dtype] = None, page_size: int = 16,
-                 num_pages: Optional[int] = None, mem_fraction: Optional[float] = None,
-                 max_context_len: Optional[int] = None, policy: str = "fcfs", chunk_size: Optional[int] = 512,
-                 max_prefill_tokens: int = 4096, max_running_requests: int = 64, enable_radix_cache: bool = True,
-                 enable_mixed_chunk: bool = False, backend: str = "auto", cascade: bool = False,
-                 num_threads: Optional[int] = None, overlap: Optional[bool] = None,
-                 cuda_graph: Optional[bool] = None, quantize: str = "none", pack_weights: Optional[bool] = None,
-                 check: bool = False, seed: int = 0,
-                 runner_factory: Optional[Callable[..., ModelRunner]] = None, **scheduler_kwargs):
+    """`Engine(model, **options)` or `Engine(config=EngineConfig(...))`: options are EngineConfig and
+    SchedulerConfig fields (engine/config.py). `model` is a name or path (it sets `config.model`) or
+    a loaded `LlamaModel` (then `tokenizer=` is required). `runner_factory` takes ModelRunner's
+    arguments; tensor parallelism passes its own runner (minisched/parallel/launch.py)."""
+
+    def __init__(self, model: Union[str, LlamaModel, None] = None, *, config: Optional[EngineConfig] = None,
+                 tokenizer: Optional[MiniTokenizer] = None,
+                 runner_factory: Optional[Callable[..., ModelRunner]] = None, **options):
+        if isinstance(model, str):
+            options["model"] = model
+        elif model is not None and not isinstance(model, LlamaModel):
+            raise TypeError(f"model must be a name, a path or a LlamaModel, got {type(model).__name__}")
+        self.config = config = EngineConfig.from_options(config, **options)
+        self._runner_factory = runner_factory
         # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
-        # process may use (default_num_threads), chosen while serving by measuring (ThreadTuner), so a
-        # shared machine costs throughput in proportion to the cores taken. The OpenMP wait policy
-        # that goes with it is set in minisched/__init__.py (issue 14).
-        if num_threads is not None and (not is_int(num_threads) or num_threads < 1):
-            raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
-        if overlap is not None and not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True, False or None (the device's default), got {overlap!r}")
-        self.num_threads = num_threads or default_num_threads()
-        tuner = ThreadTuner(self.num_threads) if num_threads is None and self.num_threads > 1 else None
+        # process may use, chosen while serving by measuring (engine/threads.py), so a shared machine
+        # costs throughput in proportion to the cores taken. The OpenMP wait policy that goes with it is
+        # set in minisched/__init__.py.
+        self.num_threads = config.num_threads or default_num_threads()
+        tuner = ThreadTuner(self.num_threads) if config.num_threads is None and self.num_threads > 1 else None
         if self.num_threads != torch.get_num_threads():
             torch.set_num_threads(self.num_threads)
-        self.device = torch.device(device)
+        self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA device is available")
         # Weight-only int8 (model/quant.py): a CPU option for bandwidth-bound decode, checked before loading.
-        self.quant = QuantConfig(quantize)
+        self.quant = QuantConfig(config.quantize)
         if self.quant.enabled and (self.device.type != "cpu" or runner_factory is not None):
-            raise ValueError(f"quantize={quantize!r} runs on the CPU without tensor parallelism")
+            raise ValueError(f"quantize={config.quantize!r} runs on the CPU without tensor parallelism")
         if isinstance(model, LlamaModel):
-            self.model, self.model_name = model, "custom"
+            self.model, self.model_name = model, config.model or "custom"
         else:
-            dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-            cfg, state = weights.load(model, dtype=dtype, device=self.device, seed=seed)
+            dtype = getattr(torch, config.dtype) if config.dtype else (
+                torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+            cfg, state = weights.load(config.model, dtype=dtype, device=self.device, seed=config.seed)
             try:
                 self.model = LlamaModel.from_state_dict(cfg, state, dtype=dtype, device=self.device)
             except (KeyError, RuntimeError, ValueError) as exc:  # missing or misshapen tensors
-                raise weights.ModelLoadError(f"cannot load the model {model or weights.DEFAULT_MODEL}: its weights "
-                                             f"do not fit its config ({type(exc).__name__}: {exc})") from None
+                raise weights.ModelLoadError(f"cannot load the model {config.model or weights.DEFAULT_MODEL}: its "
+                                             f"weights do not fit its config ({type(exc).__name__}: {exc})") from None
             del state
-            self.model_name = model or weights.DEFAULT_MODEL
+            self.model_name = config.model or weights.DEFAULT_MODEL
         quantize_model(self.model, self.quant)  # in place; a model passed in quantized stays as it is
         self.cfg: ModelConfig = self.model.cfg
         if tokenizer is None:
             if isinstance(model, LlamaModel):  # a byte-level guess would decode garbage silently
                 raise ValueError("Engine(model_object) needs tokenizer=...: a LlamaModel carries no tokenizer "
                                  "(pass MiniTokenizer.byte_level(vocab_size) explicitly for byte-level tests)")
-            tokenizer = load_tokenizer(model)
+            tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
-        self.backend = pick_backend(backend, self.device)
+        self.backend = pick_backend(config.backend, self.device)
         # Packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls.
-        self.pack_weights = want_packed(pack_weights, self.device, self.model.dtype, self.backend,
+        self.pack_weights = want_packed(config.pack_weights, self.device, self.model.dtype, self.backend,
                                         self.quant.enabled, runner_factory is not None)
         if self.pack_weights:
             pack_model(self.model)
-        self.cuda_graph = want_cuda_graph(cuda_graph, self.device, self.backend, check, runner_factory is not None)
-        num_pages = pool_pages(self.cfg, self.model.dtype.itemsize, self.device, page_size, num_pages, mem_fraction)
+        self.cuda_graph = want_cuda_graph(config.cuda_graph, self.device, self.backend, config.check,
+                                          runner_factory is not None)
+        page_size = config.page_size
+        num_pages = pool_pages(self.cfg, self.model.dtype.itemsize, self.device, page_size, config.num_pages,
+                               config.mem_fraction)
+        max_context_len = config.max_context_len
         if max_context_len is None:
             max_context_len = min(self.cfg.max_position, num_pages * page_size)
-        elif not is_int(max_context_len) or not 2 <= max_context_len <= self.cfg.max_position:
+        elif max_context_len > self.cfg.max_position:
             raise ValueError(f"max_context_len must be an int in [2, {self.cfg.max_position}] (the model's "
                              f"position limit), got {max_context_len!r}")
+        self.sched_config = dataclasses.replace(config.scheduler, num_pages=num_pages, max_context_len=max_context_len)
         # with CUDA graphs one more page, outside the scheduler's pool: the padding rows' scratch page
         self.kv_cache = self.model.new_kv_cache(num_pages + self.cuda_graph, page_size)
-        self.sched_config = SchedulerConfig(
-            page_size=page_size, num_pages=num_pages, max_context_len=max_context_len, chunk_size=chunk_size,
-            max_prefill_tokens=max_prefill_tokens, max_running_requests=max_running_requests, policy=policy,
-            enable_radix_cache=enable_radix_cache, enable_mixed_chunk=enable_mixed_chunk, **scheduler_kwargs)
-        # runner_factory: ModelRunner's signature; minisched.parallel passes its tensor-parallel runner
-        self.runner = (runner_factory or ModelRunner)(
-            self.model, self.kv_cache, page_size, backend=self.backend, cascade=cascade, check=check,
-            thread_tuner=tuner if self.device.type == "cpu" else None)
+        graphs = None
         if self.cuda_graph:
-            self.runner.cuda_graphs = CudaGraphRunner(
-                self.model, self.kv_cache, page_size, max_batch=max_running_requests,
-                max_context_len=max_context_len, scratch_page=num_pages, backend=self.backend)
-            self.runner.cuda_graphs.capture()
+            graphs = CudaGraphRunner(self.model, self.kv_cache, page_size,
+                                     max_batch=config.scheduler.max_running_requests,
+                                     max_context_len=max_context_len, scratch_page=num_pages, backend=self.backend)
+            graphs.capture()
+        self.runner = (runner_factory or ModelRunner)(
+            self.model, self.kv_cache, page_size, backend=self.backend, cascade=config.cascade, check=config.check,
+            thread_tuner=tuner if self.device.type == "cpu" else None, cuda_graphs=graphs)
         self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
-        self.overlap = overlap if overlap is not None else self.device.type == "cuda"
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._overlap = OverlapLoop(self.scheduler, self.runner) if self.overlap else None
         self._ids = itertools.count()
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
+
+    def fresh(self, **options) -> "Engine":
+        """A new engine (empty KV pool and radix cache) on this engine's loaded model, tokenizer and
+        runner kind, with these options changed (the pool keeps its size unless they change it)."""
+        if "num_pages" not in options and "mem_fraction" not in options:
+            options["num_pages"] = self.sched_config.num_pages
+        config = self.config.with_options(model=self.model_name, **options)
+        return Engine(self.model, config=config, tokenizer=self.tokenizer, runner_factory=self._runner_factory)
+
+    def health(self) -> Optional[str]:
+        """None while the engine can serve; else why not (a tensor-parallel rank died or hung)."""
+        return self.runner.health()
 
     # -- requests ---------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:

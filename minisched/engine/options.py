@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from minisched.base.values import cdiv, is_int
+from minisched.base.values import cdiv
 from minisched import ops
 from minisched.model.config import ModelConfig
 
@@ -62,20 +62,12 @@ def want_cuda_graph(cuda_graph: Optional[bool], device: torch.device, backend: s
 
 def pool_pages(cfg: ModelConfig, itemsize: int, device: torch.device, page_size: int, num_pages: Optional[int],
                mem_fraction: Optional[float]) -> int:
-    """The KV pool's page count: given, a fraction of the free memory, or the device's default."""
-    if not is_int(page_size) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    if num_pages is not None and mem_fraction is not None:
-        raise ValueError("give num_pages or mem_fraction, not both")
-    if num_pages is not None and not is_int(num_pages):
-        raise ValueError(f"num_pages must be an int, got {num_pages!r}")
+    """The KV pool's page count: given, a fraction of the free memory, or the device's default
+    (the values' types and ranges are EngineConfig's to check)."""
     per_page = cfg.kv_bytes_per_token(itemsize) * page_size
     avail = available_bytes(device)
     if num_pages is None:
         if mem_fraction is not None:
-            if isinstance(mem_fraction, bool) or not isinstance(mem_fraction, (int, float)) \
-                    or not 0 < mem_fraction <= 1:
-                raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
             num_pages = int(avail * mem_fraction) // per_page
         elif device.type == "cuda":
             num_pages = int(avail * 0.85) // per_page

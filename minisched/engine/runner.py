@@ -24,6 +24,7 @@ import torch
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
 from minisched.base.page_table import build_csr
+from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.threads import ThreadTuner
 from minisched.model.sampling import make_generator, sample
 from minisched.sched.req import Req, SamplingParams
@@ -76,8 +77,10 @@ class ForwardJob:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, *, backend: str = "torch",
-                 cascade: bool = False, check: bool = False, thread_tuner: Optional[ThreadTuner] = None):
+                 cascade: bool = False, check: bool = False, thread_tuner: Optional[ThreadTuner] = None,
+                 cuda_graphs: Optional[CudaGraphRunner] = None):
         self.model = model
+        self.cuda_graphs = cuda_graphs  # decode steps replay a captured graph (engine/cuda_graph.py)
         self.thread_tuner = thread_tuner
         self.kv_cache = kv_cache
         self.page_size = page_size
@@ -88,6 +91,11 @@ class ModelRunner:
         self._generators: "weakref.WeakKeyDictionary[Req, torch.Generator]" = weakref.WeakKeyDictionary()
         self.num_forwards = 0
         self.num_cascade_steps = 0
+        self._futures: Optional[torch.Tensor] = None  # overlap: tokens sampled for placeholder ids
+
+    def health(self) -> Optional[str]:
+        """None while this runner can run steps (a tensor-parallel runner says why it cannot)."""
+        return None
 
     # -- inputs --------------------------------------------------------------------------------------
     def _t(self, a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
@@ -162,7 +170,7 @@ class ModelRunner:
                           [self.generator_for(r) for r in reqs], any(r.pending_ids for r in batch.reqs), slots)
 
     def _future_map(self) -> torch.Tensor:
-        if getattr(self, "_futures", None) is None:
+        if self._futures is None:
             self._futures = torch.zeros(FUTURE_RING, dtype=torch.int32, device=self.device)
         return self._futures
 
@@ -179,7 +187,7 @@ class ModelRunner:
             fut = self._future_map()
             input_ids = torch.where(input_ids < 0, fut[(-input_ids.long() - 1) % FUTURE_RING], input_ids)
         tokens = [0] * job.batch_size
-        graphs = getattr(self, "cuda_graphs", None)  # engine/cuda_graph.py: decode steps replay a captured graph
+        graphs = self.cuda_graphs
         logits = graphs.run(input_ids, job.meta) if graphs is not None else None
         if logits is None:
             logits = self.run_model(input_ids, job.meta)

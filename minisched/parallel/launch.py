@@ -220,26 +220,34 @@ class TPSession:
             time.sleep(0.05)
 
     # -- engines -------------------------------------------------------------------------------------
-    def engine(self, tokenizer=None, **engine_kwargs):
+    def engine(self, config=None, tokenizer=None, **options):
         """An Engine on this session's shard whose steps run on every rank (earlier engines of the session
-        stop working: the workers' KV pool belongs to the newest)."""
-        from minisched import ops
+        stop working: the workers' KV pool belongs to the newest). `config` / `options`: EngineConfig's."""
         from minisched.engine import Engine
+        from minisched.engine.config import EngineConfig
 
-        if engine_kwargs.get("num_threads") is None:  # fixed: the ranks share the node's cores
-            engine_kwargs["num_threads"] = self.num_threads
-        engine_kwargs.setdefault("device", str(self.device))
-        engine = Engine(self.model, tokenizer=tokenizer or self.source.tokenizer(),
-                        runner_factory=lambda *a, **kw: TPModelRunner(self, *a, **kw), **engine_kwargs)
-        engine.model_name = self.source.name
-        runner = engine.runner
-        h = protocol.header(protocol.SETUP, engine.sched_config.num_pages, engine.sched_config.page_size,
-                            ops.BACKENDS.index(runner.backend), int(runner.check), device=self.device)
+        config = EngineConfig.from_options(config, **options)
+        fixed = {"model": self.source.name, "device": str(self.device), "tp": self.world}
+        if config.num_threads is None:  # fixed: the ranks share the node's cores
+            fixed["num_threads"] = self.num_threads
+        return Engine(self.model, config=config.with_options(**fixed), tokenizer=tokenizer or self.source.tokenizer(),
+                      runner_factory=self.make_runner)
+
+    def make_runner(self, *args, **kwargs) -> TPModelRunner:
+        """ModelRunner's arguments -> rank 0's runner; the workers set up a KV pool like its own."""
+        return TPModelRunner(self, *args, **kwargs)
+
+    def attach(self, runner: TPModelRunner) -> None:
+        """The newest engine's runner: every worker replaces its KV pool by one of the same shape."""
+        from minisched import ops
+
+        cache = runner.kv_cache  # [L, 2, num_pages, page_size, Hkv, D]
+        h = protocol.header(protocol.SETUP, cache.shape[2], runner.page_size, ops.BACKENDS.index(runner.backend),
+                            int(runner.check), device=self.device)
         with self.group.lock:
             self._usable(None)
             self._send(lambda: self.group.broadcast(h))
             self.runner = runner
-        return engine
 
     def run_step(self, runner: TPModelRunner, input_ids: torch.Tensor, meta) -> torch.Tensor:
         """One forward on every rank: header and payload to the workers, then this rank's shard."""

@@ -10,6 +10,7 @@ logits end up on rank 0.
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 
@@ -28,6 +29,10 @@ class TPModelRunner(ModelRunner):
         kwargs["thread_tuner"] = None
         super().__init__(*args, **kwargs)
         self.session = session
+        session.attach(self)
+
+    def health(self) -> Optional[str]:
+        return self.session.failure
 
     def run_model(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         return self.session.run_step(self, input_ids, meta)

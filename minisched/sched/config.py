@@ -34,8 +34,8 @@ from minisched.sched.policy import POLICIES
 @dataclass(frozen=True)
 class SchedulerConfig:
     page_size: int = 16
-    num_pages: int = 4096
-    max_context_len: int = 4096
+    num_pages: int | None = 4096
+    max_context_len: int | None = 4096
     chunk_size: int | None = 512  # None: no chunked prefill
     max_prefill_tokens: int = 8192
     max_running_requests: int = 256
@@ -58,11 +58,15 @@ class SchedulerConfig:
             if not ok:
                 raise ValueError(f"SchedulerConfig: {msg}")
 
-        for name in ("page_size", "num_pages", "max_prefill_tokens", "max_running_requests",
+        for name in ("page_size", "max_prefill_tokens", "max_running_requests",
                      "new_token_ratio_decay_steps", "clip_max_new_tokens_estimation", "retract_decode_steps",
                      "lpm_fallback_len", "aging_rounds", "max_stalled_steps"):
             need(is_int(getattr(self, name)) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
-        need(is_int(self.max_context_len) and self.max_context_len >= 2, "max_context_len must be >= 2")
+        # None: sized by the engine from the device and the model (engine/config.py); a Scheduler needs both
+        need(self.num_pages is None or (is_int(self.num_pages) and self.num_pages >= 1),
+             "num_pages must be an int >= 1")
+        need(self.max_context_len is None or (is_int(self.max_context_len) and self.max_context_len >= 2),
+             "max_context_len must be >= 2")
         for name in ("chunk_size", "max_prefill_rounds_between_decodes", "in_batch_prefix_defer_tokens"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")

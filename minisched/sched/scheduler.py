@@ -87,6 +87,8 @@ class ModelRunner(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, stop_checker: Callable[[Req], bool] | None = None) -> None:
+        if config.num_pages is None or config.max_context_len is None:
+            raise ValueError("Scheduler: num_pages and max_context_len must be set (the engine sizes them)")
         self.config = config
         self.stop_checker = stop_checker
         self.pool = KVPool(config.num_pages, config.page_size)

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minisched.serve import protocol as p
 from minisched.serve.detokenize import IncrementalDetokenizer
 from minisched.serve.engine_loop import EngineLoop
+from minisched.serve.loop import ServingLoop
 from minisched.serve.metrics import CONTENT_TYPE
 from minisched.serve.state import DEFAULT_COMPLETION_TOKENS, OPENAI_FINISH, RequestHandle, ServerState
 
@@ -38,11 +39,11 @@ log = logging.getLogger("minisched.serve")
 
 
 def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_queued_requests: int = 512,
-               engine_loop: Optional[EngineLoop] = None) -> FastAPI:
-    loop = engine_loop or EngineLoop(engine)
+               engine_loop: Optional[ServingLoop] = None) -> FastAPI:
+    loop: ServingLoop = engine_loop or EngineLoop(engine)
     state = ServerState(engine, loop, model_name=model_name, api_key=api_key, max_queued_requests=max_queued_requests)
-    if hasattr(loop, "collector"):  # --dp: per-replica gauges
-        state.metrics.registry.register(loop.collector())
+    for collector in loop.collectors():  # --dp: per-replica gauges
+        state.metrics.registry.register(collector)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -60,16 +61,15 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
 
     @app.get("/health")
     async def health():
-        replicas = loop.health()["replicas"] if hasattr(loop, "health") else None  # --dp: DataParallelLoop
-        extra = {} if replicas is None else {"replicas": replicas}
-        if not loop.is_alive():
+        h = loop.health()
+        extra = h.as_json()
+        if not h.alive:
             return JSONResponse({"status": "engine loop stopped", **extra}, status_code=503)
-        tp_failure = getattr(getattr(getattr(engine, "runner", None), "session", None), "failure", None)
-        if tp_failure:  # --tp: a rank died or hung; every request fails from now on
-            return JSONResponse({"status": tp_failure, **extra}, status_code=503)
+        if h.failure:  # --tp: a rank died or hung; every request fails from now on
+            return JSONResponse({"status": h.failure, **extra}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining", **extra}, status_code=503)
-        if replicas is not None and not all(r["alive"] for r in replicas):
+        if h.degraded:
             return {"status": "degraded", **extra}  # still serving: 200, so a balancer keeps it
         return {"status": "ok", **extra}
 

@@ -3,8 +3,8 @@
     pool = DataParallelLoop([functools.partial(Engine, "smollm2")] * 2, RouterConfig("cache-aware")).start()
     app = create_app(pool.info, model_name="smollm2", engine_loop=pool)   # the HTTP layer is unchanged
 
-`DataParallelLoop` has `EngineLoop`'s surface (start / is_alive / submit / abort / stats / stop
-/ join), so `ServerState` and the routes use it as they use one engine loop. `submit` routes
+`DataParallelLoop` is a `ServingLoop` (serve/loop.py) as `EngineLoop` is, so `ServerState` and
+the routes use it as they use one engine loop. `submit` routes
 each request (`router.py`) to a `ReplicaClient` (`replica.py`); the router's load is each
 replica's requests in flight. A replica that dies is removed from routing by its reader
 thread (its in-flight requests fail with a server error); a request routed to it in that
@@ -25,7 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from minisched.serve.engine_loop import EngineLoop, Stats, Update
+from minisched.serve.loop import LoopHealth, publish
+from minisched.serve.messages import Stats, Update
 from minisched.serve.replica import EngineInfo, ReplicaClient, ReplicaStartError
 from minisched.serve.router import NoReplicaError, Router, RouterConfig
 
@@ -103,7 +104,7 @@ class DataParallelLoop:
                 try:
                     i = self.router.route(prompt_ids)
                 except NoReplicaError as exc:
-                    EngineLoop._publish([(sink, Update([], "error", str(exc), "server_error"))])
+                    publish([(sink, Update([], "error", str(exc), "server_error"))])
                     return
             if self.replicas[i].submit(rid, prompt_ids, sampling, sink):
                 return
@@ -151,13 +152,13 @@ class DataParallelLoop:
         total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(Stats) if f.name != "time"}
         return Stats(**total)
 
-    def collector(self) -> "ReplicaCollector":
-        return ReplicaCollector(self)
+    def collectors(self) -> list:
+        return [ReplicaCollector(self)]
 
-    def health(self) -> dict:
+    def health(self) -> LoopHealth:
         alive = sum(r.alive for r in self.replicas)
-        status = "ok" if alive == len(self.replicas) else ("degraded" if alive else "down")
-        return {"status": status, "replicas": [self.replica_status(r) for r in self.replicas]}
+        return LoopHealth(alive=self.is_alive(), replicas=[self.replica_status(r) for r in self.replicas],
+                          degraded=0 < alive < len(self.replicas))
 
     def replica_status(self, r: ReplicaClient) -> dict:
         out = {"index": r.index, "alive": r.alive, "pid": r.process.pid, "in_flight": r.in_flight,

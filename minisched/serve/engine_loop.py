@@ -26,7 +26,6 @@ wait here until the engine is idle, then up to N of them start together.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -34,48 +33,14 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
+from minisched.serve.loop import LoopHealth, publish
+from minisched.serve.messages import Sink, Stats, Update
 
 log = logging.getLogger("minisched.serve")
 HISTORY_LIMIT = 4096  # scheduler events / step stats kept (the server runs for days; the lists would grow)
-
-
-@dataclass
-class Update:
-    """What the engine thread tells a request after a step."""
-
-    token_ids: list[int]
-    finish_reason: Optional[str] = None  # a FinishReason value; None while the request runs
-    error: Optional[str] = None
-    error_type: Optional[str] = None  # "invalid_request_error" (rejected at add) or "server_error"
-    cached_tokens: int = 0
-    num_retractions: int = 0
-
-
-class Sink(Protocol):
-    loop: asyncio.AbstractEventLoop
-
-    def deliver(self, update: Update) -> None: ...
-
-
-@dataclass
-class Stats:
-    """A snapshot of the engine's state, replaced (never mutated) after every step: the HTTP side
-    reads it for /metrics without touching the engine."""
-
-    time: float = field(default_factory=time.monotonic)
-    steps: int = 0
-    running: int = 0
-    waiting: int = 0  # in the scheduler's queue (incl. a carried chunked prefill) + held for static batching
-    pages_total: int = 0
-    pages_free: int = 0
-    pages_cached: int = 0
-    pages_evictable: int = 0
-    retractions: int = 0
-    step_errors: int = 0
 
 
 class EngineLoop:
@@ -128,6 +93,12 @@ class EngineLoop:
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)
 
+    def health(self) -> LoopHealth:
+        return LoopHealth(alive=self.is_alive(), failure=self.engine.health())
+
+    def collectors(self) -> list:
+        return []
+
     # -- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -176,9 +147,9 @@ class EngineLoop:
         try:
             req = self.engine.add_request(prompt_ids, sampling, rid=rid)
         except InvalidRequest as exc:
-            self._publish([(sink, Update([], "error", str(exc), "invalid_request_error"))])
+            publish([(sink, Update([], "error", str(exc), "invalid_request_error"))])
         except Exception as exc:
-            self._publish([(sink, Update([], "error", f"{type(exc).__name__}: {exc}", "server_error"))])
+            publish([(sink, Update([], "error", f"{type(exc).__name__}: {exc}", "server_error"))])
         else:
             self._live[rid] = (req, sink, 0)
 
@@ -186,7 +157,7 @@ class EngineLoop:
         for i, held in enumerate(self._held):
             if held[0] == rid:
                 del self._held[i]
-                self._publish([(held[3], Update([], "abort"))])
+                publish([(held[3], Update([], "abort"))])
                 return
         entry = self._live.get(rid)
         if entry is None:  # finished already (its finish is on its way) or never added
@@ -201,7 +172,7 @@ class EngineLoop:
 
     def _abort_everything(self) -> None:
         while self._held:
-            self._publish([(self._held.popleft()[3], Update([], "abort"))])
+            publish([(self._held.popleft()[3], Update([], "abort"))])
         for rid in list(self._live):
             self.engine.abort(rid)
         self._publish_progress()
@@ -217,17 +188,17 @@ class EngineLoop:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                self._publish([(msg[4], Update([], "abort"))])
+                publish([(msg[4], Update([], "abort"))])
             elif msg[0] == "call" and msg[2].set_running_or_notify_cancel():
                 msg[2].set_exception(RuntimeError("the engine loop has stopped"))
 
     def _step(self) -> None:
         engine = self.engine
-        before = getattr(engine, "last_error", None)
+        before = engine.last_error
         try:
             engine.step()  # finished requests are found by their status below, whatever step() returned
         finally:
-            if getattr(engine, "last_error", None) is not before:  # a failed step (its requests got errors)
+            if engine.last_error is not before:  # a failed step (its requests got errors)
                 self._step_errors += 1
             if self.check:
                 try:
@@ -259,18 +230,7 @@ class EngineLoop:
             out.append((sink, upd))
         for rid in done:
             del self._live[rid]
-        self._publish(out)
-
-    @staticmethod
-    def _publish(items: list[tuple[Sink, Update]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for sink, upd in items:
-            by_loop.setdefault(sink.loop, []).append((sink, upd))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver_all, batch)
-            except RuntimeError:  # that event loop is closed: nobody is listening any more
-                pass
+        publish(out)
 
     def _update_stats(self) -> None:
         sched = self.engine.scheduler
@@ -287,10 +247,3 @@ class EngineLoop:
                            pages_cached=tree.total_pages, pages_evictable=tree.evictable_pages,
                            retractions=self._retractions, step_errors=self._step_errors)
 
-
-def _deliver_all(batch: list[tuple[Sink, Update]]) -> None:
-    for sink, upd in batch:
-        try:
-            sink.deliver(upd)
-        except Exception:  # one broken sink must not starve the others
-            log.error("sink error:\n%s", traceback.format_exc())

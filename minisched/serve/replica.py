@@ -14,7 +14,7 @@ and hands them to the loop; the loop publishes each step's updates in ONE pipe m
 thread sends a `Stats` snapshot whenever it changed, at most every STATS_INTERVAL seconds.
 
 On the server side a reader thread per replica turns those messages back into `Update`s on
-the requests' own event loops (`EngineLoop._publish`: one `call_soon_threadsafe` per batch).
+the requests' own event loops (`loop.publish`: one `call_soon_threadsafe` per batch).
 A replica that dies -- killed, crashed, out of memory -- closes its end of the pipe: the
 reader's `recv` raises EOFError at once, every request still in flight there ends with a
 `server_error` update (HTTP 500, or an error event in the stream), and `on_death(index)`
@@ -36,7 +36,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from minisched.serve.engine_loop import EngineLoop, Stats, Update
+from minisched.serve.engine_loop import EngineLoop
+from minisched.serve.loop import publish
+from minisched.serve.messages import Stats, Update
 
 log = logging.getLogger("minisched.serve")
 STATS_INTERVAL = 0.05  # seconds between the replica's Stats messages (only when they changed)
@@ -271,7 +273,7 @@ class ReplicaClient:
                     self.prompt_tokens += entry[1]
                     self.cached_tokens += upd.cached_tokens
                 out.append((entry[0], upd))
-        EngineLoop._publish(out)
+        publish(out)
 
     def _died(self) -> None:
         self.process.join(2)  # EOF comes as the process exits; its status follows shortly
@@ -294,7 +296,7 @@ class ReplicaClient:
             log.error("%s; %d request(s) in flight there failed", self.error, len(pending))
         upd = (lambda: Update([], "abort")) if self._stopping else (
             lambda: Update([], "error", self.error, "server_error"))
-        EngineLoop._publish([(sink, upd()) for sink, _ in pending.values()])
+        publish([(sink, upd()) for sink, _ in pending.values()])
         for fut in calls.values():
             fut.set_exception(RuntimeError(self.error))
         self._ready.set()

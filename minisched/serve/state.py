@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from minisched.sched.req import InvalidRequest, SamplingParams
-from minisched.serve.engine_loop import EngineLoop, Update
+from minisched.serve.loop import ServingLoop
+from minisched.serve.messages import Update
 from minisched.serve.metrics import ServerMetrics
 from minisched.serve.protocol import APIError
 
@@ -86,7 +87,7 @@ class RequestHandle:
 
 
 class ServerState:
-    def __init__(self, engine, engine_loop: EngineLoop, *, model_name: str, api_key: Optional[str] = None,
+    def __init__(self, engine, engine_loop: ServingLoop, *, model_name: str, api_key: Optional[str] = None,
                  max_queued_requests: int = 512):
         if max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")

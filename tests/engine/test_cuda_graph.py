@@ -20,7 +20,11 @@ from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.batch import ForwardMode
 from minisched.sched.req import SamplingParams
 
-from test_engine import prompts, reference  # noqa: E402  (tests/engine is on sys.path)
+from helpers.engines import prompts, reference as _reference  # noqa: E402
+
+
+def reference(model, prompt, n=8):
+    return _reference(model, prompt, n)
 
 BACKENDS = [pytest.param("torch"),
             pytest.param("native", marks=pytest.mark.skipif(not ops.native_available(), reason="extension not built"))]

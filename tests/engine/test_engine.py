@@ -18,6 +18,8 @@ from minisched.model.llama import LlamaModel, dense_forward
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.req import InvalidRequest, SamplingParams
 
+from helpers.engines import byte_engine, prompts, reference as _reference, tiny_model
+
 NEW = 8
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 BACKENDS = [pytest.param("torch"),
@@ -26,32 +28,15 @@ BACKENDS = [pytest.param("torch"),
 
 @pytest.fixture(scope="module")
 def tiny() -> LlamaModel:
-    cfg, state = weights.dummy_weights(preset("tiny"), seed=0)
-    return LlamaModel.from_state_dict(cfg, state)
+    return tiny_model()
 
 
 def make_engine(model: LlamaModel, **kw) -> Engine:
-    """A random-weights model has no tokenizer of its own: byte-level, explicitly."""
-    return Engine(model, tokenizer=MiniTokenizer.byte_level(model.cfg.vocab_size), **kw)
-
-
-_REF_CACHE: dict = {}
+    return byte_engine(model, **kw)
 
 
 def reference(model: LlamaModel, prompt: list[int], n: int = NEW) -> list[int]:
-    """Greedy continuation by full recompute with dense attention (no pool, no cache)."""
-    key = (id(model), tuple(prompt), n)
-    if key not in _REF_CACHE:
-        ids = list(prompt)
-        for _ in range(n):
-            ids.append(int(dense_forward(model, torch.tensor(ids))[-1].argmax()))
-        _REF_CACHE[key] = ids[len(prompt):]
-    return _REF_CACHE[key]
-
-
-def prompts(lengths, seed=0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+    return _reference(model, prompt, n)
 
 
 def check_greedy(model, engine, ps, sampling=GREEDY):

@@ -1,7 +1,9 @@
 """The engine survives whatever a user does: exceptions and Ctrl-C inside a step, abandoned
 streams, interrupted `generate` calls, and bad arguments. After each fault the batch's
 requests have ended with an error, their pages are back (pool whole once the radix cache
-is evicted), and the next `generate` gives the right greedy tokens."""
+is evicted), and the next `generate` gives the right greedy tokens.
+
+Every engine test here runs twice, with overlap scheduling off and on (`make_engine`)."""
 from __future__ import annotations
 
 import gc
@@ -12,11 +14,11 @@ import pytest
 import torch
 
 from minisched import Engine, SamplingParams
-from minisched.model import weights
-from minisched.model.config import preset
-from minisched.model.llama import LlamaModel, dense_forward
+from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.req import InvalidRequest
+
+from helpers.engines import assert_pool_whole, byte_engine, reference, tiny_model
 
 NEW = 6
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -24,31 +26,28 @@ GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny() -> LlamaModel:
-    cfg, state = weights.dummy_weights(preset("tiny"), seed=0)
-    return LlamaModel.from_state_dict(cfg, state)
+    return tiny_model()
 
 
-def make_engine(model: LlamaModel, **kw) -> Engine:
-    return Engine(model, tokenizer=MiniTokenizer.byte_level(model.cfg.vocab_size), page_size=4, **kw)
+@pytest.fixture(params=[False, True], ids=["plain", "overlap"])
+def make_engine(request):
+    """Engines with overlap scheduling off, then on; the overlap ones must have used their worker."""
+    made = []
+
+    def make(model: LlamaModel, **kw) -> Engine:
+        made.append(byte_engine(model, page_size=4, overlap=request.param, **kw))
+        return made[-1]
+
+    yield make
+    if request.param:
+        assert all(e._overlap.forward_times for e in made if e.step_times), "an overlap engine ran no forward"
 
 
 def greedy(model: LlamaModel, prompt: list[int], n: int = NEW) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(dense_forward(model, torch.tensor(ids))[-1].argmax()))
-    return ids[len(prompt):]
+    return reference(model, prompt, n)
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
-
-
-def assert_pool_whole(engine: Engine) -> None:
-    """No live request, no batch in flight, and every page is free once the cache is evicted."""
-    sched = engine.scheduler
-    assert not sched.reqs and not sched.has_work()
-    sched.check_invariants()
-    sched.pool.free(sched.tree.evict(sched.config.num_pages))
-    assert sched.pool.num_free == sched.config.num_pages
 
 
 def assert_usable(engine: Engine, model: LlamaModel) -> None:
@@ -76,7 +75,7 @@ def fail_on_call(monkeypatch, obj, name: str, exc: BaseException, on_call: int =
 
 @pytest.mark.parametrize("where", ["model", "sampling", "stop_checker"])
 @pytest.mark.parametrize("on_call", [1, 3])  # during the prefill / during a decode step
-def test_exception_in_step_fails_the_batch_and_keeps_the_engine(tiny, monkeypatch, where, on_call):
+def test_exception_in_step_fails_the_batch_and_keeps_the_engine(tiny, monkeypatch, where, on_call, make_engine):
     engine = make_engine(tiny)
     if where == "model":
         fail_on_call(monkeypatch, engine.runner, "model", Boom("model exploded"), on_call)
@@ -101,7 +100,7 @@ def test_exception_in_step_fails_the_batch_and_keeps_the_engine(tiny, monkeypatc
 
 
 @pytest.mark.parametrize("on_call", [1, 2])
-def test_keyboard_interrupt_in_step_propagates_and_leaves_engine_usable(tiny, monkeypatch, on_call):
+def test_keyboard_interrupt_in_step_propagates_and_leaves_engine_usable(tiny, monkeypatch, on_call, make_engine):
     engine = make_engine(tiny)
     fail_on_call(monkeypatch, engine.runner, "model", KeyboardInterrupt(), on_call)
     with pytest.raises(KeyboardInterrupt):
@@ -110,7 +109,7 @@ def test_keyboard_interrupt_in_step_propagates_and_leaves_engine_usable(tiny, mo
     assert_usable(engine, tiny)
 
 
-def test_huge_seed_is_rejected_up_front_and_engine_stays_usable(tiny):
+def test_huge_seed_is_rejected_up_front_and_engine_stays_usable(tiny, make_engine):
     engine = make_engine(tiny)
     outs = engine.generate(PROMPTS[:2], [{"temperature": 1.0, "seed": 2**70}, GREEDY])
     assert outs[0].finish_reason == "error" and "seed" in outs[0].error
@@ -119,7 +118,7 @@ def test_huge_seed_is_rejected_up_front_and_engine_stays_usable(tiny):
 
 
 @pytest.mark.parametrize("how", ["break", "close", "gc"])
-def test_abandoned_stream_aborts_its_requests(tiny, how):
+def test_abandoned_stream_aborts_its_requests(tiny, how, make_engine):
     engine = make_engine(tiny)
     it = engine.stream(PROMPTS, SamplingParams(max_new_tokens=50, ignore_eos=True))
     first = next(it)
@@ -138,7 +137,7 @@ def test_abandoned_stream_aborts_its_requests(tiny, how):
     assert_usable(engine, tiny)
 
 
-def test_interrupted_generate_aborts_its_own_requests_only(tiny):
+def test_interrupted_generate_aborts_its_own_requests_only(tiny, make_engine):
     engine = make_engine(tiny)
     other = engine.add_request(PROMPTS[2], GREEDY)  # someone else's request, queued before
 
@@ -165,7 +164,7 @@ def test_bad_sampling_params_are_rejected(kw, match):
         SamplingParams(**kw)
 
 
-def test_engine_argument_checks(tiny):
+def test_engine_argument_checks(tiny, make_engine):
     with pytest.raises(ValueError, match="needs tokenizer"):
         Engine(tiny)
     with pytest.raises(ValueError, match="not both"):
@@ -178,7 +177,7 @@ def test_engine_argument_checks(tiny):
         Engine(tiny, tokenizer=MiniTokenizer.byte_level(tiny.cfg.vocab_size), page_size=True)
 
 
-def test_numpy_and_torch_token_prompts(tiny):
+def test_numpy_and_torch_token_prompts(tiny, make_engine):
     engine = make_engine(tiny)
     p = PROMPTS[0]
     outs = engine.generate([np.array(p, dtype=np.int64), torch.tensor(p, dtype=torch.int32),

@@ -3,45 +3,29 @@
 Each case runs one workload on two engines (overlap off / on) and compares every request's
 tokens, finish reason and text -- greedy and seeded sampling, stop tokens and strings,
 max_new_tokens, chunked prefill with radix hits, retraction under a tiny pool, aborts -- then
-checks the scheduler's invariants and that no page leaked. The fault tests of
-test_engine_faults.py run again here with overlap on (the `overlap_default` fixture).
+checks the scheduler's invariants and that no page leaked. The fault tests
+(test_engine_faults.py) run with overlap off and on themselves.
 """
 from __future__ import annotations
 
 import pytest
-import torch
-
-import minisched.engine.engine as engine_mod
 from minisched.engine import Engine
-from minisched.model import weights
-from minisched.model.config import preset
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.req import SamplingParams
 
-from test_engine import prompts, reference  # noqa: E402  (tests/engine is on sys.path)
-from test_engine_faults import *  # noqa: F401,F403  the fault tests, collected again with overlap on
+from helpers.engines import prompts, reference as _reference, tiny_model
+
+NEW = 8
 
 
-@pytest.fixture(autouse=True)
-def overlap_default(monkeypatch, request):
-    """Engines built in this module default to overlap=True (the fault tests build their own);
-    a fault test that steps the scheduler without overlap fails."""
-    defaults = dict(engine_mod.Engine.__init__.__kwdefaults__)
-    defaults["overlap"] = True
-    monkeypatch.setattr(engine_mod.Engine.__init__, "__kwdefaults__", defaults)
-    plain_steps, real_step = [], engine_mod.Scheduler.step
-    monkeypatch.setattr(engine_mod.Scheduler, "step",
-                        lambda self, runner: plain_steps.append(1) or real_step(self, runner))
-    yield
-    if request.function.__module__ == "test_engine_faults":
-        assert not plain_steps, "a fault test ran without overlap"
+def reference(model, prompt, n=NEW):
+    return _reference(model, prompt, n)
 
 
 @pytest.fixture(scope="module")
 def tiny() -> LlamaModel:
-    cfg, state = weights.dummy_weights(preset("tiny"), seed=0)
-    return LlamaModel.from_state_dict(cfg, state)
+    return tiny_model()
 
 
 def make(model: LlamaModel, overlap: bool, **kw) -> Engine:

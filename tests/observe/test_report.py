@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.image as mpimg  # noqa: E402
 import pytest  # noqa: E402
 
-from lifecycle_scenario import record_scenario  # noqa: E402
+from helpers.lifecycle_scenario import record_scenario  # noqa: E402
 from minisched.observe.report import figure_size, main, render_report  # noqa: E402
 from minisched.observe.run_record import RunRecord, load_runs, save_runs  # noqa: E402
 

@@ -11,8 +11,8 @@ from collections import defaultdict
 
 import pytest
 
-from fake_runner import FakeRunner
-from lifecycle_scenario import record_scenario, scenario_config
+from helpers.fake_runner import FakeRunner
+from helpers.lifecycle_scenario import record_scenario, scenario_config
 from minisched.sched.req import SamplingParams
 from minisched.sched.scheduler import Scheduler
 from minisched.observe.run_record import RunRecord, lifecycle_segments, load_runs, save_runs

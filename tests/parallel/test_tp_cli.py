@@ -30,7 +30,7 @@ def run(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--tp", "0"], "--tp must be an int >= 1, got 0"),
     (["--tp", "3"], "--tp 3 must divide the model's 2 query heads"),
     (["--tp", "2", "--tp-timeout", "0"], "--tp-timeout must be > 0"),
 ])

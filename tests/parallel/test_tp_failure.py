@@ -22,6 +22,7 @@ def test_killed_worker_fails_requests_then_a_new_session_works():
     try:
         engine = session.engine(page_size=4)
         good = engine.generate([[5, 6, 7]], SAMPLING)[0].token_ids
+        assert engine.health() is None
         worker = session.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -30,6 +31,7 @@ def test_killed_worker_fails_requests_then_a_new_session_works():
         why = f"tensor parallelism failed: worker rank 1 (pid {worker.pid}) was killed by signal SIGKILL"
         assert all(o.finish_reason == "error" and why in o.error for o in out), [o.error for o in out]
         assert isinstance(engine.last_error, TPError)
+        assert engine.health() == why  # what /health reports (503)
         assert engine.generate([[1, 2]], SAMPLING)[0].error.endswith(why)  # fails fast, same reason
         engine.scheduler.check_invariants()
     finally:

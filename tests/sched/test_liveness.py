@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
+from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
 from minisched.sched.req import FinishReason, ReqStatus, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
+from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
 from minisched.sched.batch import ForwardMode
 from minisched.sched.events import transitions
 from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from fake_runner import FakeRunner, check_lifecycles, greedy_reference
+from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference
 from minisched.sched.batch import Batch
 from minisched.sched.req import FinishReason, Req, ReqStatus, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
+from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
 from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 

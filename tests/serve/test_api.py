@@ -18,10 +18,8 @@ def client(live, **kw) -> openai.OpenAI:
 
 def test_health_is_503_after_a_tensor_parallel_failure(tiny_server, tiny_engine, monkeypatch):
     """--tp: once a rank has died every step fails, so the probe must say so (not "ok")."""
-    from types import SimpleNamespace
-
     why = "tensor parallelism failed: rank 1 (pid 123) was killed by SIGKILL"
-    monkeypatch.setattr(tiny_engine.runner, "session", SimpleNamespace(failure=why), raising=False)
+    monkeypatch.setattr(tiny_engine.runner, "health", lambda: why)  # what TPModelRunner.health reports then
     r = httpx.get(tiny_server.url + "/health", timeout=10)
     assert r.status_code == 503 and r.json() == {"status": why}
 

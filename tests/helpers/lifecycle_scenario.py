@@ -6,7 +6,7 @@ prefill), more decode growth than the pool holds (retractions), one request abor
 while running and one while waiting. The runner sleeps a little per step so the times
 look like a real run.
 
-`python tests/lifecycle_scenario.py` rewrites docs/example_run.json and docs/lifecycle.png.
+`PYTHONPATH=tests python -m helpers.lifecycle_scenario` rewrites docs/example_run.json and docs/lifecycle.png.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from fake_runner import FakeRunner, check_lifecycles
+from helpers.fake_runner import FakeRunner, check_lifecycles
 from minisched.sched.req import SamplingParams
 from minisched.observe.run_record import RunRecord
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
@@ -74,7 +74,7 @@ def record_scenario(name: str = "scenario", base: float = 0.0005, per_token: flo
         sched.step(runner)
         sched.check_invariants()
     check_lifecycles(sched.events)
-    config = {"workload": "tests/lifecycle_scenario.py", "runner": "fake (sleeps per step)"}
+    config = {"workload": "tests/helpers/lifecycle_scenario.py", "runner": "fake (sleeps per step)"}
     summary = {"note": "deterministic fake runner; not a model"}
     return RunRecord.from_scheduler(name, sched, config, summary, start_time=start), sched
 
@@ -89,4 +89,4 @@ def write_docs(docs: Path) -> None:
 
 
 if __name__ == "__main__":
-    write_docs(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "docs")
+    write_docs(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "docs")

@@ -1,0 +1,73 @@
+"""`ServingLoop`: what the HTTP side needs from whatever runs the engine, one engine thread
+(engine_loop.py) or a pool of replica processes (dp.py).
+
+All methods may be called from any thread; `submit`'s sink receives its updates on the sink's
+own event loop (`publish`). `health()` is read by /health; `collectors()` adds Prometheus
+collectors of the loop's own (the per-replica gauges) to /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from minisched.serve.messages import Sink, Stats, Update
+
+log = logging.getLogger("minisched.serve")
+
+
+@dataclass(frozen=True)
+class LoopHealth:
+    alive: bool  # the loop runs (some replica serves)
+    failure: Optional[str] = None  # why no request can succeed any more (a tensor-parallel rank died)
+    replicas: Optional[list[dict]] = None  # --dp: one row per replica
+    degraded: bool = False  # --dp: some replica is down, the others serve
+
+    def as_json(self) -> dict:
+        return {} if self.replicas is None else {"replicas": self.replicas}
+
+
+class ServingLoop(Protocol):
+    stats: Stats
+
+    def start(self) -> "ServingLoop": ...
+
+    def is_alive(self) -> bool: ...
+
+    def submit(self, rid: str, prompt_ids: list[int], sampling: Any, sink: Sink) -> None: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future: ...
+
+    def stop(self) -> None: ...
+
+    def join(self, timeout: Optional[float] = None) -> None: ...
+
+    def health(self) -> LoopHealth: ...
+
+    def collectors(self) -> list: ...
+
+
+def publish(items: list[tuple[Sink, Update]]) -> None:
+    """Hand updates to their sinks: one `call_soon_threadsafe` per event loop for all its updates."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for sink, upd in items:
+        by_loop.setdefault(sink.loop, []).append((sink, upd))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(deliver_all, batch)
+        except RuntimeError:  # that event loop is closed: nobody is listening any more
+            pass
+
+
+def deliver_all(batch: list[tuple[Sink, Update]]) -> None:
+    for sink, upd in batch:
+        try:
+            sink.deliver(upd)
+        except Exception:  # one broken sink must not starve the others
+            log.error("sink error:\n%s", traceback.format_exc())
+
