@@ -2,12 +2,13 @@
 
 Backends:
   "native"  torch.ops.minisched.* from the compiled extension (C++ on CPU, CUDA on GPU)
-  "triton"  the Triton kernels in triton_kernels/ (GPU, or the CPU under TRITON_INTERPRET=1)
+  "triton"  the Triton kernels in minisched/triton_kernels/ (GPU, or the CPU under TRITON_INTERPRET=1)
   "torch"   the pure-PyTorch reference in minisched.ops.reference (slow; the oracle)
 
-Shapes (DESIGN.md §2-3): q [N, Hq, D]; one layer's k_cache/v_cache [num_pages, page_size, Hkv, D];
-the whole pool kv_cache [L, 2, num_pages, page_size, Hkv, D]; page tables are int32 CSR
-(kv_indptr [B+1], kv_indices [nnz], kv_last_page_len [B]); LSE is float32 [N, Hq], natural log.
+Shapes (docs/architecture.md, "The paged KV cache"): q [N, Hq, D]; one layer's k_cache/v_cache
+[num_pages, page_size, Hkv, D]; the whole pool kv_cache [L, 2, num_pages, page_size, Hkv, D]; page
+tables are int32 CSR (kv_indptr [B+1], kv_indices [nnz], kv_last_page_len [B]); LSE is float32
+[N, Hq], natural log. Which files hold each op: ops/table.py.
 
 `check=False` skips the checks that read index values (the engine validates page tables
 on the host before it uploads them); shape/dtype/device checks always run.
@@ -22,30 +23,10 @@ from typing import Literal, Optional
 import torch
 
 from minisched.ops import checks, reference
+from minisched.ops.table import OPS, OpSpec  # noqa: F401  (OpSpec: for readers of OPS)
 
 Backend = Literal["native", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
-
-# op name -> the file (csrc/<dev>/<family>.*, triton_kernels/<family>.py) that holds it
-OP_FAMILY = {
-    "store_kv": "store_kv",
-    "copy_kv_pages": "kv_pages",
-    "gather_kv_pages": "kv_pages",
-    "scatter_kv_pages": "kv_pages",
-    "paged_decode_attention": "paged_decode_attention",
-    "paged_prefill_attention": "paged_prefill_attention",
-    "shared_prefix_attention": "shared_prefix_attention",
-    "merge_attention_states": "merge_attention_states",
-    "int8_linear": "int8_linear",
-    "packed_linear": "packed_linear",
-    "rms_norm": "rms_norm",
-}
-# Ops whose checks read no index values (no `values=` switch).
-VALUE_FREE = ("merge_attention_states", "int8_linear", "packed_linear", "rms_norm")
-# Ops with a native CPU kernel only: weight-only int8 serves bandwidth-bound CPU decode, the packed
-# float32 matmul the CPU's small-batch projections, the fused RMSNorm the CPU's per-op overhead (GPUs have
-# cuBLAS and torch's fused norm).
-CPU_ONLY = ("int8_linear", "packed_linear", "rms_norm")
 
 try:  # importing the extension registers torch.ops.minisched.*
     from minisched import _C  # noqa: F401
@@ -61,12 +42,12 @@ def native_available() -> bool:
 
 def _register_fakes() -> None:
     """Meta kernels: the ops write into preallocated outputs, so a fake only checks its inputs."""
-    for name in OP_FAMILY:
+    for name, spec in OPS.items():
         if not hasattr(torch.ops.minisched, name):  # an extension built before the op existed: calls say so
             continue
         check = getattr(checks, name)
 
-        def fake(*args, _check=check, _free=name in VALUE_FREE):
+        def fake(*args, _check=check, _free=not spec.reads_indices):
             if _free:
                 _check(*args)
             else:
@@ -88,16 +69,17 @@ def call_op(name: str, args: tuple, backend: Backend = "native", check: bool = T
         return
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "triton" and name in CPU_ONLY:
+    spec = OPS[name]
+    if backend == "triton" and not spec.triton:
         raise ValueError(f"{name} has no triton kernel: it runs on the native (CPU) or torch backend")
-    if name in VALUE_FREE:
-        getattr(checks, name)(*args)
-    else:
+    if spec.reads_indices:
         getattr(checks, name)(*args, values=check)
+    else:
+        getattr(checks, name)(*args)
     if backend == "torch":
         getattr(reference, name)(*args)
     else:
-        getattr(importlib.import_module(f"minisched.triton_kernels.{OP_FAMILY[name]}"), name)(*args)
+        getattr(importlib.import_module(f"minisched.triton_kernels.{spec.family}"), name)(*args)
 
 
 def default_scale(head_dim: int) -> float:
