@@ -1,6 +1,6 @@
 // Host-side input checks shared by the CPU (.cpp) and CUDA (.cu) host wrappers.
 //
-// They mirror minisched/checks.py: the same exception types with the same key words, each
+// They mirror minisched/ops/checks.py: the same exception types with the same key words, each
 // message starting with "<op>: ".
 //
 //   TypeError   (TORCH_CHECK_TYPE)   wrong dtype                        "dtype"

@@ -1,6 +1,6 @@
 // Every minisched op schema, in one place. Each device registers its kernels from its
 // own files (csrc/cpu/*.cpp: CPU, csrc/cuda/*.cu: CUDA). Outputs are preallocated by
-// the Python wrappers in minisched/ops.py and marked as mutated (Tensor(a!)).
+// the Python wrappers in minisched/ops/__init__.py and marked as mutated (Tensor(a!)).
 #include <Python.h>
 #include <torch/library.h>
 

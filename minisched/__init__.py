@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 # first imported, and by default spins on every fork/join barrier. On a machine whose cores are
 # shared (another busy process, a laptop), a spinning thread holds a core that the descheduled
 # thread it waits for needs, and each of a step's ~150 parallel regions waits a scheduler tick:
-# SmolLM2 decode fell tenfold (27 -> 1.9 tok/s, issue 14). PASSIVE makes idle threads sleep.
+# SmolLM2 decode fell tenfold (27 -> 1.9 tok/s). PASSIVE makes idle threads sleep.
 # It must be in the environment before torch loads, so it is set on importing this package
 # (every entry point -- the CLI, the server, `from minisched import Engine` -- passes here) and
 # never overrides a value the user set. If torch was imported before minisched, it has no

@@ -10,7 +10,7 @@ Model specs (`resolve`):
   path/to/hf_dir         a directory with config.json + *.safetensors (LlamaForCausalLM)
   dummy:<preset>         random weights with a preset's shapes (minisched.model.config.PRESETS)
 
-GGUF facts (DESIGN.md §5): tensor dims are stored reversed; llama.cpp permutes the rows of
+GGUF facts (checked against transformers in tests/model/test_model.py): tensor dims are stored reversed; llama.cpp permutes the rows of
 Q and K for interleaved RoPE -- we undo that per head and use half-rotation RoPE, as
 transformers does; with tied embeddings there is no `output.weight`.
 """

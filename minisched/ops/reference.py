@@ -2,7 +2,7 @@
 
 Written for clarity, one request at a time. Arithmetic runs in float32 for
 16-bit inputs and in float64 for float64 inputs; LSE is float32, natural log.
-Shapes follow DESIGN.md §2-3:
+Shapes follow docs/architecture.md ("The paged KV cache and the ops"):
 
     k_cache, v_cache   [num_pages, page_size, Hkv, D]   (one layer)
     kv_cache           [num_layers, 2, num_pages, page_size, Hkv, D]

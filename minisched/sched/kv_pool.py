@@ -1,7 +1,7 @@
 """The KV page pool: a free list over `num_pages` pages of `page_size` tokens.
 
 The pool only hands out page indices; the K/V tensor itself
-(`kv_cache[num_layers, 2, num_pages, page_size, Hkv, D]`, DESIGN.md §2) belongs to the
+(`kv_cache[num_layers, 2, num_pages, page_size, Hkv, D]`, docs/architecture.md) belongs to the
 engine. A request's page table is `Req.page_ids` (page i holds its tokens
 `[i*page_size, (i+1)*page_size)`); a token's slot is `page * page_size + offset`.
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (DESIGN.md section 8; docs/serving.md).
+"""The OpenAI-compatible HTTP server (docs/serving.md).
 
     from minisched.serve import create_app, run
     run(create_app(Engine("smollm2"), model_name="smollm2"), port=30000)

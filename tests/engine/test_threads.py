@@ -1,4 +1,4 @@
-"""CPU thread choice (issue 14): the ThreadTuner's decisions on made-up timings, the num_threads
+"""CPU thread choice: the ThreadTuner's decisions on made-up timings, the num_threads
 option, and that thread counts do not change greedy output."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 11, fidelity to SGLang: in-batch prefix deferral, decode not starved by default, mixed
+"""Fidelity to SGLang: in-batch prefix deferral, decode not starved by default, mixed
 batches within the chunk budget, new_token_ratio re-estimated after a retraction,
 max_new_tokens = 0. Counted in tokens and steps with the fake runner."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ def prefill_tokens(sched: Scheduler) -> int:
                                                          (16, 1024, 32, None, 1024 + 16 * 32)])
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_in_batch_prefix_deferral(n, shared, own, chunk, want, policy):
-    """The issue's numbers: 11,776 -> 4,608 and 16,896 -> 1,536 prefill tokens."""
+    """The measured numbers: 11,776 -> 4,608 and 16,896 -> 1,536 prefill tokens."""
     rng = random.Random(0)
     system = [rng.randrange(VOCAB) for _ in range(shared)]
     reqs = [(f"r{i}", system + [rng.randrange(VOCAB) for _ in range(own)]) for i in range(n)]

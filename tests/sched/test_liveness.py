@@ -1,4 +1,4 @@
-"""Issue 11, bugs: the scheduler never hangs and never lets one request serialize the rest.
+"""Liveness: the scheduler never hangs and never lets one request serialize the rest.
 
 Every loop here has a step bound, so a livelock fails the test instead of hanging it.
 """
@@ -22,7 +22,7 @@ def make(**kw) -> tuple[Scheduler, FakeRunner]:
 
 # -- 1. livelock: a request whose next step needs more than the whole pool ----------------------
 def test_continuation_prompt_in_pool_smaller_than_context_terminates():
-    """The issue's repro: page_size 1, a 20-page pool, B = [1..5] then A = [1..20] (A continues
+    """The reported repro: page_size 1, a 20-page pool, B = [1..5] then A = [1..20] (A continues
     B's prompt). A used to be retracted with seq_len 21 > pool and wait forever."""
     sched, runner = make(page_size=1, num_pages=20, chunk_size=8)
     sched.add_request("B", list(range(1, 6)), SamplingParams(max_new_tokens=2, ignore_eos=True))
