@@ -208,26 +208,28 @@ def kernel_lines(results: list[dict]) -> list[str]:
 
 
 def compose(sections: list[tuple[str, list[str]]], limit: int) -> str:
-    """Sections in order while they fit in `limit` characters; the first that does not is cut at a line."""
+    """Sections in order while they fit in `limit` characters (keeping room for a closing note); the first
+    that does not is cut at a line, and the note says which sections are left to the tarball."""
+    reserve = 160
     out, used = [], 0
     for i, (title, lines) in enumerate(sections):
         block = ([title] if title else []) + lines + [""]
         text = "\n".join(block) + "\n"
-        if used + len(text) <= limit:
+        last = i == len(sections) - 1
+        if used + len(text) <= limit - (0 if last else reserve):
             out.append(text)
             used += len(text)
             continue
-        rest = [t for t, _ in sections[i + 1:] if t]
-        note = f"[cut to {limit} characters: the rest of this section"
-        note += (", and " + ", ".join(rest) if rest else "") + ": device_check.tar.gz]\n"
-        room = limit - used - len(note)
+        rest = [t.removeprefix("-- ").split(" ")[0] for t, _ in sections[i:] if t]
+        note = f"[cut at {limit} characters; the rest ({', '.join(rest)}) is in device_check.tar.gz]"[:reserve - 1]
+        room = limit - used - len(note) - 1
         kept = []
         for ln in block:
-            if room - (len(ln) + 1) < 0:
+            if room < len(ln) + 1:
                 break
             kept.append(ln)
             room -= len(ln) + 1
-        out.append("\n".join(kept) + ("\n" if kept else "") + note)
+        out.append("".join(ln + "\n" for ln in kept) + note + "\n")
         break
     return "".join(out)
 
