@@ -18,13 +18,13 @@
 # Each stage is timed and bounded by `timeout -s INT -k GRACE` (SIGINT: pytest still writes its summary
 # and junit file) and cut so that the stages after it keep MIN_STAGE seconds each of BUDGET; a stage that
 # would get less than MIN_RUN is skipped. A failing stage is recorded and the later stages still run.
-# Worst case: BUDGET + GRACE + a few seconds for the summary (default 400 + 15: under 7 minutes).
+# Worst case: BUDGET + GRACE + a few seconds for the summary (default 390 + 15 + ~10: under 7 minutes).
 #
 # Rerun (docs in benchmarks/README.md): SKIP_BUILD=1 keeps the extension already in minisched/ (built by an
 # earlier run on a machine still warm, or carried back from an earlier run's OUTDIR); STAGES="a b" runs
 # only those stages.
 #
-# Knobs: PYTHON (python3), CUDA_HOME (/usr/local/cuda when present), WORK, BUDGET (400), GRACE (15),
+# Knobs: PYTHON (python3), CUDA_HOME (/usr/local/cuda when present), WORK, BUDGET (390), GRACE (15),
 # MIN_STAGE (20), MIN_RUN (10), STAGES, SKIP_BUILD, FLEX (1; 0 skips), <STAGE>_TIMEOUT for each stage
 # (e.g. TESTS_TIMEOUT), TEST_PATHS, PYTEST_MARK ("not slow"), PYTEST_K (the tests stage's -k), PYTEST_ARGS
 # (extra words, split on spaces), PYTEST_XDIST (8; 0: off), PER_TEST_TIMEOUT (60), MAXFAIL (30), BENCH_ARGS,
@@ -47,7 +47,7 @@ fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
 export PYTHONUNBUFFERED=1
-BUDGET=${BUDGET:-400}
+BUDGET=${BUDGET:-390}
 GRACE=${GRACE:-15}
 MIN_STAGE=${MIN_STAGE:-20}
 MIN_RUN=${MIN_RUN:-10}

@@ -180,9 +180,11 @@ def e2e_targets(work: str) -> tuple[list[dict], dict]:
     if runs:
         s = runs[0].get("summary") or {}
         raw["e2e"] = s
-        tps = s.get("output tok/s")
-        rows.append({"target": "e2e bench (dummy llama3-1b, graphs)", "met": None, "goal": "-",
-                     "value": "n/a" if tps is None else f"{tps:.0f} output tok/s, TTFT p50 {s.get('TTFT p50 (s)') or 0:.3f} s",
+        tps, ttft = s.get("output_tok_s"), (s.get("ttft_s") or {}).get("p50")
+        value = "n/a" if tps is None else f"{tps:.0f} output tok/s, {s.get('completed')}/{s.get('num_requests')} done"
+        if ttft is not None:
+            value += f", TTFT p50 {1e3 * ttft:.0f} ms"
+        rows.append({"target": "e2e minisched bench (CUDA graphs on)", "met": None, "goal": "-", "value": value,
                      "torch": "n/a"})
     return rows, raw
 
@@ -277,10 +279,9 @@ def main(argv=None) -> int:
         if s is None:
             san_lines.append(f"{tool}: not run")
             continue
-        ran = sum(1 for c in s["cases"])
-        san_lines.append(f"{tool}: {s['summary'] or 'no summary line (see the log)'} | {ran} cases ran"
-                         + "".join(f" | {c['case']}: {c['result'][:50]}" for c in s["cases"]
-                                   if not c["result"].startswith(("ok", "skipped"))))
+        bad = [c for c in s["cases"] if not c["result"].startswith(("ok", "skipped"))]
+        san_lines.append(f"{tool}: {s['summary'] or 'no summary line (see the log)'} | {len(s['cases'])} cases ran, "
+                         f"{len(bad)} raised" + (f" (first: {bad[0]['case']}: {bad[0]['result'][:70]})" if bad else ""))
         for case, reps in list(s["reports"].items())[:8]:
             first = reps[0]
             san_lines.append(f"  {case}: {len(reps)} reports; first: {first['what'][:90]}"

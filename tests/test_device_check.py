@@ -211,6 +211,22 @@ def test_summary_stays_under_8000_characters_with_the_failures_first(tmp_path):
                for i in range(14)]
     (work / "bench_all.json").write_text(json.dumps({"meta": {"copy_GBps": 4300}, "results": rows,
                                                      "targets": targets}))
+    (work / "cuda_graph.json").write_text(json.dumps({"cases": [  # bench_cuda_graph.py's layout
+        {"batch": 8, "tok_s_off": 900.0, "tok_s_on": 1500.0, "ratio": 1.67, "first_tokens_equal": True}]}))
+    (work / "sanitize_memcheck.log").write_text(textwrap.dedent("""\
+        ========= COMPUTE-SANITIZER
+        case decode_1x4_d128: ok (0.51 s)
+        ========= Invalid __global__ read of size 16 bytes
+        =========     at void minisched::cuda::paged_attention_kernel<__nv_bfloat16, 128, 2, 2, 1>(P)+0x1a30
+        =========     by thread (3,0,0) in block (5,0,0)
+        =========     Saved host backtrace up to driver entry point at kernel launch time
+        =========
+        case decode_2x2_d128: FAILED RuntimeError: CUDA error: unspecified launch failure
+        ========= ERROR SUMMARY: 1 error
+    """))
+    (work / "e2e.json").write_text(json.dumps({"version": 1, "runs": [  # `minisched bench --json`'s layout
+        {"name": "continuous", "summary": {"num_requests": 64, "completed": 64, "output_tok_s": 2345.6,
+                                           "ttft_s": {"p50": 0.012}}}]}))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "device_check_summary.py"), str(work),
                         str(out)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -218,4 +234,12 @@ def test_summary_stays_under_8000_characters_with_the_failures_first(tmp_path):
     assert len(summary) <= 8000
     assert summary.index("-- stages") < summary.index("FAILURE tests/ops/test_cuda_kernels.py::test_0[")
     assert "... and 275 more" in summary and "device_check.tar.gz" in summary.splitlines()[-1]
-    assert len(json.loads((out / "results.json").read_text())["tests"]["tests"]["failed"]) == 300
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["tests"]["tests"]["failed"]) == 300
+    memcheck = results["sanitizer"]["memcheck"]  # a report is the case's whose line follows it
+    assert memcheck["summary"] == "ERROR SUMMARY: 1 error" and len(memcheck["cases"]) == 2
+    assert memcheck["reports"]["decode_2x2_d128"][0]["what"] == "Invalid __global__ read of size 16 bytes"
+    assert "paged_attention_kernel<__nv_bfloat16, 128, 2, 2, 1>" in memcheck["reports"]["decode_2x2_d128"][0]["at"]
+    e2e = {t["target"]: t for t in results["targets"]}  # the end-to-end rows join the kernel targets
+    assert e2e["e2e decode B=8: graphs > eager"]["met"] is True
+    assert e2e["e2e minisched bench (CUDA graphs on)"]["value"].startswith("2346 output tok/s, 64/64 done")

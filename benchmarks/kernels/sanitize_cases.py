@@ -20,8 +20,10 @@ few of torch's (copies, empty/fill). How each configuration is selected (csrc/cu
   kv ops     store_kv (with skipped slots), copy/gather/scatter_kv_pages (device, and pinned host buffers)
   bad table  a page index past the pool: the request's rows become NaN and nothing out of range is read
 
-Prints one line per case ("ok" or the error); exits 1 if any case raised. The sanitizer's own report
-(and its --error-exitcode) says whether a kernel touched memory it should not have.
+Prints one line per case ("ok" or the error) after the case has synchronized, so a sanitizer report
+printed before a case's line is that case's; exits 1 if any case raised. The sanitizer's own report (and
+its --error-exitcode) says whether a kernel touched memory it should not have. A memory fault leaves the
+CUDA context unusable, so the cases after it fail too: rerun the first one alone with --case.
 """
 from __future__ import annotations
 
