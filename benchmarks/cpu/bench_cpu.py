@@ -1,4 +1,4 @@
-"""CPU serving speed of SmolLM2-135M (issue 14) -- not a test.
+"""CPU serving speed of SmolLM2-135M -- not a test.
 
     python benchmarks/cpu/bench_cpu.py speed [--batch 1 8 32 64] [--busy 1] [--threads N] [--json out.json]
     python benchmarks/cpu/bench_cpu.py profile [--batch 1 8 32 64] [--json out.json]

@@ -1,4 +1,4 @@
-"""Weight-only int8 (`--quantize int8`, issue 14) against fp32 -- not a test.
+"""Weight-only int8 (`--quantize int8`) against fp32 -- not a test.
 
     python benchmarks/kernels/bench_int8.py [--rounds 3] [--threads 1 2] [--json benchmarks/results/int8.json]
 

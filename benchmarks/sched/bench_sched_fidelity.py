@@ -1,4 +1,4 @@
-"""Scheduler fidelity benchmark (issue 11): counted in steps and tokens with a fake runner, so
+"""Scheduler fidelity benchmark: counted in steps and tokens with a fake runner, so
 the numbers do not depend on the machine. Not a test.
 
 Scenarios (each a function below returning one dict of metrics):

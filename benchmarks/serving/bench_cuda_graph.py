@@ -1,4 +1,4 @@
-"""End-to-end decode with and without CUDA graphs (issue 15), for benchmarks/device_check.sh -- not a test.
+"""End-to-end decode with and without CUDA graphs, for benchmarks/device_check.sh -- not a test.
 
     python benchmarks/serving/bench_cuda_graph.py [--model dummy:llama3-1b] [--batch 1 8 32] [--rounds 2] [--json out.json]
 

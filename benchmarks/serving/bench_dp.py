@@ -1,4 +1,4 @@
-"""Data parallelism (issue 13): cache-aware vs round-robin routing over DP replicas, same run, interleaved.
+"""Data parallelism: cache-aware vs round-robin routing over DP replicas, same run, interleaved.
 
     .venv/bin/python benchmarks/serving/bench_dp.py [--model dummy:tiny] [--dp 2] [--rounds 3] [--num-requests 64]
                                             [--prefixes 4] [--rate 16] [--scale 0.5] [--num-pages 256]

@@ -1,4 +1,4 @@
-"""Serving over HTTP (issue 12): in-process vs over HTTP, /health latency under load, continuous vs
+"""Serving over HTTP: in-process vs over HTTP, /health latency under load, continuous vs
 static batching over HTTP. Writes JSON (default benchmarks/results/http_serving.json) and prints a table.
 
     .venv/bin/python benchmarks/serving/bench_http.py [--model smollm2] [--pairs 2] [--num-requests 16] [--scale 0.5]

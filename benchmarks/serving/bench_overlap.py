@@ -1,4 +1,4 @@
-"""Overlap scheduling on the CPU (issue 15) -- not a test.
+"""Overlap scheduling on the CPU -- not a test.
 
     python benchmarks/serving/bench_overlap.py [--model smollm2 dummy:tiny] [--batch 8 32] [--rounds 3] [--json out.json]
 

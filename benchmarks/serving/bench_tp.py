@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo): per step, the bytes all-reduced and the share of step time in
-collectives, TP=1 vs TP=N (issue 13) -- not a test.
+collectives, TP=1 vs TP=N -- not a test.
 
     python benchmarks/serving/bench_tp.py [--model dummy:smollm2-135m --heads 8 --kv-heads 2] [--tp 2] [--batch 1 8]
                                   [--prompt-len 128] [--new-tokens 32] [--rounds 2] [--json out.json]
