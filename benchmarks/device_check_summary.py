@@ -53,6 +53,22 @@ def stages(work: str) -> list[dict]:
     return rows
 
 
+STAGE_LOG = {"build": "build.log", "res_usage": "res_usage.txt", "bench_wgmma": "bench_wgmma.log",
+             "sanitize_memcheck": "sanitize_memcheck.log", "sanitize_racecheck": "sanitize_racecheck.log",
+             "bench": "bench.log", "e2e": "e2e.log", "cuda_graph": "cuda_graph.log", "flex": "bench_flex.log"}
+
+
+def why(work: str, stage: str) -> str | None:
+    """The line of a failed stage's log that says why: its last Python exception line, else its first
+    compiler-style error, else its last line (the test stages have their own section)."""
+    lines = [ln.strip() for ln in read(os.path.join(work, STAGE_LOG.get(stage, "-"))).splitlines()
+             if ln.strip() and not ln.startswith("== [")]
+    exc = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b", ln)]
+    err = [ln for ln in lines if re.search(r"\berror\b", ln, re.I)]
+    pick = exc[-1] if exc else err[0] if err else lines[-1] if lines else None
+    return pick[:150] if pick else None
+
+
 def env(work: str) -> dict:
     out = {}
     for line in read(os.path.join(work, "env.txt")).splitlines():
@@ -261,6 +277,9 @@ def main(argv=None) -> int:
             f"native extension: {info.get('native', 'n/a')}"]
     stage_lines = [f"{'stage':<20}{'status':<28}{'s':>5}{'limit':>7}"]
     stage_lines += [f"{r['stage']:<20}{r['status']:<28}{r['seconds']:>5}{r['limit']:>7}" for r in st]
+    for r in st:
+        if not r["status"].startswith(("ok", "skipped")) and why(w, r["stage"]):
+            stage_lines.append(f"  {r['stage']}: {why(w, r['stage'])}")
     test_lines = []
     for name, t in tests.items():
         c = t["counts"]
