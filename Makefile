@@ -54,8 +54,8 @@ test-slow: $(EXT)
 	$(PYTEST) tests -m slow
 
 bench: $(EXT)
-	$(PY) benchmarks/bench_kernels.py
-	$(PY) benchmarks/bench_scheduler.py
+	$(PY) benchmarks/kernels/bench_kernels.py
+	$(PY) benchmarks/sched/bench_scheduler.py
 
 clean:
 	rm -rf build minisched/_C*.so .venv/.ext-ok

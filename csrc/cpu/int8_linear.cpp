@@ -30,7 +30,7 @@ namespace minisched::cpu {
 namespace {
 
 // From this many rows on, dequantized panels + the packed micro-kernel: the fused kernel converts each
-// weight row once per 8 activation rows (benchmarks/bench_int8.py, RESULTS.md).
+// weight row once per 8 activation rows (benchmarks/kernels/bench_int8.py, benchmarks/RESULTS.md).
 constexpr int64_t kGemmRows = 17;
 using packed::kPanel;
 

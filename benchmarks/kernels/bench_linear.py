@@ -1,14 +1,14 @@
 """The packed float32 matmul (csrc/cpu/packed_linear.cpp) against torch's F.linear (MKL sgemm here)
 on SmolLM2-135M's projection shapes -- not a test.
 
-    python benchmarks/bench_linear.py [--rows 1 2 4 8 16 32 64 512] [--threads 1 2] [--rounds 3] [--json out.json]
+    python benchmarks/kernels/bench_linear.py [--rows 1 2 4 8 16 32 64 512] [--threads 1 2] [--rounds 3] [--json out.json]
 
 For each thread count, row count M and projection ([N, K]: qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536, lm_head 49152x576), the two run alternately (A, B, B, A, ...) for --rounds
 rounds of ~0.2 s each on fresh random inputs; reported: median microseconds per call, GFLOP/s and
 the speedup (median of the per-round ratios). The weights are the same tensors every call, so the
 small ones are cache-resident (a decode step streams them from memory: the model-level numbers are
-in bench_cpu.py); the 113 MB LM head is not. /proc/loadavg is recorded before and after.
+in benchmarks/cpu/bench_cpu.py); the 113 MB LM head is not. /proc/loadavg is recorded before and after.
 """
 from __future__ import annotations
 
@@ -20,9 +20,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench_cpu import loadavg  # same folder
-
 from minisched import ops
+
+
+def loadavg() -> str:
+    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 

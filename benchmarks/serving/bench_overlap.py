@@ -1,6 +1,6 @@
-"""Overlap scheduling on the CPU (issue 15) -- not a test.
+"""Overlap scheduling on the CPU -- not a test.
 
-    python benchmarks/bench_overlap.py [--model smollm2 dummy:tiny] [--batch 8 32] [--rounds 3] [--json out.json]
+    python benchmarks/serving/bench_overlap.py [--model smollm2 dummy:tiny] [--batch 8 32] [--rounds 3] [--json out.json]
 
 For each model and batch size B: B prompts of --prompt-len tokens run to --new-tokens greedy tokens
 (ignore_eos) on two engines over the same weights, overlap off and on, alternated (off, on, on, off,
@@ -20,20 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
 
-from bench_cpu import loadavg  # noqa: E402
+from minisched.engine import Engine
+from minisched.sched.req import SamplingParams
 
-import torch  # noqa: E402
 
-from minisched.engine import Engine  # noqa: E402
-from minisched.sched.req import SamplingParams  # noqa: E402
+def loadavg() -> str:
+    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 
 def timed(engine: Engine) -> list:

@@ -15,8 +15,10 @@ both alike; minima are in the JSON), speedup (reference / native), effective GB/
 (K and V bytes of every request's context, once, over the median time) and, for prefill, GFLOP/s.
 Writes JSON (--json, default benchmarks/results/bench_kernels_cpu.json) and prints a table.
 
-The builders (`build_case`, `native_fn`, `reference_fn`, `kv_bytes`, `flops`) take a device, so a GPU
-script (benchmarks/bench_kernels_gpu.py) can reuse them; this script itself measures the CPU.
+    python benchmarks/kernels/bench_kernels.py [--threads 2] [--cases decode,prefill] [--json PATH]
+
+The builders take a device, but this script measures the CPU; the GPU numbers are
+benchmarks/kernels/bench_kernels_gpu.py's.
 """
 from __future__ import annotations
 
@@ -28,12 +30,12 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from minisched import ops
 
-from minisched import ops  # noqa: E402
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 CASES = {
     "decode": dict(batch=16, qo_len=1, kv_len=1024, hq=9, hkv=3, head_dim=64, causal=False),
@@ -169,8 +171,7 @@ def main() -> None:
     ap.add_argument("--cases", default="decode,prefill")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "bench_kernels_cpu.json"))
+    ap.add_argument("--json", default=os.path.join(RESULTS_DIR, "bench_kernels_cpu.json"))
     args = ap.parse_args()
     if not ops.native_available():
         sys.exit(ops.NATIVE_ERROR)

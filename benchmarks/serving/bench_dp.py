@@ -1,6 +1,6 @@
-"""Data parallelism (issue 13): cache-aware vs round-robin routing over DP replicas, same run, interleaved.
+"""Data parallelism: cache-aware vs round-robin routing over DP replicas, same run, interleaved.
 
-    .venv/bin/python benchmarks/bench_dp.py [--model dummy:tiny] [--dp 2] [--rounds 3] [--num-requests 64]
+    .venv/bin/python benchmarks/serving/bench_dp.py [--model dummy:tiny] [--dp 2] [--rounds 3] [--num-requests 64]
                                             [--prefixes 4] [--rate 16] [--scale 0.5] [--num-pages 256]
 
 One `DataParallelLoop` (N replica processes) behind the HTTP server in this process; the
@@ -39,7 +39,7 @@ from minisched.serve import create_app, make_server
 from minisched.serve.dp import DataParallelLoop
 from minisched.serve.router import RouterConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 POLICIES = ("cache-aware", "round-robin")
 
 

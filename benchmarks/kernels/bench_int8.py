@@ -1,6 +1,6 @@
-"""Weight-only int8 (`--quantize int8`, issue 14) against fp32 -- not a test.
+"""Weight-only int8 (`--quantize int8`) against fp32 -- not a test.
 
-    python benchmarks/bench_int8.py [--rounds 3] [--threads 1 2] [--json benchmarks/results/int8.json]
+    python benchmarks/kernels/bench_int8.py [--rounds 3] [--threads 1 2] [--json benchmarks/results/int8.json]
 
 Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same machine load:
   kernels    F.linear (fp32 sgemm/sgemv), packed_linear (fp32, the engine default) and
@@ -17,18 +17,22 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from bench_cpu import loadavg  # noqa: E402
+from minisched import Engine, SamplingParams, ops
+from minisched.model.llama import dense_forward
 
-from minisched import Engine, SamplingParams, ops  # noqa: E402
-from minisched.model.llama import dense_forward  # noqa: E402
+
+def loadavg() -> str:
+    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 PROMPTS = ["What is paged attention? Answer in one sentence.", "Name three fruits.", "Write a haiku about the sea.",

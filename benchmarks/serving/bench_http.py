@@ -1,7 +1,7 @@
-"""Serving over HTTP (issue 12): in-process vs over HTTP, /health latency under load, continuous vs
+"""Serving over HTTP: in-process vs over HTTP, /health latency under load, continuous vs
 static batching over HTTP. Writes JSON (default benchmarks/results/http_serving.json) and prints a table.
 
-    .venv/bin/python benchmarks/bench_http.py [--model smollm2] [--pairs 2] [--num-requests 16] [--scale 0.5]
+    .venv/bin/python benchmarks/serving/bench_http.py [--model smollm2] [--pairs 2] [--num-requests 16] [--scale 0.5]
 
 1. in-process vs HTTP: the same workload (poisson; all requests at t=0, the engine saturated, and
    at a Poisson rate for TTFT without a queue),
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def serve_only(args) -> None:
