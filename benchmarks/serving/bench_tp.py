@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from minisched.dist import ModelSource, TPSession
-from minisched.dist.group import CommStats
+from minisched.parallel import ModelSource, TPSession
+from minisched.parallel.group import CommStats
 from minisched.engine import Engine
-from minisched.engine.runner import default_num_threads
+from minisched.engine.threads import default_num_threads
 from minisched.model.config import preset
 from minisched.sched.req import SamplingParams
 

@@ -1,19 +1,40 @@
-"""Batched sampling: greedy, temperature, top-k and top-p, with a per-request random stream.
+"""Batched sampling: logits processing, greedy / temperature / min-p / top-k / top-p, and logprobs.
 
-`sample(logits, params, generators)` picks one token per row of `logits` [B, V] (float32).
-Rows with temperature 0 are greedy (argmax). The other rows are processed together: scale
-by temperature, keep the top-k, keep the smallest set of tokens whose probability reaches
-top-p, then draw by inverse CDF with one uniform number from the row's own
-`torch.Generator` -- so a seeded request samples the same tokens whatever else shares its
-batch (up to the floating-point noise of batched matmuls).
+`sample(logits, params, generators, history)` picks one token per row of `logits` [B, V]
+(float32), in one vectorized pass per step however the rows' settings differ:
+
+1. processing, for the rows that need it (`SamplingParams.needs_processing`): `min_tokens`
+   (the stop tokens get -inf), `logit_bias`, the repetition / frequency / presence penalties
+   over each row's history (`RowHistory`), and the grammar mask (`masks`, a bool [B, V]
+   tensor: False = not allowed; from structured.py);
+2. rows with temperature 0 take the argmax of the processed logits;
+3. the others: divide by the temperature, drop tokens under `min_p` x the top probability,
+   keep the top-k and the smallest set whose probability reaches top-p, and draw by inverse
+   CDF with one uniform number from the row's own `torch.Generator` -- so a seeded request
+   samples the same tokens whatever else shares its batch (up to floating-point noise).
+
+`logprobs_of(logits, rows, tokens, k)` gives the log-probabilities the API returns: the
+log-softmax of the *raw* logits in float32 (before processing and temperature, vLLM's default
+"raw_logprobs"), the chosen token's and the top k.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import MAX_LOGPROBS
+
+
+@dataclass
+class RowHistory:
+    """What a row's penalties and `min_tokens` read: its prompt and the output tokens before the one
+    being sampled (overlap: placeholders, resolved by the runner before sampling)."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
 
 
 def make_generator(seed: Optional[int]) -> torch.Generator:
@@ -26,19 +47,88 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]]) -> list[int]:
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
+           history: Optional[Sequence[Optional[RowHistory]]] = None,
+           masks: Optional[torch.Tensor] = None) -> list[int]:
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [B, V] with B == len(params) ({len(params)}), got {tuple(logits.shape)}")
+    if any(p.needs_processing for p in params) or masks is not None:
+        logits = process_logits(logits, params, history, masks)
     out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        sub = [params[i] for i in rows]
-        drawn = _sample_rows(logits[idx].float(), sub, [generators[i] for i in rows])
+        drawn = _sample_rows(logits[idx].float(), [params[i] for i in rows], [generators[i] for i in rows])
         out = out.clone()
         out[idx] = drawn
     return out.tolist()
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   history: Optional[Sequence[Optional[RowHistory]]], masks: Optional[torch.Tensor]) -> torch.Tensor:
+    """A processed float32 copy of `logits` (see the module docstring, step 1)."""
+    x = logits.float().clone()
+    dev, vocab = x.device, x.shape[-1]
+    neg_inf = float("-inf")
+    # min_tokens: no stop token before the minimum
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if p.min_tokens and len(_hist(history, i).output) < p.min_tokens:
+            for t in p.stop_token_ids:
+                if t < vocab:
+                    rows.append(i)
+                    cols.append(t)
+    if rows:
+        x[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = neg_inf
+    # logit_bias
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            if t < vocab:
+                rows.append(i)
+                cols.append(t)
+                vals.append(b)
+    if rows:
+        x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                     torch.tensor(vals, dtype=torch.float32, device=dev), accumulate=True)
+    # penalties
+    pen = [i for i, p in enumerate(params) if p.has_penalties]
+    if pen:
+        idx = torch.tensor(pen, device=dev)
+        sub = x[idx]
+        out_counts = _counts([_hist(history, i).output for i in pen], vocab, dev)
+        freq = torch.tensor([params[i].frequency_penalty for i in pen], dtype=torch.float32, device=dev)
+        pres = torch.tensor([params[i].presence_penalty for i in pen], dtype=torch.float32, device=dev)
+        sub = sub - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
+        rep = torch.tensor([params[i].repetition_penalty for i in pen], dtype=torch.float32, device=dev)
+        if (rep != 1).any():
+            seen = (out_counts > 0) | (_counts([_hist(history, i).prompt for i in pen], vocab, dev) > 0)
+            scaled = torch.where(sub > 0, sub / rep[:, None], sub * rep[:, None])
+            sub = torch.where(seen, scaled, sub)
+        x[idx] = sub
+    if masks is not None:
+        x = x.masked_fill(~masks, neg_inf)
+    return x
+
+
+def _hist(history, i: int) -> RowHistory:
+    h = history[i] if history is not None else None
+    if h is None:
+        raise ValueError("sampling with penalties or min_tokens needs the row's token history")
+    return h
+
+
+def _counts(seqs: Sequence[Sequence[int]], vocab: int, dev) -> torch.Tensor:
+    """[R, V] float32: how often each token id occurs in each row's sequence (one scatter_add)."""
+    width = max((len(s) for s in seqs), default=0)
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=dev)
+    if width:
+        ids = torch.full((len(seqs), width), vocab, dtype=torch.int64)
+        for r, s in enumerate(seqs):
+            if len(s):
+                ids[r, :len(s)] = torch.as_tensor(list(s), dtype=torch.int64).clamp_(0, vocab)
+        counts.scatter_add_(1, ids.to(dev), torch.ones(ids.shape, dtype=torch.float32, device=dev))
+    return counts[:, :vocab]
 
 
 def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -46,6 +136,10 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     dev, vocab = logits.device, logits.shape[-1]
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     logits = logits / temp[:, None]
+    if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the most likely one's probability
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     # top-k: drop everything after rank k (k = -1 keeps all)
     k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp(max=vocab)
@@ -64,3 +158,17 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     last_kept = (probs > 0).sum(-1, keepdim=True) - 1
     pick = torch.minimum(pick, last_kept)
     return order.gather(1, pick).squeeze(1)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """For each row of raw `logits` [R, V]: log p(tokens[r]) and the k most likely (id, log p), from the
+    float32 log-softmax (ties: lower ids first, as torch.topk on CPU)."""
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise ValueError(f"k must be in [0, {MAX_LOGPROBS}], got {k}")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.as_tensor(list(tokens), dtype=torch.int64, device=lp.device)[:, None])[:, 0]
+    top: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if k:
+        vals, ids = torch.topk(lp, k, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return chosen.tolist(), top

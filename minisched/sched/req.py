@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from minisched.base.values import cdiv, is_int, is_real
+from minisched.base.values import cdiv, is_int
+from minisched.sched.sampling_params import Grammar, InvalidRequest, SamplingParams  # noqa: F401 (re-exported)
 
 
 class ReqStatus(enum.Enum):
@@ -47,59 +48,6 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # the context or pool limit (max_new_tokens clipped on arrival), or max_new_tokens=0
     ABORT = "abort"
     ERROR = "error"  # the step computing it failed (an exception in the model, sampling, a stop checker)
-
-
-class InvalidRequest(ValueError):
-    """Raised by `Scheduler.add_request` for a request that can never run."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings. `stop_token_ids` should include the model's EOS
-    (the engine adds it); `ignore_eos=True` disables the stop-token check."""
-
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        def bad(msg: str) -> InvalidRequest:
-            return InvalidRequest(f"SamplingParams: {msg}")
-
-        for name in ("temperature", "top_p"):
-            v = getattr(self, name)
-            if not is_real(v):
-                raise bad(f"{name} must be a finite number, got {v!r}")
-            object.__setattr__(self, name, float(v))
-        if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise bad(f"top_k must be an int, -1 or >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise bad(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:  # 0: prefill only (fills the cache)
-            raise bad(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        for name in ("top_k", "seed", "max_new_tokens"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
-                is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise bad(f"stop must be non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
 
 
 @dataclass(eq=False)
