@@ -183,7 +183,7 @@ void paged_attention(const AttnParams& p) {
   const int64_t n_items = static_cast<int64_t>(items.size());
   // Small jobs (a short decode of a few requests) run on the calling thread: opening a parallel
   // region wakes the other threads, which costs more than the work -- tens of microseconds on a
-  // quiet machine, milliseconds when the cores are shared (issue 14). Work = query rows x KV
+  // quiet machine, milliseconds when the cores are shared. Work = query rows x KV
   // tokens x q heads, an upper bound under causal masking.
   int64_t work = 0;
   for (int64_t b = 0; b < p.batch && work < kSerialWork; ++b) {
