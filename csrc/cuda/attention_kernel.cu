@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
   constexpr int NR = 2 * RF;    // rows per thread: fragment f, half h -> warp row f * 16 + h * 8 + lane / 4
   // Q fragments stay in registers for the whole loop with one row fragment (KS * 4 registers); the
   // 32-row warp reloads them from shared memory per k-step (RF ldmatrix.x4 per k-step, NOTES.md
-  // round 4): at D 128 o (128) + S (64) leave no room for 64 more, at D 64 they would cost
-  // 205 -> 235 registers, i.e. 2 CTAs per SM instead of 3.
+  // "Prefill kernel (mma.sync)"): at D 128 o (128) + S (64) leave no room for 64 more, at D 64
+  // they would cost 205 -> 235 registers, i.e. 2 CTAs per SM instead of 3.
   constexpr bool Q_REGS = RF == 1;
   static_assert(NW % 16 == 0, "P V takes 16 tokens per mma k-step");
   static_assert(RF == 1 || KV_WARPS == 1, "several row fragments per warp: prefill's 4 x 1 CTA only");

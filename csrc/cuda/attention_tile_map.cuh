@@ -1,6 +1,6 @@
 // Which rows a CTA of the paged attention kernel (attention_kernel.cu) computes: the device tile map
-// of ragged launches (prefill, shared prefix) and locate_tile. Included by attention_kernel.cu only
-// (anonymous namespace: internal to that translation unit).
+// of ragged launches (prefill, shared prefix) and locate_tile. Included by attention_kernel.cu and
+// attention_wgmma.cu (anonymous namespace: a copy per translation unit).
 #pragma once
 
 #include "cuda/attention_utils.cuh"

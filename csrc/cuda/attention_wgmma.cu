@@ -1,7 +1,7 @@
-// The Hopper prefill path of paged_prefill_attention ("FA3-lite", NOTES.md round 5): the same work
-// split as the mma.sync kernel's 128-row prefill CTA (attention_kernel.cu: rows p = token * group + h
-// of one kv head's GQA group, the device tile map, bottom-right causal, bad-table NaN rows, the
-// empty-range rule), with both GEMMs on warpgroup MMA (wgmma.mma_async):
+// The Hopper prefill path of paged_prefill_attention ("FA3-lite"; NOTES.md "Prefill kernel (wgmma)"):
+// the same work split as the mma.sync kernel's 128-row prefill CTA (attention_kernel.cu: rows
+// p = token * group + h of one kv head's GQA group, the device tile map, bottom-right causal,
+// bad-table NaN rows, the empty-range rule), with both GEMMs on warpgroup MMA (wgmma.mma_async):
 // - CTA = 2 warpgroups (256 threads) x 64 query rows = 128-row tile; one KV split only (the
 //   launcher in torch_glue.cuh keeps the mma.sync kernel for everything else).
 // - S = Q K^T: wgmma m64n64k16, A = Q and B = K from shared memory (K-major, 128B swizzle).

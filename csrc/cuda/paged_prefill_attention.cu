@@ -2,9 +2,10 @@
 // the last qo_len_b positions of its KV) on tensor cores (mma.sync m16n8k16; on request, kernel = 2, the
 // Hopper wgmma kernel of attention_wgmma.cu), online softmax,
 // causal bottom-right aligned (query i sees KV positions <= kv_len - qo_len + i), KV pages
-// gathered by the page table. Rows of a 64-row tile are (token, head-in-GQA-group) pairs, so each
-// K/V tile is read once for the whole group. A device-side tile map (prefix sum of each request's
-// tile count) avoids a host sync. The kernel is in attention_kernel.cu.
+// gathered by the page table. Rows of a query tile (128 rows; 64 for short extends) are (token,
+// head-in-GQA-group) pairs, so each K/V tile is read once for the whole group. A device-side tile
+// map (prefix sum of each request's tile count) avoids a host sync. The kernel is in
+// attention_kernel.cu.
 //
 // Index values of CUDA tensors are not checked (that would sync): bad page indices / page table
 // entries give NaN rows for that request; a qo_indptr range outside [0, Nq] is skipped.
