@@ -26,6 +26,7 @@ import torch
 
 from minisched.model import weights
 from minisched.model.config import ModelConfig
+from minisched.model.detokenize import final_text
 from minisched.model.llama import LlamaModel
 from minisched.model.packed import pack_model, want_packed
 from minisched.model.quant import QuantConfig, quantize_model
@@ -36,6 +37,7 @@ from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.base.values import is_int
 from minisched.engine.config import EngineConfig
 from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
+from minisched.engine.generate import generate, stream
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner
@@ -181,13 +183,41 @@ class Engine:
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None, *, rid: Optional[str] = None,
                     chat: bool = False) -> Req:
         """Queue one request; raises InvalidRequest (a ValueError) if it can never run."""
+        return self.add_choices(prompt, sampling, 1, rids=None if rid is None else [rid], chat=chat)[0]
+
+    def add_choices(self, prompt: Prompt, sampling: Optional[SamplingParams], n: int, *,
+                    rids: Optional[Sequence[str]] = None, chat: bool = False) -> list[Req]:
+        """Queue `n` choices of one prompt (OpenAI's `n`); returns their requests. For n > 1 the prompt
+        is prefilled once (SGLang's parallel sampling): a prefill-only request goes first and the
+        choices wait for it, then reuse its full pages from the radix cache (the partial last page
+        and the last token are computed again per choice). Choice j samples with `seed + j` when a
+        seed is given (else with fresh entropy)."""
         if sampling is None:
             sampling = SamplingParams()
         elif isinstance(sampling, dict):
             sampling = SamplingParams(**sampling)
-        rid = rid if rid is not None else f"r{next(self._ids)}"
+        if not is_int(n) or n < 1:
+            raise InvalidRequest(f"n must be an int >= 1, got {n!r}")
+        rids = list(rids) if rids is not None else [f"r{next(self._ids)}" for _ in range(n)]
+        if len(rids) != n:
+            raise InvalidRequest(f"{len(rids)} request ids for n={n}")
         ids = self.encode(prompt, chat)
-        return self.scheduler.add_request(rid, ids, self._with_eos(sampling))
+        sampling = self._with_eos(sampling)
+        if n == 1:
+            return [self.scheduler.add_request(rids[0], ids, sampling)]
+        lead_sp = dataclasses.replace(sampling, max_new_tokens=0, logprobs=None, grammar=None)
+        lead = self.scheduler.add_request(f"{rids[0]}#prompt", ids, lead_sp)
+        reqs = []
+        try:
+            for j, rid in enumerate(rids):
+                sp = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**64)
+                reqs.append(self.scheduler.add_request(rid, ids, dataclasses.replace(sp, prompt_logprobs=None),
+                                                       after=lead))
+        except BaseException:
+            for r in [lead, *reqs]:
+                self.scheduler.abort(r.rid)
+            raise
+        return reqs  # the leader computes the prompt logprobs once (output_of reads them there)
 
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid)
@@ -220,109 +250,34 @@ class Engine:
         tail = self.tokenizer.decode(req.output_ids[-(2 * max(map(len, stops)) + 8):])
         return any(s in tail for s in stops)
 
-    def _final_text(self, req: Req) -> str:
-        text = self.tokenizer.decode(req.output_ids)
-        if req.finish_reason is not None and req.finish_reason.value == "stop_str":
-            cut = [text.find(s) for s in req.sampling.stop if s in text]
-            if cut:
-                text = text[:min(cut)]
-        return text
+    def final_text(self, req: Req) -> str:
+        sp = req.sampling
+        return final_text(self.tokenizer, req.output_ids, req.finish_reason.value if req.finish_reason else None,
+                          sp.stop, include_stop=sp.include_stop_str_in_output,
+                          skip_special_tokens=sp.skip_special_tokens)
 
-    def output_of(self, req: Req, index: int = 0) -> Output:
+    def output_of(self, req: Req, index: int = 0, choice: int = 0) -> Output:
         t0 = req.arrival_time
+        plp = req.prompt_logprobs if req.after is None else req.after.prompt_logprobs
         return Output(index=index, rid=req.rid, prompt_ids=list(req.prompt_ids), token_ids=list(req.output_ids),
-                      text=self._final_text(req), finish_reason=req.finish_reason.value if req.finish_reason else None,
+                      text=self.final_text(req), finish_reason=req.finish_reason.value if req.finish_reason else None,
                       error=req.error,
                       ttft=None if req.first_token_time is None else req.first_token_time - t0,
                       e2e_latency=None if req.finish_time is None else req.finish_time - t0,
-                      cached_tokens=req.cache_hit_tokens, num_retractions=req.num_retractions)
+                      cached_tokens=req.cache_hit_tokens, num_retractions=req.num_retractions, choice=choice,
+                      logprobs=None if req.output_logprobs is None else list(req.output_logprobs),
+                      prompt_logprobs=None if plp is None else list(plp))
 
-    # -- batch APIs -------------------------------------------------------------------------------------
-    def _submit(self, prompts: Sequence[Prompt], sampling, chat: bool) -> tuple[list[Output], dict[str, int]]:
-        if isinstance(prompts, (str, dict, torch.Tensor, np.ndarray)) or (
-                isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
-            raise TypeError("prompts must be a list of prompts (strings, token-id lists or arrays, chat message "
-                            "lists); wrap a single prompt in a list")
-        prompts = list(prompts)
-        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        outputs, live = [], {}
-        try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                try:
-                    req = self.add_request(p, sp, chat=chat)
-                    live[req.rid] = i
-                    outputs.append(Output(index=i, rid=req.rid, prompt_ids=list(req.prompt_ids)))
-                except (InvalidRequest, ValueError, TypeError) as exc:
-                    outputs.append(Output(index=i, rid="", error=str(exc), finish_reason="error"))
-        except BaseException:  # e.g. Ctrl-C while tokenizing: nothing of this call stays queued
-            self._abort_all(live)
-            raise
-        return outputs, live
-
-    def _abort_all(self, live: dict[str, int]) -> None:
-        for rid in list(live):
-            self.abort(rid)
-        live.clear()
-
-    def _drive(self) -> list[Req]:
-        if not self.has_work():  # cannot happen while requests are live; never spin
-            raise RuntimeError("scheduler idle with unfinished requests")
-        return self.step()
-
-    def generate(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False,
+    # -- batch APIs (engine/generate.py) --------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False, n: int = 1,
                  progress: Optional[Callable[[int, int], None]] = None) -> list[Output]:
-        """Run every prompt to completion; one Output per prompt, in order (bad ones carry `error`).
-        `progress(done, total)` is called after each step. If the call is interrupted (Ctrl-C),
-        its requests are aborted and their pages released before the exception propagates."""
-        outputs, live = self._submit(prompts, sampling, chat)
-        total = len(live)
-        try:
-            while live:
-                for req in self._drive():
-                    i = live.pop(req.rid, None)
-                    if i is not None:
-                        outputs[i] = self.output_of(req, i)
-                if progress is not None:
-                    progress(total - len(live), total)
-        except BaseException:
-            self._abort_all(live)
-            raise
-        return outputs
+        """Run every prompt to completion; one Output per prompt and choice, in order (prompt i's choice j
+        at i * n + j; bad prompts carry `error`). `progress(done, total)` is called after each step. If the
+        call is interrupted (Ctrl-C), its requests are aborted and their pages released first."""
+        return generate(self, prompts, sampling, chat=chat, n=n, progress=progress)
 
-    def stream(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False) -> Iterator[StreamChunk]:
+    def stream(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False, n: int = 1
+               ) -> Iterator[StreamChunk]:
         """Yield new text per request as tokens arrive (after each step); a final chunk per request.
         Closing the iterator early (break, `close()`, garbage collection) aborts its requests."""
-        outputs, live = self._submit(prompts, sampling, chat)
-        try:
-            yield from self._stream(outputs, live)
-        finally:
-            self._abort_all(live)
-
-    def _stream(self, outputs: list[Output], live: dict[str, int]) -> Iterator[StreamChunk]:
-        for out in outputs:
-            if out.error is not None:
-                yield StreamChunk(out.index, out.rid, "", [], True, out)
-        sent: dict[str, tuple[int, str]] = {rid: (0, "") for rid in live}
-        reqs = {rid: self.scheduler.reqs[rid] for rid in live}
-        while live:
-            finished = {r.rid for r in self._drive()}
-            for rid in list(live):
-                req = reqs[rid]
-                n, old = sent[rid]
-                done = rid in finished
-                if len(req.output_ids) == n and not done:
-                    continue
-                text = self._final_text(req) if done else self.tokenizer.decode(req.output_ids)
-                if not done:
-                    if text.endswith("\ufffd"):
-                        continue  # an incomplete UTF-8 sequence: wait for the next token
-                    hold = max(map(len, req.sampling.stop), default=1) - 1  # may be a stop string's start
-                    text = text[:len(text) - hold] if hold else text
-                delta = text[len(old):] if text.startswith(old) else ""
-                sent[rid] = (len(req.output_ids), text if text.startswith(old) else old)
-                out = self.output_of(req, live[rid]) if done else None
-                if done:
-                    del live[rid]
-                yield StreamChunk(out.index if out else live[rid], rid, delta, list(req.output_ids[n:]), done, out)
+        return stream(self, prompts, sampling, chat=chat, n=n)

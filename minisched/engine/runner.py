@@ -26,7 +26,9 @@ from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
 from minisched.base.page_table import build_csr
 from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.threads import ThreadTuner
-from minisched.model.sampling import make_generator, sample
+from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
+from minisched.model.sampling import RowHistory, make_generator, sample
+from minisched.sched.step_output import StepOutput
 from minisched.sched.req import Req, SamplingParams
 
 
@@ -73,6 +75,8 @@ class ForwardJob:
     generators: list[Optional[torch.Generator]]
     has_futures: bool  # input_ids may hold placeholders
     future_slots: Optional[torch.Tensor]  # int64: where each sampled row's token goes in the future map
+    plan: LogitsPlan  # the rows whose logits are computed (sampling, prompt logprobs)
+    history: Optional[list[Optional[RowHistory]]]  # per sampled row, for penalties and min_tokens
 
 
 class ModelRunner:
@@ -101,14 +105,13 @@ class ModelRunner:
     def _t(self, a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
 
-    def build_meta(self, batch: Batch) -> tuple[torch.Tensor, ForwardMeta]:
-        sampled = batch.sample_mask()
-        logits_rows = batch.logits_indices()[sampled]
+    def build_meta(self, batch: Batch, plan: Optional[LogitsPlan] = None) -> tuple[torch.Tensor, ForwardMeta]:
+        plan = plan or plan_logits(batch)
         table = batch.page_table()
         meta = ForwardMeta(
             positions=self._t(batch.positions(), torch.int64), out_slots=self._t(batch.out_slots()),
             qo_indptr=self._t(batch.qo_indptr()), page_table=tuple(self._t(a) for a in table),
-            logits_indices=self._t(logits_rows, torch.int64), is_decode=batch.mode is ForwardMode.DECODE)
+            logits_indices=self._t(plan.rows, torch.int64), is_decode=batch.mode is ForwardMode.DECODE)
         if meta.is_decode and self.cascade:
             meta.cascade = self._cascade_meta(batch)
         return self._t(batch.input_ids()), meta
@@ -153,21 +156,32 @@ class ModelRunner:
         overrides it: it first sends the batch to the other ranks.)"""
         return self.model(input_ids, meta, self.kv_cache, backend=self.backend, check=self.check)
 
-    def forward(self, batch: Batch) -> list[int]:
+    def forward(self, batch: Batch) -> StepOutput:
         return self.execute(self.prepare(batch))
 
     def prepare(self, batch: Batch) -> ForwardJob:
         """Everything the step needs from the batch and its requests (overlap: after `Scheduler.launch`,
         which gave the sampled rows their placeholder ids in `batch.future_ids`)."""
-        input_ids, meta = self.build_meta(batch)
+        plan = plan_logits(batch)
+        input_ids, meta = self.build_meta(batch, plan)
         rows = [b for b, s in enumerate(batch.sampled) if s]
         reqs = [batch.reqs[b] for b in rows]
         slots = None
         if batch.future_ids:
             slots = self._t(np.asarray([(-batch.future_ids[b] - 1) % FUTURE_RING for b in rows], np.int64),
                             torch.int64)
+        history = None
+        if any(r.sampling.needs_processing for r in reqs):  # penalties and min_tokens read the tokens so far
+            history = []
+            for b, r in zip(rows, reqs):
+                if r.sampling.needs_processing:
+                    fill = r.fill_ids[:batch.prefix_lens[b] + batch.extend_lens[b]]  # before the token sampled now
+                    history.append(RowHistory(fill[:r.prompt_len], fill[r.prompt_len:]))
+                else:
+                    history.append(None)
         return ForwardJob(input_ids, meta, batch.num_tokens, batch.batch_size, rows, [r.sampling for r in reqs],
-                          [self.generator_for(r) for r in reqs], any(r.pending_ids for r in batch.reqs), slots)
+                          [self.generator_for(r) for r in reqs], any(r.pending_ids for r in batch.reqs), slots,
+                          plan, history)
 
     def _future_map(self) -> torch.Tensor:
         if self._futures is None:
@@ -191,12 +205,28 @@ class ModelRunner:
         logits = graphs.run(input_ids, job.meta) if graphs is not None else None
         if logits is None:
             logits = self.run_model(input_ids, job.meta)
+        plan, picked, sample_logits = job.plan, [], logits
         if job.rows:
-            picked = sample(logits, job.params, job.generators)
+            sample_logits = logits if plan.sample_at is None else logits[torch.tensor(plan.sample_at)]
+            history = self._resolve_history(job.history) if job.has_futures and job.history else job.history
+            picked = sample(sample_logits, job.params, job.generators, history)
             for b, t in zip(job.rows, picked):
                 tokens[b] = t
             if job.future_slots is not None:
                 self._future_map()[job.future_slots] = torch.tensor(picked, dtype=torch.int32, device=self.device)
+        ks = [p.logprobs for p in job.params]
+        out = StepOutput(tokens)
+        if plan.spans or any(k is not None for k in ks):
+            out = read_logprobs(logits, plan, sample_logits, job.rows, picked, ks, job.batch_size, tokens)
         if tuner is not None:
             tuner.after_step(job.num_tokens, time.perf_counter() - t0)
-        return tokens
+        return out
+
+    def _resolve_history(self, history: list[Optional[RowHistory]]) -> list[Optional[RowHistory]]:
+        """Overlap: the placeholders in a history are tokens earlier jobs sampled (in the future map)."""
+        neg = sorted({t for h in history if h is not None for t in h.output if t < 0})
+        if not neg:
+            return history
+        got = self._future_map()[torch.tensor([(-t - 1) % FUTURE_RING for t in neg])].tolist()
+        real = dict(zip(neg, got))
+        return [None if h is None else RowHistory(h.prompt, [real.get(t, t) for t in h.output]) for h in history]

@@ -78,7 +78,8 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
         sched.chunked_req = carried  # its pages do not fit yet: decode first
         return None, 0
     if adder.new_chunked_req is None and sched.waiting:
-        admitted = adder.add_waiting(sched.policy.order(sched.waiting))
+        ready = [r for r in sched.policy.order(sched.waiting) if r.after is None or r.after.is_finished]
+        admitted = adder.add_waiting(ready)
         if admitted:
             sched.waiting = take_admitted(sched.waiting, admitted,
                                           aging=sched.policy.active(len(sched.waiting)) != "fcfs")

@@ -129,7 +129,8 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
             return AddResult.OTHER
         key = req.fill_ids if req.output_ids else req.prompt_ids
-        pages, node = self.tree.match_prefix(key, req.seq_len - 1)
+        limit = req.seq_len - 1 if req.logits_from is None else min(req.seq_len - 1, req.logits_from)
+        pages, node = self.tree.match_prefix(key, limit)
         prefix = len(pages) * self.pool.page_size
         if self.defer is not None and self.defer.should_defer(key[:req.seq_len - 1], prefix):
             return AddResult.DEFERRED
@@ -151,7 +152,7 @@ class PrefillAdder:
             self.tree.dec_lock_ref(node)
             req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
             return AddResult.NO_TOKEN
-        req.cache_hit_tokens = prefix
+        req.cache_hit_tokens = min(prefix, req.prompt_len)  # prompt tokens only (a retracted request also hits its own output)
         self.cache_hit_tokens += prefix
         self._admit(req, prefix, n, truncated)
         return AddResult.OTHER if truncated else AddResult.CONTINUE

@@ -71,6 +71,10 @@ class Req:
     num_retractions: int = 0
     cache_hit_tokens: int = 0  # prefix tokens reused from the radix cache at admission
     error: str | None = None  # why it ended with FinishReason.ERROR
+    # log-probabilities, when the sampling params ask for them (step_output.TokenLogprob)
+    output_logprobs: list | None = None  # one per output token
+    prompt_logprobs: list | None = None  # prompt positions from sampling.prompt_logprob_start (position 0: None)
+    after: Req | None = None  # n > 1: the request prefilling the shared prompt; admitted once it has ended
     # timing (time.monotonic())
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -80,6 +84,11 @@ class Req:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             self.max_new_tokens = self.sampling.max_new_tokens
+        sp = self.sampling
+        if sp.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
+        if sp.prompt_logprobs is not None and self.prompt_logprobs is None and sp.prompt_logprob_start < self.prompt_len:
+            self.prompt_logprobs = [None] if sp.prompt_logprob_start == 0 else []
 
     @property
     def prompt_len(self) -> int:
@@ -92,6 +101,16 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids + self.pending_ids
+
+    @property
+    def logits_from(self) -> int | None:
+        """The first position whose logits a prefill must still compute for prompt logprobs (they
+        predict the token after it), or None. The radix-cache match stops there: cached K/V is
+        reused, but logits are not cached."""
+        if self.prompt_logprobs is None:
+            return None
+        nxt = self.sampling.prompt_logprob_start + len(self.prompt_logprobs)
+        return nxt - 1 if nxt < self.prompt_len else None
 
     @property
     def is_finished(self) -> bool:

@@ -75,6 +75,7 @@ from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import (FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason,
                                   new_request)
 from minisched.sched.retraction import pick_victim, reestimate_ratio, stall_reason
+from minisched.sched.step_output import StepOutput
 
 __all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
 
@@ -109,11 +110,14 @@ class Scheduler:
         self._num_arrivals = 0
 
     # -- requests -------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
+    def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
+                    after: Req | None = None) -> Req:
+        """`after`: a request this one waits for (n > 1: the prefill of the shared prompt)."""
         cfg = self.config
         if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
         req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
+        req.after = after
         req.arrival_seq = self._num_arrivals
         self._num_arrivals += 1
         self.reqs[rid] = req
@@ -177,7 +181,7 @@ class Scheduler:
         self._record_step(batch, n_retracted, hits)
         return batch
 
-    def process_batch_result(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
+    def process_batch_result(self, batch: Batch, next_token_ids: Sequence[int] | StepOutput) -> list[Req]:
         """Apply the sampled tokens (batch order) of the batch from the last `get_next_batch`:
         launch and resolve at once. Returns the requests that finished (with any that ended
         while the batch was built)."""
@@ -215,9 +219,10 @@ class Scheduler:
                 flight.limbo.append(req)
         batch.future_ids = futures
 
-    def resolve(self, batch: Batch, next_token_ids: Sequence[int]) -> list[Req]:
-        """The oldest launched batch's sampled tokens (batch order) arrived: apply them; returns
-        the requests that finished (and any that ended early)."""
+    def resolve(self, batch: Batch, next_token_ids: Sequence[int] | StepOutput) -> list[Req]:
+        """The oldest launched batch's sampled tokens (batch order; a StepOutput also carries the
+        log-probabilities its rows asked for) arrived: apply them; returns the requests that
+        finished (and any that ended early)."""
         flight = self.in_flight
         if not flight.launched or batch is not flight.launched[0]:
             raise RuntimeError("resolve: not the oldest launched batch")
@@ -233,17 +238,21 @@ class Scheduler:
         flight.launched.pop(0)
         return finished
 
-    def _apply(self, batch: Batch, next_token_ids: Sequence[int], finished: list[Req]) -> None:
+    def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
         first_decode = batch.batch_size - batch.num_decode
         checker, max_ctx, aborted = self.stop_checker, self.config.max_context_len, self.in_flight.aborted
+        tokens, lps, prompt_lps = (out.tokens, out.logprobs, out.prompt_logprobs) if isinstance(out, StepOutput) \
+            else (out, None, None)
         for b, (req, p, e, sampled, fid, tok) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
-                                                             batch.sampled, batch.future_ids, next_token_ids)):
+                                                             batch.sampled, batch.future_ids, tokens)):
             if req.status not in LIVE:
                 continue  # released while launched (abort, or finished by an earlier resolve): dropped
             valid = p + e
             if aborted and id(req) in aborted:
                 self.end(req, valid, ReqStatus.ABORTED, FinishReason.ABORT)
                 continue
+            if prompt_lps is not None and prompt_lps[b] and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(prompt_lps[b])
             if not sampled:
                 self.cache_unfinished(req, valid)
                 continue
@@ -256,6 +265,8 @@ class Scheduler:
             tok = int(tok)
             req.pending_ids.pop(0)
             req.output_ids.append(tok)
+            if req.output_logprobs is not None:
+                req.output_logprobs.append(lps[b] if lps is not None else None)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if (len(req.output_ids) >= req.max_new_tokens or valid + 1 >= max_ctx or checker is not None

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisched.serve import protocol as p
-from minisched.serve.detokenize import IncrementalDetokenizer
+from minisched.model.detokenize import IncrementalDetokenizer
 from minisched.serve.engine_loop import EngineLoop
 from minisched.serve.loop import ServingLoop
 from minisched.serve.metrics import CONTENT_TYPE

@@ -388,3 +388,22 @@ def test_policy_orders():
     assert ids(SchedulePolicy("lpm", tree, aging_rounds=4).order(waiting)) == ["a1", "a2", "b1", "cold"]
     assert SchedulePolicy("lpm", tree).active(129) == "fcfs" and SchedulePolicy("lpm", tree).active(128) == "lpm"
     assert SchedulePolicy("lpm", RadixCache(1, disable=True)).active(1) == "fcfs"
+
+
+def test_cached_tokens_count_prompt_tokens_only_after_a_retraction():
+    """Regression: a retracted request's re-prefill hits the radix cache on its own decoded tokens too;
+    `cache_hit_tokens` (the API's cached_tokens) must count prompt tokens only (it read 64 for a 60-token
+    prompt)."""
+    sched, runner = make(page_size=1, num_pages=100, chunk_size=None, retract_decode_steps=1)
+    sched.add_request("a", list(range(1, 5)), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    sched.add_request("b", list(range(1, 10)), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for _ in range(6):
+        sched.step(runner)
+    assert {r.rid for r in sched.running} == {"a", "b"} and len(sched.reqs["b"].output_ids) >= 4
+    stolen = sched.pool.alloc(sched.pool.num_free - 1)
+    sched.step(runner)  # b (longest prompt, as many tokens decoded) is retracted; its pages stay cached
+    assert [r.rid for r in sched.waiting] == ["b"]
+    sched.pool.free(stolen)
+    done = run(sched, runner)
+    assert done["b"].num_retractions == 1 and done["b"].cache_hit_tokens == 9
+    assert done["b"].output_ids == greedy_reference(list(range(1, 10)), 30, VOCAB)

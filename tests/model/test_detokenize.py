@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minisched.model.tokenizer import MiniTokenizer
-from minisched.serve.detokenize import IncrementalDetokenizer
+from minisched.model.detokenize import IncrementalDetokenizer
 
 TOK = MiniTokenizer.byte_level(512)
 TEXT = "héllo wörld 😀 ok"

@@ -1,0 +1,23 @@
+"""What one forward step hands back to the scheduler: a token per row and the log-probabilities
+the rows asked for (`SamplingParams.logprobs` / `prompt_logprobs`). Pure Python."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # natural log, float32 log-softmax of the raw logits
+    top: tuple[tuple[int, float], ...] = ()  # the most likely (token id, logprob), best first
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]  # one per row, batch order (0 for a chunk that samples nothing)
+    logprobs: Optional[list[Optional[TokenLogprob]]] = None  # per row: the sampled token's, if asked
+    prompt_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None  # per row: this chunk's prompt tokens'
+
+    def __len__(self) -> int:
+        return len(self.tokens)

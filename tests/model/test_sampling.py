@@ -1,0 +1,113 @@
+"""The sampler's logits processing (penalties, bias, min_tokens, masks), min-p and logprobs, against a
+per-row reference written from the definitions (SamplingParams' docstring), on fresh random logits."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minisched.model.sampling import RowHistory, logprobs_of, make_generator, process_logits, sample
+from minisched.sched.req import SamplingParams
+
+V = 64
+
+
+def reference_row(logits: torch.Tensor, sp: SamplingParams, hist: RowHistory, mask=None) -> torch.Tensor:
+    x = logits.double().clone()
+    if len(hist.output) < sp.min_tokens:
+        for t in sp.stop_token_ids:
+            x[t] = -math.inf
+    for t, b in sp.logit_bias:
+        x[t] += b
+    for t in range(V):
+        c = list(hist.output).count(t)
+        x[t] -= sp.frequency_penalty * c + sp.presence_penalty * (c > 0)
+        if sp.repetition_penalty != 1 and (c > 0 or t in hist.prompt):
+            x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+    if mask is not None:
+        x[~mask] = -math.inf
+    return x
+
+
+CASES = [
+    SamplingParams(),
+    SamplingParams(repetition_penalty=1.7),
+    SamplingParams(repetition_penalty=0.6),
+    SamplingParams(frequency_penalty=0.8, presence_penalty=-0.5),
+    SamplingParams(logit_bias={3: 5.0, 10: -100.0, 63: 2.5}),
+    SamplingParams(min_tokens=4, stop_token_ids=(2, 7)),
+    SamplingParams(min_tokens=2, stop_token_ids=(2,), repetition_penalty=1.3, frequency_penalty=0.3,
+                   logit_bias={2: 1.0}),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_processing_matches_the_per_row_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(CASES), V, generator=g) * 3
+    hist = [RowHistory(torch.randint(0, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist(),
+                       torch.randint(0, V, (int(torch.randint(0, 8, (1,), generator=g)),), generator=g).tolist())
+            for _ in CASES]
+    masks = torch.rand(len(CASES), V, generator=g) > 0.3
+    masks[:, 0] = True  # never an empty row
+    for use_mask in (False, True):
+        got = process_logits(logits, CASES, hist, masks if use_mask else None)
+        for i, sp in enumerate(CASES):
+            want = reference_row(logits[i], sp, hist[i], masks[i] if use_mask else None)
+            torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-5)
+    # greedy rows take the processed argmax; the raw logits are not modified
+    before = logits.clone()
+    picked = sample(logits, CASES, [None] * len(CASES), hist)
+    assert torch.equal(logits, before)
+    assert picked == process_logits(logits, CASES, hist, None).argmax(-1).tolist()
+
+
+def test_min_tokens_counts_the_output_before_this_token():
+    sp = SamplingParams(min_tokens=2, stop_token_ids=(5,), logit_bias={5: 50.0})
+    logits = torch.zeros(1, V)
+    assert sample(logits, [sp], [None], [RowHistory([1], [9])]) != [5]  # one token so far: not yet
+    assert sample(logits, [sp], [None], [RowHistory([1], [9, 9])]) == [5]
+
+
+def test_penalties_without_history_is_a_clear_error():
+    with pytest.raises(ValueError, match="history"):
+        sample(torch.zeros(1, V), [SamplingParams(repetition_penalty=2.0)], [None])
+
+
+def test_min_p_keeps_only_likely_tokens():
+    logits = torch.full((1, V), -10.0)
+    logits[0, 4], logits[0, 9], logits[0, 20] = 5.0, 4.5, 2.0  # p(20) / p(4) = e^-3 ~ 0.05
+    sp = SamplingParams(temperature=1.0, min_p=0.1, seed=1)
+    gen = make_generator(1)
+    draws = {sample(logits, [sp], [gen])[0] for _ in range(200)}
+    assert draws == {4, 9}
+    loose = SamplingParams(temperature=1.0, min_p=0.01)
+    assert 20 in {sample(logits, [loose], [make_generator(i)])[0] for i in range(400)}
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, V, generator=g) * 4
+    tokens = [0, 5, 63, 7, 7]
+    chosen, top = logprobs_of(logits, tokens, 4)
+    ref = torch.log_softmax(logits.double(), -1)
+    for r, t in enumerate(tokens):
+        assert chosen[r] == pytest.approx(float(ref[r, t]), abs=1e-5)
+        want = torch.topk(ref[r], 4)
+        assert [i for i, _ in top[r]] == want.indices.tolist()
+        assert [v for _, v in top[r]] == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert logprobs_of(logits, tokens, 0)[1] == [[]] * 5
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(logit_bias={"a": 1.0}), "logit_bias"), (dict(logit_bias={3: 200.0}), "logit_bias"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"), (dict(grammar="json"), "grammar"),
+])
+def test_bad_fields_are_rejected(kw, match):
+    from minisched.sched.req import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=match):
+        SamplingParams(**kw)
