@@ -56,7 +56,7 @@ def test_default_gpu_test_paths_collect_on_the_device_image(device_image_env):
 def test_smoke_run_runs_its_tests(device_image_env, tmp_path):
     out = tmp_path / "out"
     env = dict(device_image_env, PYTHON=sys.executable, SKIP_BUILD="1", BENCH_ARGS="--dry-run",
-               TEST_PATHS="tests/ops/test_page_table.py", PYTEST_XDIST="0", BUDGET="240",
+               TEST_PATHS="tests/base/test_page_table.py", PYTEST_XDIST="0", BUDGET="240",
                E2E_TIMEOUT="30", CG_TIMEOUT="30", WGMMA_TEST_TIMEOUT="90", BENCH_TIMEOUT="60")
     r = subprocess.run(["bash", "benchmarks/device_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=400)
