@@ -90,7 +90,7 @@ def smoke(device_image_env, tmp_path_factory):
     (cuda / "compute-sanitizer").write_text(FAKE_SANITIZER)
     (cuda / "compute-sanitizer").chmod(0o755)
     out, work = base / "out", base / "work"
-    env = dict(device_image_env, SKIP_BUILD="1", BENCH_ARGS="--dry-run", TEST_PATHS="tests/ops/test_page_table.py",
+    env = dict(device_image_env, SKIP_BUILD="1", BENCH_ARGS="--dry-run", TEST_PATHS="tests/base/test_page_table.py",
                PYTEST_XDIST="0", CUDA_HOME=str(base / "cuda"), WORK=str(work))
     r, wall = run_script(env, out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -1,2 +1,8 @@
-"""Shared test helpers (tests/ is on sys.path through tests/conftest.py): import them as `helpers.<module>`;
-test modules never import each other."""
+"""Shared test code (tests/ is on sys.path through tests/conftest.py): import it as `helpers.<module>`;
+test modules never import each other or a conftest.py (tests/test_layers.py checks it).
+
+targets / paged_kv: the op tests' backend x device x dtype targets, tensor helpers and paged K/V caches;
+cuda_emulation: the numpy building blocks of the CUDA kernel emulations; model: paged forwards of a model;
+engines / fake_runner / scheduler_machine / lifecycle_scenario: engines on a tiny model, the scheduler's
+fake runner, its hypothesis machine and a recorded run; serve: a live test server.
+"""

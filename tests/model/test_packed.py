@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from helpers.model import BACKENDS, paged_logits
 from minisched import ops
 from minisched.model import weights
 from minisched.model.config import preset
@@ -16,7 +17,6 @@ from minisched.model.packed import PackedWeight, pack_model, want_packed
 from minisched.model.quant import Int8Weight, QuantConfig, quantize_model
 from minisched.model.tokenizer import MiniTokenizer
 
-from test_model import BACKENDS, paged_logits
 
 pytestmark = pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))
 

@@ -8,13 +8,12 @@ import copy
 import pytest
 import torch
 
+from helpers.model import BACKENDS, paged_logits
 from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import LlamaModel, dense_forward
 from minisched.model.quant import Int8Weight, QuantConfig, quantize_model
 from minisched.ops import reference
-
-from test_model import BACKENDS, paged_logits
 
 
 def model_of(tie: bool) -> LlamaModel:

@@ -4,6 +4,8 @@ Mirrors csrc/cuda/attention_kernel.cu line by line: the tile map (tile_map_kerne
 and row tile a CTA column takes (locate_tile), and the rows the attention epilogue and the split
 merge write. Checked: every row of a valid query range is written exactly once by each, and no row
 outside the valid ranges is ever written (the merge runs over the same tiles, not over all rows).
+And the K/V loader's copies against the page table. tile_map, locate_tile and the loader live in
+tests/helpers/cuda_emulation.py (the CTA emulations use them too).
 """
 
 from __future__ import annotations
@@ -11,36 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
-def tile_map(qo_indptr, num_qo, group, rows_tile):
-    """tile_map_kernel: tile_offsets[b] = sum of ceil(qo_len * group / rows_tile) over earlier requests;
-    an invalid range (q0 < 0, q1 < q0, q1 > num_qo) gets no tiles."""
-    batch = len(qo_indptr) - 1
-    off = np.zeros(batch + 1, dtype=np.int64)
-    for b in range(batch):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        n = 0 if (q0 < 0 or q1 < q0 or q1 > num_qo) else -(-(q1 - q0) * group // rows_tile)
-        off[b + 1] = off[b] + n
-    return off
-
-
-def locate_tile(x, qo_indptr, offsets, tiles_per_request):
-    """locate_tile: (ok, b, tile, q_start, qo_len) of CTA column x."""
-    if qo_indptr is None:
-        return True, x // tiles_per_request, x % tiles_per_request, x // tiles_per_request, 1
-    batch = len(qo_indptr) - 1
-    if x >= offsets[batch]:
-        return False, 0, 0, 0, 0
-    lo, hi = 0, batch - 1  # largest b with offsets[b] <= x (the kernel's binary search)
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if offsets[mid] <= x:
-            lo = mid
-        else:
-            hi = mid - 1
-    ntiles = offsets[lo + 1] - offsets[lo]
-    q_start = int(qo_indptr[lo])
-    return True, lo, int(ntiles - 1 - (x - offsets[lo])), q_start, int(qo_indptr[lo + 1]) - q_start
+from helpers.cuda_emulation import BLOCK_N, emulate_loader, locate_tile, tile_map
 
 
 def written_rows(qo_indptr, num_qo, num_heads, group, rows_tile, num_kv_heads):
@@ -103,44 +76,6 @@ def test_decode_tiles_cover_every_row_once(hq, hkv):
 
 
 # -- the K/V loader (paged_attention_kernel: owned_tok / fetch_idx / make_bases / copy_kv) ------------
-
-BLOCK_N = 64
-
-
-def emulate_loader(warps, d, page_size, num_kv_heads, kvh, kv_indices, kv_beg, num_pages, tok0, s_end):
-    """One tile's cp.async copies as the kernel issues them: {(row, chunk): src element offset or None (0 bytes)}
-    and the bad-page flag. Lanes own warp-rows, resolve their pages, the copy loop reads offsets by shuffle."""
-    ch = d // 8
-    rpw, rpi = 32 // ch, warps * 32 // ch
-    iters, rw = BLOCK_N // rpi, BLOCK_N // warps
-    slots = -(-rw // 32)
-    shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-    row_stride = num_kv_heads * d
-    copies, bad_page = {}, False
-    for w in range(warps):
-        base = np.full((32, slots), -1, dtype=np.int64)  # per lane: the registers base[SLOTS]
-        for lane in range(32):
-            for s in range(slots):
-                k = s * 32 + lane
-                tok = tok0 + (k // rpw) * rpi + w * rpw + k % rpw
-                inside = (rw % 32 == 0 or k < rw) and tok < s_end
-                pi = tok >> shift if shift >= 0 else tok // page_size
-                pidx = int(kv_indices[kv_beg + (pi if inside else 0)])  # fetch_idx (a tile ahead)
-                ok = inside and 0 <= pidx < num_pages  # make_bases: the unsigned compare
-                bad_page |= inside and not ok
-                elem = (pidx * page_size + (tok - pi * page_size)) * row_stride + kvh * d
-                base[lane, s] = elem * 2 + 1 if ok else 0  # bytes (16-bit elements) | copy bit
-        for it in range(iters):  # copy_kv
-            for lane in range(32):
-                c, sub = lane % ch, lane // ch
-                b = int(base[(it * rpw) % 32 + sub, (it * rpw) // 32])  # __shfl_sync from the owner lane
-                src_bytes, byte_off = (b & 1) << 4, (b & ~1) + c * 16  # from kg + c * 8 elements
-                assert byte_off % 16 == 0 and byte_off >= 0
-                r = it * rpi + w * rpw + sub
-                assert (r, c) not in copies, f"row {r} chunk {c} copied twice"
-                copies[(r, c)] = byte_off // 2 if src_bytes == 16 else None
-    return copies, bad_page
-
 
 def reference_copies(d, page_size, num_kv_heads, kvh, kv_indices, kv_beg, num_pages, tok0, s_end):
     """What the tile must hold: row r = token tok0 + r at page kv_indices[kv_beg + tok // page_size]."""

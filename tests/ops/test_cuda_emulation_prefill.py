@@ -5,8 +5,8 @@ paged_attention_kernel<T, D, 4, 1, 2> (csrc/cuda/attention_kernel.cu) is the pre
 K (ldmatrix.x4) and V (ldmatrix.x4.trans) fragment feeding both fragments' mma.sync; Q is reloaded from
 shared memory per k-step (not kept in registers); thread row i (0..3) is warp row f * 16 + h * 8 + lane / 4
 with f = i / 2, h = i % 2; the causal limit of row 0 is kept (need_mask) and the others are recomputed in
-boundary tiles. This file replays that per lane with the fragment helpers of test_cuda_emulation_splitk.py,
-K/V tiles filled by the loader emulation of test_cuda_emulation.py, the tile map / locate_tile with the
+boundary tiles. This file replays that per lane with the fragment helpers of tests/helpers/cuda_emulation.py,
+K/V tiles filled by the loader emulation there, the tile map / locate_tile (also there) with the
 128-row tile height and the host's grid bound, the bad-page-table / empty-range rules and the split merge,
 in float64 against minisched.ops.reference (paged_prefill_attention, shared_prefix_attention).
 `bug` injects a deliberate error in the new index math; test_index_bugs_are_caught checks each one fails.
@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_paged_kv
+from helpers.cuda_emulation import (BLOCK_N, C, G, LANES, emulate_loader, ldmatrix_x4, ldmatrix_x4_trans, locate_tile,
+                                    mma_16816, prefill_case, quad_reduce, tile_map)
+from helpers.paged_kv import make_paged_kv
 from minisched.ops import reference
-from test_cuda_emulation import BLOCK_N, emulate_loader, locate_tile, tile_map
-from test_cuda_emulation_splitk import C, G, LANES, ldmatrix_x4, ldmatrix_x4_trans, mma_16816, quad_reduce
-from test_paged_decode_attention import without_pages
 
 ROW_WARPS, RF = 4, 2  # the prefill CTA: 4 warps x 2 row fragments
 WARPS = 4
@@ -222,21 +221,6 @@ def valid_rows(qo_indptr, num_qo):
         if 0 <= q0 <= q1 <= num_qo:
             want[q0:q1] += 1
     return want
-
-
-def prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty=()):
-    """A random float64 prefill case (requests in `empty` lose their pages) and the reference's answer:
-    (q, qo_indptr, kv, scale, ref_out, ref_lse), shared with test_cuda_emulation_wgmma.py."""
-    gen = torch.Generator().manual_seed(seed)
-    kv = make_paged_kv(kv_lens, page_size, hkv, d, torch.float64, "cpu", gen=gen)
-    if empty:
-        kv = without_pages(kv, set(empty))
-    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
-    q = torch.randn((int(qo_indptr[-1]), hq, d), generator=gen, dtype=torch.float64)
-    scale = d ** -0.5
-    ref_out, ref_lse = torch.full_like(q, np.nan), torch.full(q.shape[:2], np.nan, dtype=torch.float64)
-    reference.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, ref_out, ref_lse)
-    return q, qo_indptr, kv, scale, ref_out.numpy(), ref_lse.numpy()
 
 
 def run_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, splits, seed, empty=(), bug=None):

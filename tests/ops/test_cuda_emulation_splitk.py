@@ -6,8 +6,9 @@ ROW_WARPS x KV_WARPS warps; warp (rw, kw) owns query rows rw * 16.. and tokens k
 memory at the end. This file replays that line by line, per lane: the ldmatrix addresses (with the
 sub-tile offset), the mma.sync m16n8k16 fragment layouts, the per-warp masking and online softmax, the
 shared-memory merge (its index math, bounds and bank pattern), the epilogue and the split merge, with the
-K/V tiles filled by the loader emulation of test_cuda_emulation.py, and checks the result against
-minisched.ops.reference in float64 (no rounding: what is checked is which element goes where).
+K/V tiles filled by the loader emulation, and checks the result against minisched.ops.reference in float64
+(no rounding: what is checked is which element goes where). The loader and the ldmatrix / mma.sync
+fragment helpers are in tests/helpers/cuda_emulation.py.
 """
 
 from __future__ import annotations
@@ -16,55 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_paged_kv
+from helpers.cuda_emulation import (BLOCK_N, C, G, LANES, emulate_loader, ldmatrix_x4, ldmatrix_x4_trans, mma_16816,
+                                    quad_reduce)
+from helpers.paged_kv import make_paged_kv, without_pages
 from minisched.ops import reference
-from test_cuda_emulation import BLOCK_N, emulate_loader
-from test_paged_decode_attention import without_pages
 
 STAGES = 2
-LANES = np.arange(32)
-G, C = LANES >> 2, LANES & 3  # mma fragment row (groupID) and column pair (thread in group)
-
-
-# -- ldmatrix / mma.sync m16n8k16 per lane (PTX ISA fragment layouts) --------------------------------------
-
-def ldmatrix_x4(smem, addr):
-    """smem: flat array; addr[lane]: element offset of the row lane supplies (lanes 8i..8i+7: matrix i).
-    Returns regs[lane, i, 2]: lane t holds row t // 4, columns 2 (t % 4) + {0, 1} of matrix i."""
-    regs = np.empty((32, 4, 2))
-    for i in range(4):
-        rows = addr[8 * i + G]
-        regs[:, i, 0] = smem[rows + 2 * C]
-        regs[:, i, 1] = smem[rows + 2 * C + 1]
-    return regs
-
-
-def ldmatrix_x4_trans(smem, addr):
-    """.trans: lane t holds element (row 2 (t % 4) + e, column t // 4) of matrix i, i.e. of the transpose."""
-    regs = np.empty((32, 4, 2))
-    for i in range(4):
-        for e in range(2):
-            regs[:, i, e] = smem[addr[8 * i + 2 * C + e] + G]
-    return regs
-
-
-def mma_16816(d, a, b0, b1):
-    """d[lane, 4] += A (16x16, a[lane, 4, 2]) @ B (16x8, b0/b1[lane, 2]); the row.col fragment layouts."""
-    A, B = np.zeros((16, 16)), np.zeros((16, 8))
-    for e in range(2):
-        A[G, 2 * C + e], A[G + 8, 2 * C + e] = a[:, 0, e], a[:, 1, e]
-        A[G, 2 * C + 8 + e], A[G + 8, 2 * C + 8 + e] = a[:, 2, e], a[:, 3, e]
-        B[2 * C + e, G], B[2 * C + 8 + e, G] = b0[:, e], b1[:, e]
-    Dm = A @ B
-    for e in range(2):
-        d[:, e] += Dm[G, 2 * C + e]
-        d[:, 2 + e] += Dm[G + 8, 2 * C + e]
-
-
-def quad_reduce(x, op):
-    """__shfl_xor_sync over lanes ^1 then ^2: the four lanes of a row group."""
-    x = op(x, x[LANES ^ 1])
-    return op(x, x[LANES ^ 2])
 
 
 # -- one CTA --------------------------------------------------------------------------------------------

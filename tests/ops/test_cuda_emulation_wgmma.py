@@ -9,7 +9,7 @@ Two halves, kept apart on purpose:
   16-byte chunk), `make_desc` / `desc_add` and the byte offsets per k-step / stage / warpgroup, the
   accumulator -> P (register A) packing, the per-thread rows, causal limits, online softmax, epilogue.
 The whole tile loop runs on a byte-addressed shared-memory image (with the kernel's 1024-byte base
-alignment) fed by the K/V loader emulation of test_cuda_emulation.py (8 warps), over the tile map /
+alignment) fed by the K/V loader emulation of tests/helpers/cuda_emulation.py (8 warps), over the tile map /
 locate_tile of the ragged launch, in float64 against minisched.ops.reference.paged_prefill_attention.
 `bug` injects a deliberate index error; test_index_bugs_are_caught checks that each one fails.
 """
@@ -20,10 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_paged_kv
-from minisched.ops import reference
-from test_cuda_emulation import BLOCK_N, emulate_loader, locate_tile, tile_map
-from test_cuda_emulation_prefill import prefill_case
+from helpers.cuda_emulation import BLOCK_N, emulate_loader, locate_tile, prefill_case, tile_map
+from helpers.paged_kv import make_paged_kv
 
 ROWS, THREADS, WARPS = 128, 256, 8  # the CTA: 2 warpgroups x 64 rows
 T = np.arange(128)  # threads of one warpgroup

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_paged_kv, poison, randn, to_ref
+from helpers.paged_kv import make_paged_kv, without_pages
+from helpers.targets import poison, randn, to_ref
 from minisched import ops
 from minisched.ops import reference
 
@@ -57,8 +58,6 @@ def test_decode_long_context_split_kv(dtype, page_size, head_dim, hq, hkv, gen):
 def test_decode_kv_warps_partial_tiles(dtype, hq, hkv, gen):
     """Split-K inside the decode CTA: lengths that leave KV warps with no key (1, 5, 16), one key (17, 33,
     49, 65) or a partial last tile, merged through shared memory; and an empty range (no pages)."""
-    from test_paged_decode_attention import without_pages
-
     lens = [1, 5, 16, 17, 33, 49, 63, 64, 65, 130, 7]
     kv = without_pages(make_paged_kv(lens, 16, hkv, 128, dtype, "cuda", gen=gen), {len(lens) - 1})
     q = randn((len(lens), hq, 128), dtype, "cuda", gen)
@@ -116,8 +115,6 @@ def test_prefill_128_row_tiles(dtype, causal, page_size, head_dim, hq, hkv, gen)
 def test_prefill_128_row_tiles_split_kv_and_empty_range(dtype, head_dim, hq, hkv, gen):
     """Few query rows on long prefixes (split-KV + merge over the 128-row tile map), next to a request with no
     pages (non-causal: out 0, lse -inf); 100 rows per request on average (128-row CTA)."""
-    from test_paged_decode_attention import without_pages
-
     kv_lens = [3000, 2500, 20]
     kv = without_pages(make_paged_kv(kv_lens, 16, hkv, head_dim, dtype, "cuda", gen=gen), {2})
     qo_indptr = torch.tensor([0, 7, 97, 100], dtype=torch.int32, device="cuda")
@@ -210,8 +207,6 @@ def test_wgmma_prefill_matches_reference(dtype, causal, page_size, head_dim, hq,
 def test_wgmma_prefill_empty_range_and_long_prefix(dtype, head_dim, gen):
     """A request with no pages (non-causal: out 0, lse -inf) between long-prefix requests (one KV split: the
     wgmma kernel walks the whole range)."""
-    from test_paged_decode_attention import without_pages
-
     kv = without_pages(make_paged_kv([3000, 20, 2500], 16, 4, head_dim, dtype, "cuda", gen=gen), {1})
     qo_indptr = torch.tensor([0, 7, 10, 100], dtype=torch.int32, device="cuda")
     q = randn((100, 16, head_dim), dtype, "cuda", gen)

@@ -5,7 +5,7 @@ poisoned outputs, strided rows, edge cases; quantize_int8's error bound; the op'
 import pytest
 import torch
 
-from conftest import poison
+from helpers.targets import poison
 from minisched import ops
 from minisched.ops import reference
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import randn, targets
+from helpers.targets import randn, targets
 from minisched import ops
 from minisched.ops import reference
 

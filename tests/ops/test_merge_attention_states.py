@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import poison, randn, targets, to_ref
+from helpers.targets import poison, randn, targets, to_ref
 from minisched import ops
 from minisched.ops import reference
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from conftest import make_paged_kv, targets
+from helpers.paged_kv import make_paged_kv
+from helpers.targets import targets
 from minisched import ops
 
 # the checks run before any kernel; every CPU backend must reject the same inputs

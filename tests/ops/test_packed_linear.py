@@ -6,7 +6,7 @@ batch around a row and the thread count; pack/unpack round-trips; the op's input
 import pytest
 import torch
 
-from conftest import poison
+from helpers.targets import poison
 from minisched import ops
 from minisched.ops import reference
 

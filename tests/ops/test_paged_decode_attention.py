@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from conftest import ATTN_SHAPES, PagedKV, make_paged_kv, poison, ragged_lens, randn, targets, to_ref
+from helpers.paged_kv import ATTN_SHAPES, make_paged_kv, ragged_lens, without_pages
+from helpers.targets import poison, randn, targets, to_ref
 from minisched import ops
 from minisched.ops import reference
 
@@ -36,17 +37,6 @@ def test_matches_reference(t, page_size, head_dim, hq, hkv, gen):
     ref_out, ref_lse = expected(q, kv, scale)
     torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-3)
-
-
-def without_pages(kv, empty) -> PagedKV:
-    """The same caches with requests `empty` given no pages: an empty KV range (kv_len 0; last_page_len kept)."""
-    ip, idx = kv.kv_indptr.cpu().tolist(), kv.kv_indices.cpu()
-    lists = [[] if b in empty else idx[ip[b]:ip[b + 1]].tolist() for b in range(len(ip) - 1)]
-    indptr = torch.tensor([0] + [sum(map(len, lists[:b + 1])) for b in range(len(lists))], dtype=torch.int32)
-    indices = torch.tensor([p for pages in lists for p in pages], dtype=torch.int32)
-    dev = kv.kv_indptr.device
-    return PagedKV(kv.k_cache, kv.v_cache, indptr.to(dev), indices.to(dev), kv.kv_last_page_len,
-                   [0 if b in empty else n for b, n in enumerate(kv.kv_lens)])
 
 
 @pytest.mark.parametrize("t", TARGETS)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from conftest import ATTN_SHAPES, make_paged_kv, poison, randn, targets, to_ref
+from helpers.paged_kv import ATTN_SHAPES, make_paged_kv, without_pages
+from helpers.targets import poison, randn, targets, to_ref
 from minisched import ops
 from minisched.ops import reference
 
@@ -65,8 +66,6 @@ def test_requests_with_no_new_tokens(t, gen):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_empty_kv_range(t, causal, gen):
     """Requests with no KV pages (so no queries) beside normal ones: only the normal rows are written."""
-    from test_paged_decode_attention import without_pages
-
     kv = without_pages(make_paged_kv([9, 4, 30, 2], 16, 2, 64, t.dtype, t.device, gen=gen), {1, 3})
     q = randn((12, 4, 64), t.dtype, t.device, gen)
     qo_indptr = qo_indptr_of([5, 0, 7, 0], t.device)

@@ -6,7 +6,7 @@ does not depend on the batch around it; the op's input checks."""
 import pytest
 import torch
 
-from conftest import poison
+from helpers.targets import poison
 from minisched import ops
 from minisched.ops import reference
 

@@ -4,7 +4,8 @@ by LSE, equals plain paged decode over each whole sequence."""
 import pytest
 import torch
 
-from conftest import make_paged_kv, poison, randn, targets, to_ref
+from helpers.paged_kv import make_paged_kv, without_pages
+from helpers.targets import poison, randn, targets, to_ref
 from minisched import ops
 from minisched.ops import reference
 from minisched.base.page_table import build_csr
@@ -40,8 +41,6 @@ def test_matches_reference(t, page_size, head_dim, hq, hkv, gen):
 @pytest.mark.parametrize("long", [20, 300], ids=["one-split", "split-kv"])
 def test_empty_prefix(t, long, gen):
     """A group whose prefix has no pages: its rows get out 0, lse -inf (merging it then keeps the suffix only)."""
-    from test_paged_decode_attention import without_pages
-
     kv = without_pages(make_paged_kv([long, 5, 16], 16, 2, 64, t.dtype, t.device, gen=gen), {1})
     q = randn((6, 4, 64), t.dtype, t.device, gen)
     gi = indptr_of([2, 3, 1], t.device)

@@ -288,6 +288,5 @@ def test_triton_ops_under_torch_compile():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     results = _compile_all()
     print(json.dumps(results) if "--json" in sys.argv else _table(results))

@@ -4,10 +4,10 @@ The engine's forward worker is emulated: a launched batch is computed at once (t
 steps in launch order), its inputs' placeholders swapped for the tokens earlier steps sampled,
 while the scheduler applies the tokens one step late. The fake runner reads every request's
 KV back through the page table, so a page handed out too early, a wrong placeholder or a bad
-radix entry trips an assertion or changes the outputs. The hypothesis machine is the one of
-test_scheduler_stateful.py (arrivals, tiny pools, chunking, policies, mixed, aborts, stop
-tokens, max_new_tokens 0) driven in overlap mode: outputs equal the unconstrained greedy
-reference, invariants hold after every rule, the pool is whole at the end.
+radix entry trips an assertion or changes the outputs. The hypothesis machine is the one
+test_scheduler_stateful.py runs (tests/helpers/scheduler_machine.py: arrivals, tiny pools, chunking,
+policies, mixed, aborts, stop tokens, max_new_tokens 0), driven in overlap mode: outputs equal the
+unconstrained greedy reference, invariants hold after every rule, the pool is whole at the end.
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference
+from helpers.scheduler_machine import VOCAB, SchedulerMachine
 from minisched.sched.batch import Batch
 from minisched.sched.req import FinishReason, Req, ReqStatus, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
-from test_scheduler_stateful import VOCAB, SchedulerMachine
 
 
 class _Resolved:

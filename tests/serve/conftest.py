@@ -1,9 +1,9 @@
-"""Fixtures for the serve tests: a module-wide dummy:tiny engine and server (see serve_helpers.py)."""
+"""Fixtures for the serve tests: a module-wide dummy:tiny engine and server (see tests/helpers/serve.py)."""
 from __future__ import annotations
 
 import pytest
 
-from serve_helpers import TINY, running_server
+from helpers.serve import TINY, running_server
 
 
 @pytest.fixture(scope="module")

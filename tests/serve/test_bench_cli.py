@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from helpers.serve import TINY, running_server
 from minisched.cli import main
 from minisched.engine import Engine
-from serve_helpers import TINY, running_server
 
 
 def test_bench_url_writes_a_run_file_the_report_draws(tmp_path, capsys):

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
+from helpers.serve import running_server
 from minisched.engine import Engine
 from minisched.sched.req import SamplingParams
 from minisched.serve.engine_loop import EngineLoop
-from serve_helpers import running_server
 
 CHAT = [{"role": "user", "content": "hi"}]
 

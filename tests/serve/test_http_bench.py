@@ -2,11 +2,11 @@
 measured, the same summary keys and run-file layout as the in-process bench, failures counted."""
 from __future__ import annotations
 
+from helpers.serve import TINY, running_server
 from minisched.engine import Engine
 from minisched.observe.http_bench import run_http_bench
 from minisched.observe.run_record import load_runs, save_runs
 from minisched.observe.workloads import make_workload, run_workload, summarize
-from serve_helpers import TINY, running_server
 
 
 def test_http_bench_measures_every_request(tmp_path):

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
+from helpers.serve import TINY, pool_whole, running_server
 from minisched.engine import Engine
 from minisched.sched.req import SamplingParams
-from serve_helpers import TINY, pool_whole, running_server
 
 N_CLIENTS, N_DISCONNECT, MAX_TOKENS, LONG = 64, 16, 24, 1500
 

@@ -8,9 +8,9 @@ import asyncio
 import openai
 import pytest
 
+from helpers.serve import running_server
 from minisched.engine import Engine
 from minisched.sched.req import SamplingParams
-from serve_helpers import running_server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name three fruits."}]

@@ -1,0 +1,142 @@
+"""The scheduler's hypothesis state machine: tests/sched/test_scheduler_stateful.py runs it (its docstring says
+what is checked), tests/sched/test_scheduler_overlap.py drives it in overlap mode."""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
+from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 40
+BASES = [[(7 * i + 3 * j) % VOCAB for j in range(48)] for i in range(3)]
+DOC = [(5 * j + j * j) % VOCAB for j in range(120)]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(page_size=st.sampled_from([1, 4, 16]), pool_tokens=st.integers(16, 768),
+                chunk=st.sampled_from([None, 8, 16, 48]), policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof"]),
+                radix=st.booleans(), mixed=st.booleans(), guard=st.sampled_from([None, 1, 3]),
+                max_running=st.integers(1, 8), max_prefill=st.sampled_from([16, 64, 512]),
+                ratio=st.sampled_from([0.7, 0.2, 0.05]), defer=st.sampled_from([None, 4, 32]))
+    def setup(self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio,
+              defer):
+        self.cfg = SchedulerConfig(page_size=page_size, num_pages=max(1, pool_tokens // page_size), max_context_len=96,
+                                   chunk_size=chunk, max_prefill_tokens=max_prefill, max_running_requests=max_running,
+                                   policy=policy, enable_radix_cache=radix, enable_mixed_chunk=mixed,
+                                   max_prefill_rounds_between_decodes=guard, aging_rounds=3,
+                                   init_new_token_ratio=ratio, min_new_token_ratio=min(ratio, 0.05),
+                                   new_token_ratio_decay_steps=10, in_batch_prefix_defer_tokens=defer,
+                                   clip_max_new_tokens_estimation=64)
+        self.sched = Scheduler(self.cfg)
+        self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
+        self.added: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.ended: dict[str, object] = {}
+        self.n = 0
+
+    def _finished(self, reqs):
+        for r in reqs:
+            assert r.rid not in self.ended, f"{r.rid} ended twice"
+            self.ended[r.rid] = r
+
+    @rule(base=st.integers(0, 2), shared=st.integers(0, 48), own=st.integers(0, 40),
+          max_new=st.one_of(st.integers(0, 30), st.just(100_000)), stop=st.booleans(), copies=st.integers(1, 4))
+    def add(self, base, shared, own, max_new, stop, copies):
+        for _ in range(copies):
+            self._add(BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)], max_new, stop)
+
+    @rule(lens=st.lists(st.integers(1, 120), min_size=1, max_size=4),
+          max_new=st.one_of(st.integers(0, 30), st.just(100_000)))
+    def add_continuations(self, lens, max_new):
+        """Turns of one conversation: each prompt continues the previous ones."""
+        for n in sorted(lens):
+            self._add(DOC[:n], max_new, False)
+
+    def _add(self, prompt, max_new, stop):
+        rid = f"r{self.n}"
+        self.n += 1
+        sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=(5,) if stop else ())
+        too_long = len(prompt) >= self.cfg.max_context_len or len(prompt) > self.cfg.num_pages * self.cfg.page_size
+        if not prompt or too_long:
+            try:
+                self.sched.add_request(rid, prompt, sp)
+            except InvalidRequest:
+                return
+            raise AssertionError("bad request accepted")
+        self.sched.add_request(rid, prompt, sp)
+        self.added[rid] = (prompt, sp)
+
+    @rule()
+    def duplicate(self):
+        live = list(self.sched.reqs)
+        if live:
+            try:
+                self.sched.add_request(live[0], [1, 2], SamplingParams())
+            except InvalidRequest:
+                return
+            raise AssertionError("duplicate id accepted")
+
+    @rule(n=st.integers(1, 6))
+    def step(self, n):
+        for _ in range(n):
+            self._finished(self.sched.step(self.runner))
+            self.sched.check_invariants()
+
+    @precondition(lambda self: self.added)
+    @rule(i=st.integers(0, 10_000))
+    def abort(self, i):
+        rid = sorted(self.added)[i % len(self.added)]
+        live = rid in self.sched.reqs
+        assert self.sched.abort(rid) == live
+        if live:
+            self.ended[rid] = "aborted"
+
+    @precondition(lambda self: self.sched.has_work())
+    @rule(i=st.integers(0, 10_000))
+    def abort_in_flight(self, i):
+        batch = self.sched.get_next_batch()
+        if batch is None:
+            return
+        out = self.runner.forward(batch)
+        victim = batch.reqs[i % len(batch.reqs)]
+        if self.sched.abort(victim.rid):
+            self.ended[victim.rid] = "aborted"
+        self._finished([r for r in self.sched.process_batch_result(batch, out) if r.rid != victim.rid])
+
+    @invariant()
+    def invariants(self):
+        if hasattr(self, "sched"):
+            self.sched.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        self._finished(run(self.sched, self.runner, max_steps=5000).values())
+        self.check_drained()
+
+    def check_drained(self):
+        """Every request ended with the fake model's greedy output and no placeholder left; the pool and tree are
+        empty."""
+        assert set(self.ended) == set(self.added), "a request was lost"
+        for rid, (prompt, sp) in self.added.items():
+            r = self.ended[rid]
+            if r == "aborted":
+                continue
+            assert r.finish_reason is not FinishReason.ERROR, r.error
+            assert not r.pending_ids
+            if sp.max_new_tokens == 0:
+                assert r.output_ids == [] and r.finish_reason is FinishReason.LENGTH
+                continue
+            ref = greedy_reference(prompt, min(sp.max_new_tokens, 500), VOCAB, sp.stop_token_ids,
+                                   self.cfg.max_context_len)
+            if r.finish_reason is FinishReason.LENGTH:
+                assert r.output_ids == ref[:len(r.output_ids)]
+            else:
+                assert r.output_ids == ref, f"{rid}: {r.output_ids} != {ref}"
+            assert r.status is ReqStatus.FINISHED
+        check_lifecycles(self.sched.events)
+        tree, pool = self.sched.tree, self.sched.pool
+        assert tree.protected_pages == 0
+        pool.free(tree.evict(tree.total_pages))
+        assert pool.num_free == self.cfg.num_pages and tree.total_pages == 0

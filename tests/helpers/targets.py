@@ -1,0 +1,83 @@
+"""The (backend, device, dtype) targets every op test runs over, and small tensor helpers.
+
+`targets(family)` imports that family's Triton kernels (to skip what cannot run): call it from test
+modules only, which load after tests/conftest.py has set TRITON_INTERPRET on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from minisched import ops
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Target:
+    backend: str
+    device: str
+    dtype: torch.dtype
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}-{self.device}-{str(self.dtype).removeprefix('torch.')}"
+
+    @property
+    def interpreted(self) -> bool:
+        """Triton on the CPU runs in the (slow) interpreter: tests keep its shapes small."""
+        return self.backend == "triton" and self.device == "cpu"
+
+    @property
+    def tol(self) -> dict:
+        return {torch.float32: dict(atol=3e-5, rtol=3e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
+                torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float64: dict(atol=1e-10, rtol=1e-10)}[self.dtype]
+
+
+def _triton_ready(family: str) -> str | None:
+    try:
+        importlib.import_module("triton")
+        importlib.import_module(f"minisched.triton_kernels.{family}")
+    except ImportError as exc:
+        return f"triton kernels for {family} not importable: {exc}"
+    return None
+
+
+def targets(family: str, *, float64: bool = False) -> list:
+    """pytest params over every backend × device × dtype; what cannot run here is skipped."""
+    out = [Target("torch", "cpu", torch.float64 if float64 else torch.float32)]
+    out += [Target("native", "cpu", torch.float32), Target("native", "cpu", torch.bfloat16)]
+    out += [Target("triton", "cpu", torch.float32), Target("triton", "cpu", torch.float16)]
+    out += [Target(b, "cuda", dt) for b in ("native", "triton") for dt in (torch.bfloat16, torch.float16)]
+    params = []
+    for t in out:
+        skip = None
+        if t.device == "cuda" and not HAS_CUDA:
+            skip = "no CUDA device"
+        elif t.device == "cpu" and t.backend == "triton" and HAS_CUDA:
+            skip = "the Triton interpreter is only used on machines without a GPU"
+        elif t.backend == "native" and not ops.native_available():
+            skip = ops.NATIVE_ERROR
+        elif t.backend == "triton":
+            skip = _triton_ready(family)
+        marks = [pytest.mark.skip(reason=skip)] if skip else []
+        params.append(pytest.param(t, id=t.id, marks=marks))
+    return params
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN (or a sentinel for integers) so unwritten rows are caught."""
+    return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+
+def randn(shape, dtype, device, gen) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def to_ref(*tensors):
+    """The oracle's inputs: float64 copies on the CPU."""
+    return [t.detach().cpu().double() if t.is_floating_point() else t.detach().cpu() for t in tensors]

@@ -1,0 +1,241 @@
+"""The import-layer contract, read from the source with `ast` (nothing is imported), and the test tree's rule.
+
+minisched's subpackages are layers: a module may import modules of its own subpackage and of the
+subpackages LAYERS lists for it, never one of a layer above. sched sits beside ops and below model: the
+scheduler is plain Python (no torch, no kernels), so it may import only base. Every import statement counts:
+at module level, inside a function (a lazy import) and under `if TYPE_CHECKING:` (a dependency for a
+reader and for import-linter as much as any other). The modules of minisched import each other without a
+cycle. Tests import shared code from tests/helpers/, never another test module or a conftest.py.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "minisched"
+TESTS = ROOT / "tests"
+
+# layer -> the layers its modules may import besides their own, lowest layer first. A layer is a subpackage
+# of minisched (minisched/<layer>/), or one of the two modules at the top: "minisched" is the package's face
+# (minisched/__init__.py: `from minisched import Engine`), "__main__" is `python -m minisched`.
+LAYERS = {
+    "base": set(),
+    "ops": {"base"},
+    "sched": {"base"},
+    "model": {"base", "ops", "sched"},
+    "engine": {"base", "ops", "sched", "model"},
+    "minisched": {"base", "ops", "sched", "model", "engine"},
+    "parallel": {"base", "ops", "sched", "model", "engine"},
+    "serve": {"base", "ops", "sched", "model", "engine", "parallel"},
+    "observe": {"base", "ops", "sched", "model", "engine", "parallel", "serve"},
+    "cli": {"base", "ops", "sched", "model", "engine", "parallel", "serve", "observe", "minisched"},
+    "__main__": {"cli"},
+}
+# parts of a layer that are not its subpackage: the Triton kernels and the compiled extension are ops
+PLACED = {"triton_kernels": "ops", "_C": "ops"}
+EXTENSIONS = {"minisched._C"}  # compiled modules (from csrc/): no source to read
+NO_TORCH = {"base", "sched"}  # layers that import neither torch nor triton, not even for type checking
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported name of one import statement: `source` (a minisched module) imports `target`."""
+
+    source: str
+    target: str
+    path: Path
+    line: int
+    statement: str
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}: {self.statement}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return "minisched" if len(parts) == 1 else PLACED.get(parts[1], parts[1])
+
+
+def imported_names(path: Path, module: str):
+    """(node, absolute name) of every import in the file, wherever it sits; `from m import a` gives m.a."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for alias in node.names:
+                yield node, f"{base}.{alias.name}"
+
+
+def sources(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+MODULES = {module_name(p): p for p in sources(PACKAGE)}
+KNOWN = set(MODULES) | EXTENSIONS
+
+
+def resolve(name: str) -> str | None:
+    """The minisched module an imported name is or lives in (`from m import f`: m.f if a module, else m)."""
+    while name and name not in KNOWN:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def package_imports() -> list[Import]:
+    out = []
+    for module, path in MODULES.items():
+        for node, name in imported_names(path, module):
+            target = resolve(name)
+            if target is not None and target != module:
+                out.append(Import(module, target, path, node.lineno, ast.unparse(node)))
+    return out
+
+
+IMPORTS = package_imports()
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted({layer_of(m) for m in MODULES} - set(LAYERS))
+    assert not unplaced, f"parts of minisched in no layer: {unplaced}; add them to LAYERS in {Path(__file__).name}"
+
+
+def test_layers_are_ordered():
+    """The table itself: every allowed layer exists and sits lower (no two layers may import each other)."""
+    order = list(LAYERS)
+    for layer, allowed in LAYERS.items():
+        below = set(order[:order.index(layer)])
+        assert allowed <= below, f"LAYERS: {layer} may import {sorted(allowed - below)}, not listed before it"
+
+
+def test_no_import_climbs_a_layer():
+    bad = [imp for imp in IMPORTS
+           if layer_of(imp.target) != layer_of(imp.source)
+           and layer_of(imp.target) not in LAYERS.get(layer_of(imp.source), set())]
+    assert not bad, "imports of a layer not below the importer's (see LAYERS):\n" + "\n".join(
+        f"  {imp}  ({layer_of(imp.source)} -> {layer_of(imp.target)})" for imp in bad)
+
+
+def test_base_and_sched_import_no_torch():
+    bad = []
+    for module, path in MODULES.items():
+        if layer_of(module) in NO_TORCH:
+            for node, name in imported_names(path, module):
+                if name.split(".")[0] in ("torch", "triton"):
+                    bad.append(f"  {path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, f"{sorted(NO_TORCH)} must run without torch:\n" + "\n".join(bad)
+
+
+def cycles(edges: dict[str, dict[str, Import]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def one_cycle(edges: dict[str, dict[str, Import]], comp: list[str]) -> list[Import]:
+    """A shortest import path from comp[0] back to itself, inside the component."""
+    start, inside = comp[0], set(comp)
+    prev, frontier = {}, [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w, imp in sorted(edges.get(v, {}).items()):
+                if w == start:
+                    path = [imp]
+                    while path[0].source != start:
+                        path.insert(0, prev[path[0].source])
+                    return path
+                if w in inside and w not in prev:
+                    prev[w] = imp
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")
+
+
+def test_no_import_cycle():
+    edges: dict[str, dict[str, Import]] = {}
+    for imp in IMPORTS:
+        edges.setdefault(imp.source, {}).setdefault(imp.target, imp)
+    found = cycles(edges)
+    assert not found, "import cycles between minisched modules:\n" + "\n".join(
+        f"  {len(comp)} modules import each other ({', '.join(comp)}); one cycle:\n"
+        + "\n".join(f"    {imp}" for imp in one_cycle(edges, comp)) for comp in found)
+
+
+def test_the_checks_see_every_kind_of_import(tmp_path):
+    """Lazy, TYPE_CHECKING, relative and `from package import module` imports all resolve to their module."""
+    pkg = tmp_path / "minisched" / "sched"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .req import Req\n")
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minisched.model.llama import LlamaModel\n"
+           "def f():\n    from minisched import ops\n    import torch\nfrom . import policy\n")
+    (pkg / "x.py").write_text(src)
+    names = sorted(name for _, name in imported_names(pkg / "x.py", "minisched.sched.x"))
+    assert names == ["minisched.model.llama.LlamaModel", "minisched.ops", "minisched.sched.policy", "torch",
+                     "typing.TYPE_CHECKING"]
+    assert [name for _, name in imported_names(pkg / "__init__.py", "minisched.sched")] == ["minisched.sched.req.Req"]
+    assert resolve("minisched.model.llama.LlamaModel") == "minisched.model.llama"
+    assert resolve("minisched.ops") == "minisched.ops" and resolve("minisched._C") == "minisched._C"
+    assert layer_of("minisched.triton_kernels.store_kv") == "ops" and layer_of("minisched") == "minisched"
+    edges = {"a": {"b": Import("a", "b", ROOT, 1, "import b")}, "b": {"a": Import("b", "a", ROOT, 2, "import a")}}
+    assert cycles(edges) == [["a", "b"]] and [i.line for i in one_cycle(edges, ["a", "b"])] == [1, 2]
+
+
+# -- the test tree ------------------------------------------------------------------------------------------
+
+def test_shared_test_code_lives_in_helpers():
+    """Outside tests/helpers/ there are only test modules and conftest.py files (fixtures)."""
+    stray = [str(p.relative_to(ROOT)) for p in sources(TESTS) if "helpers" not in p.relative_to(TESTS).parts
+             and not (p.name.startswith("test_") or p.name == "conftest.py")]
+    assert not stray, f"shared test code belongs in tests/helpers/ (imported as `helpers.<module>`): {stray}"
+
+
+def test_tests_do_not_import_each_other():
+    """No file of tests/ imports a test module or a conftest: pytest would collect an imported module's tests
+    twice, and a conftest is pytest's to load; shared code comes from tests/helpers/."""
+    bad = []
+    for path in sources(TESTS):
+        for node, name in imported_names(path, module_name(path)):
+            top = name.split(".")[0]
+            if top.startswith("test_") or top == "conftest":
+                bad.append(f"  {path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "tests import test modules or conftest (move the shared code to tests/helpers/):\n" + "\n".join(
+        sorted(set(bad), key=lambda line: (line.split(":")[0], int(line.split(":")[1]))))
