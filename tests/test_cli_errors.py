@@ -1,6 +1,7 @@
 """The command line as a new user meets it: one-line errors (exit 2) for bad files, fields and paths;
 per-request errors labelled by position or JSONL id (exit 1); readable streaming; progress; the
 version and help; `minisched chat`; Ctrl-C during `bench` keeps the partial run."""
+
 from __future__ import annotations
 
 import json
@@ -46,10 +47,16 @@ def real_gguf() -> str:
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("kind, needle", [
-    ("empty", "empty or truncated"), ("header", "truncated or corrupt GGUF header"),
-    ("tensors", "truncated GGUF file"), ("strings", "truncated or corrupt GGUF file"), ("text", "not a GGUF"),
-])
+@pytest.mark.parametrize(
+    "kind, needle",
+    [
+        ("empty", "empty or truncated"),
+        ("header", "truncated or corrupt GGUF header"),
+        ("tensors", "truncated GGUF file"),
+        ("strings", "truncated or corrupt GGUF file"),
+        ("text", "not a GGUF"),
+    ],
+)
 def test_broken_gguf_files(tmp_path, real_gguf, capsys, kind, needle):
     raw = open(real_gguf, "rb").read(3_000_000)
     path = tmp_path / f"{kind}.gguf"
@@ -78,14 +85,17 @@ def test_directory_that_is_not_a_model(tmp_path, capsys):
     assert str(tmp_path) in one_line_error(rc, err)
 
 
-@pytest.mark.parametrize("line, needle", [
-    ('{"prompt": "x", "stop": 5}', "'stop' must be a string or a list of strings"),
-    ('{"prompt": 42}', "'prompt' must be a string or a list of token ids"),
-    ('{"messages": "hello"}', "'messages' must be a list"),
-    ('{"prompt": "x", "max_new_tokens": "10"}', "max_new_tokens"),
-    ('{"prompt": "x", "temperature": "hot"}', "temperature"),
-    ('{"prompt": [1, true]}', "'prompt' must be"),
-])
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ('{"prompt": "x", "stop": 5}', "'stop' must be a string or a list of strings"),
+        ('{"prompt": 42}', "'prompt' must be a string or a list of token ids"),
+        ('{"messages": "hello"}', "'messages' must be a list"),
+        ('{"prompt": "x", "max_new_tokens": "10"}', "max_new_tokens"),
+        ('{"prompt": "x", "temperature": "hot"}', "temperature"),
+        ('{"prompt": [1, true]}', "'prompt' must be"),
+    ],
+)
 def test_jsonl_field_types_name_file_and_line(tmp_path, capsys, line, needle):
     f = tmp_path / "p.jsonl"
     f.write_text('"fine"\n\n' + line + "\n")
@@ -96,8 +106,7 @@ def test_jsonl_field_types_name_file_and_line(tmp_path, capsys, line, needle):
 
 def test_request_errors_are_labelled_and_ids_echoed(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"id": "alpha", "prompt": [5, 6]}\n{"id": "beta", "prompt": [5, 99999999]}\n'
-                 '{"prompt": ""}\n')
+    f.write_text('{"id": "alpha", "prompt": [5, 6]}\n{"id": "beta", "prompt": [5, 99999999]}\n{"prompt": ""}\n')
     rc, out, err = run(["generate", "--file", str(f), "--json", "--max-new-tokens", "2", *TINY], capsys)
     recs = [json.loads(x) for x in out.splitlines()]
     assert rc == 1 and [r.get("id") for r in recs] == ["alpha", "beta", None]
@@ -107,8 +116,7 @@ def test_request_errors_are_labelled_and_ids_echoed(tmp_path, capsys):
     assert errs[1].startswith("minisched: request prompt 2: ") and "empty prompt" in errs[1]
 
 
-@pytest.mark.parametrize("flag, path", [("--json", "nodir/run.json"), ("--trace", "nodir/t.json"),
-                                        ("--json", ".")])
+@pytest.mark.parametrize("flag, path", [("--json", "nodir/run.json"), ("--trace", "nodir/t.json"), ("--json", ".")])
 def test_bench_checks_output_paths_before_running(capsys, flag, path):
     rc, out, err = run(["bench", "--num-requests", "2", "--scale", "0.05", flag, path, *TINY], capsys)
     assert path in one_line_error(rc, err) and "TTFT" not in out  # nothing ran
@@ -116,8 +124,22 @@ def test_bench_checks_output_paths_before_running(capsys, flag, path):
 
 def test_report_formats_and_bad_paths(tmp_path, capsys):
     run_json = tmp_path / "run.json"
-    rc, _, _ = run(["bench", "--num-requests", "3", "--rate", "0", "--scale", "0.05", "--json", str(run_json),
-                    "--no-progress", *TINY], capsys)
+    rc, _, _ = run(
+        [
+            "bench",
+            "--num-requests",
+            "3",
+            "--rate",
+            "0",
+            "--scale",
+            "0.05",
+            "--json",
+            str(run_json),
+            "--no-progress",
+            *TINY,
+        ],
+        capsys,
+    )
     assert rc == 0
     heads = {"svg": b"<?xml", "pdf": b"%PDF", "png": b"\x89PNG"}
     for ext, head in heads.items():
@@ -125,9 +147,11 @@ def test_report_formats_and_bad_paths(tmp_path, capsys):
         assert main(["report", str(run_json), "-o", str(out)]) == 0
         assert out.read_bytes().startswith(head)
     capsys.readouterr()
-    for argv, needle in ((["-o", str(tmp_path / "r.jpeg")], "unknown picture format"),
-                         (["-o", str(tmp_path / "no" / "r.png")], "does not exist"),
-                         (["--html", str(tmp_path)], "is a directory")):
+    for argv, needle in (
+        (["-o", str(tmp_path / "r.jpeg")], "unknown picture format"),
+        (["-o", str(tmp_path / "no" / "r.png")], "does not exist"),
+        (["--html", str(tmp_path)], "is a directory"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(["report", str(run_json), *argv])
         assert e.value.code == 2 and needle in capsys.readouterr().err
@@ -146,8 +170,22 @@ def test_bench_ctrl_c_keeps_the_partial_run(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(sched_mod.Scheduler, "step", step)
     out_json = tmp_path / "partial.json"
-    rc, out, err = run(["bench", "--num-requests", "6", "--rate", "0", "--scale", "0.1", "--json", str(out_json),
-                        "--no-progress", *TINY], capsys)
+    rc, out, err = run(
+        [
+            "bench",
+            "--num-requests",
+            "6",
+            "--rate",
+            "0",
+            "--scale",
+            "0.1",
+            "--json",
+            str(out_json),
+            "--no-progress",
+            *TINY,
+        ],
+        capsys,
+    )
     assert rc == 130 and "interrupted: partial" in out
     data = json.loads(out_json.read_text())
     assert data["runs"][0]["config"]["interrupted"] is True
@@ -219,8 +257,24 @@ def test_bench_summary_and_report_agree_on_latencies(tmp_path, capsys):
     from minisched.observe.run_record import derived_summary, load_runs
 
     run_json = tmp_path / "run.json"
-    rc, _, _ = run(["bench", "--workload", "poisson", "--num-requests", "8", "--rate", "40", "--scale", "0.1",
-                    "--json", str(run_json), "--no-progress", *TINY], capsys)
+    rc, _, _ = run(
+        [
+            "bench",
+            "--workload",
+            "poisson",
+            "--num-requests",
+            "8",
+            "--rate",
+            "40",
+            "--scale",
+            "0.1",
+            "--json",
+            str(run_json),
+            "--no-progress",
+            *TINY,
+        ],
+        capsys,
+    )
     assert rc == 0
     rec = load_runs(run_json)[0]
     derived = derived_summary(rec)

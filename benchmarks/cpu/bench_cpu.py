@@ -27,6 +27,7 @@ changes by the second. Reports the median step time of each and the ratio.
 
 The machine is shared: every result carries /proc/loadavg before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,12 +109,25 @@ def run_speed(args) -> dict:
             ntok = sum(len(o.token_ids) for o in outs)
             steps = engine.step_times
             # decode steps: the last new_tokens - 1 steps of a batch that prefilled together
-            dec = [e - s for s, e in steps[-(args.new_tokens - 1):]] if args.new_tokens > 1 else []
+            dec = [e - s for s, e in steps[-(args.new_tokens - 1) :]] if args.new_tokens > 1 else []
             dec_tps = b * len(dec) / sum(dec) if dec else None
-            rows.append(dict(batch=b, out_tok_s=ntok / wall, decode_tok_s=dec_tps, wall_s=wall, tokens=ntok,
-                             steps=engine.runner.num_forwards - n0, loadavg_before=la0, loadavg_after=loadavg()))
-            print(f"  B={b:3d} out {ntok / wall:7.1f} tok/s  decode {dec_tps or 0:7.1f} tok/s  "
-                  f"({wall:.2f}s, load {la0})", file=sys.stderr, flush=True)
+            rows.append(
+                dict(
+                    batch=b,
+                    out_tok_s=ntok / wall,
+                    decode_tok_s=dec_tps,
+                    wall_s=wall,
+                    tokens=ntok,
+                    steps=engine.runner.num_forwards - n0,
+                    loadavg_before=la0,
+                    loadavg_after=loadavg(),
+                )
+            )
+            print(
+                f"  B={b:3d} out {ntok / wall:7.1f} tok/s  decode {dec_tps or 0:7.1f} tok/s  ({wall:.2f}s, load {la0})",
+                file=sys.stderr,
+                flush=True,
+            )
         prefill = None
         if args.prefill_len:
             ids = prompts_of(engine, 1, args.prefill_len, seed=7)
@@ -124,20 +138,25 @@ def run_speed(args) -> dict:
             print(f"  prefill {args.prefill_len} tokens: {args.prefill_len / dt:.0f} tok/s", file=sys.stderr)
     finally:
         stop_busy(busy)
-    return dict(rows=rows, prefill=prefill, busy=args.busy, torch_threads=torch.get_num_threads(),
-                engine_kw=parse_kw(args.engine_kw), threads=args.threads)
+    return dict(
+        rows=rows,
+        prefill=prefill,
+        busy=args.busy,
+        torch_threads=torch.get_num_threads(),
+        engine_kw=parse_kw(args.engine_kw),
+        threads=args.threads,
+    )
 
 
 # -- profile ----------------------------------------------------------------------------------------
 
+
 def run_profile(args) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from minisched.sched.req import SamplingParams
 
     engine = make_engine(args)
-    model = engine.model
     # per-layer labels: wrap each layer's body by patching record_function around the loop is not
     # possible without editing the model, so time the layers through profiler events of the linear
     # ops in order instead: ops are grouped by layer index via a forward pre-hook-free counter.
@@ -165,8 +184,12 @@ def run_profile(args) -> dict:
                 engine.step()
             results[f"{phase} B={b}"] = summarize(prof, wall, nb, plen, phase)
             r = results[f"{phase} B={b}"]
-            print(f"{phase} B={nb} ({plen} tok prompts): {wall * 1e3:.1f} ms; kernels {r['kernel_ms']:.1f} ms, "
-                  f"outside {r['other_ms']:.1f} ms", file=sys.stderr, flush=True)
+            print(
+                f"{phase} B={nb} ({plen} tok prompts): {wall * 1e3:.1f} ms; kernels {r['kernel_ms']:.1f} ms, "
+                f"outside {r['other_ms']:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
             for name, ms, cnt in r["top"][:12]:
                 print(f"    {name:45s} {ms:8.2f} ms  x{cnt}", file=sys.stderr)
     return results
@@ -186,11 +209,19 @@ def summarize(prof, wall: float, batch: int, plen: int, phase: str) -> dict:
         per[e.key][1] += e.count
     total_self = sum(v[0] for v in per.values())
     top = sorted(((k, v[0], v[1]) for k, v in per.items()), key=lambda x: -x[1])
-    return dict(wall_ms=wall * 1e3, batch=batch, prompt_len=plen, phase=phase, kernel_ms=total_self,
-                other_ms=wall * 1e3 - total_self, top=top[:25])
+    return dict(
+        wall_ms=wall * 1e3,
+        batch=batch,
+        prompt_len=plen,
+        phase=phase,
+        kernel_ms=total_self,
+        other_ms=wall * 1e3 - total_self,
+        top=top[:25],
+    )
 
 
 # -- model-ab ---------------------------------------------------------------------------------------
+
 
 def run_model_ab(args) -> dict:
     import importlib.util
@@ -199,15 +230,18 @@ def run_model_ab(args) -> dict:
 
     from minisched.sched.req import SamplingParams
 
-    spec = importlib.util.spec_from_file_location("base_llama", os.path.join(args.base_tree, "minisched/model/llama.py"))
+    spec = importlib.util.spec_from_file_location(
+        "base_llama", os.path.join(args.base_tree, "minisched/model/llama.py")
+    )
     base = importlib.util.module_from_spec(spec)
     sys.modules["base_llama"] = base  # dataclasses look their module up
     spec.loader.exec_module(base)
     engine = make_engine(args)
     model = engine.model
-    versions = {"base": (types.MethodType(base.LlamaModel.forward, model),
-                         types.MethodType(base.LlamaModel._attention, model)),
-                "new": (None, None)}
+    versions = {
+        "base": (types.MethodType(base.LlamaModel.forward, model), types.MethodType(base.LlamaModel._attention, model)),
+        "new": (None, None),
+    }
 
     def use(name):
         fwd, att = versions[name]
@@ -227,7 +261,7 @@ def run_model_ab(args) -> dict:
             engine.step()
         la0 = loadavg()
         for r in range(args.rounds):
-            for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+            for name in ("base", "new") if r % 2 == 0 else ("new", "base"):
                 use(name)
                 for _ in range(args.ab_steps):
                     t = time.perf_counter()
@@ -239,15 +273,25 @@ def run_model_ab(args) -> dict:
         while engine.has_work():
             engine.step()
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        out[f"decode B={b}"] = dict(base_ms=med["base"], new_ms=med["new"], speedup=med["base"] / med["new"],
-                                    steps=len(times["new"]), loadavg_before=la0, loadavg_after=loadavg())
-        print(f"decode B={b:3d}: base {med['base']:7.2f} ms/step  new {med['new']:7.2f}  "
-              f"x{med['base'] / med['new']:.3f}  (load {la0})", file=sys.stderr, flush=True)
+        out[f"decode B={b}"] = dict(
+            base_ms=med["base"],
+            new_ms=med["new"],
+            speedup=med["base"] / med["new"],
+            steps=len(times["new"]),
+            loadavg_before=la0,
+            loadavg_after=loadavg(),
+        )
+        print(
+            f"decode B={b:3d}: base {med['base']:7.2f} ms/step  new {med['new']:7.2f}  "
+            f"x{med['base'] / med['new']:.3f}  (load {la0})",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.prefill_len:
         times = {"base": [], "new": []}
         la0 = loadavg()
         for r in range(max(2, args.rounds // 2)):
-            for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+            for name in ("base", "new") if r % 2 == 0 else ("new", "base"):
                 use(name)
                 ids = prompts_of(engine, 1, args.prefill_len, seed=1000 + r * 2 + (name == "new"))
                 t = time.perf_counter()
@@ -255,11 +299,19 @@ def run_model_ab(args) -> dict:
                 times[name].append(time.perf_counter() - t)
         use("new")
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        out[f"prefill {args.prefill_len}"] = dict(base_ms=med["base"], new_ms=med["new"],
-                                                  speedup=med["base"] / med["new"], loadavg_before=la0,
-                                                  loadavg_after=loadavg())
-        print(f"prefill {args.prefill_len}: base {med['base']:7.1f} ms  new {med['new']:7.1f}  "
-              f"x{med['base'] / med['new']:.3f}  (load {la0})", file=sys.stderr, flush=True)
+        out[f"prefill {args.prefill_len}"] = dict(
+            base_ms=med["base"],
+            new_ms=med["new"],
+            speedup=med["base"] / med["new"],
+            loadavg_before=la0,
+            loadavg_after=loadavg(),
+        )
+        print(
+            f"prefill {args.prefill_len}: base {med['base']:7.1f} ms  new {med['new']:7.1f}  "
+            f"x{med['base'] / med['new']:.3f}  (load {la0})",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
@@ -269,6 +321,7 @@ def run_model_ab(args) -> dict:
 # changes by the second. A worker reads {"batch", "new", "prompt_len"} lines and answers with its
 # output tok/s and decode-only tok/s.
 
+
 def worker_main(args) -> None:
     import torch
 
@@ -276,20 +329,34 @@ def worker_main(args) -> None:
 
     engine = make_engine(args)
     engine.generate(prompts_of(engine, 2, 16, seed=99), SamplingParams(max_new_tokens=4, ignore_eos=True))
-    print(json.dumps({"ready": True, "threads": torch.get_num_threads(),
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}), flush=True)
+    print(
+        json.dumps(
+            {"ready": True, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+        ),
+        flush=True,
+    )
     for line in sys.stdin:
         req = json.loads(line)
         b, new = req["batch"], req["new"]
         engine.step_times.clear()
         t = time.perf_counter()
-        outs = engine.generate(prompts_of(engine, b, req["prompt_len"], seed=req["seed"]),
-                               SamplingParams(max_new_tokens=new, ignore_eos=True))
+        outs = engine.generate(
+            prompts_of(engine, b, req["prompt_len"], seed=req["seed"]),
+            SamplingParams(max_new_tokens=new, ignore_eos=True),
+        )
         wall = time.perf_counter() - t
         ntok = sum(len(o.token_ids) for o in outs)
-        dec = [e - s for s, e in engine.step_times[-(new - 1):]] if new > 1 else []
-        print(json.dumps({"out_tok_s": ntok / wall, "decode_tok_s": b * len(dec) / sum(dec) if dec else None,
-                          "prompt_tok_s": b * req["prompt_len"] / wall if new == 1 else None}), flush=True)
+        dec = [e - s for s, e in engine.step_times[-(new - 1) :]] if new > 1 else []
+        print(
+            json.dumps(
+                {
+                    "out_tok_s": ntok / wall,
+                    "decode_tok_s": b * len(dec) / sum(dec) if dec else None,
+                    "prompt_tok_s": b * req["prompt_len"] / wall if new == 1 else None,
+                }
+            ),
+            flush=True,
+        )
 
 
 def run_compare(args, passthrough: list[str]) -> dict:
@@ -309,8 +376,9 @@ def run_compare(args, passthrough: list[str]) -> dict:
                 env[k] = v
         envs = extra
         cmd = [sys.executable, os.path.join(HERE, "bench_cpu.py"), "worker"] + passthrough + kws
-        proc = subprocess.Popen(cmd, env=env, cwd=os.path.abspath(path), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=os.path.abspath(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         info = json.loads(proc.stdout.readline())
         print(f"worker {name}: {path} {envs or ''} {info}", file=sys.stderr, flush=True)
         workers[name] = proc
@@ -334,8 +402,12 @@ def run_compare(args, passthrough: list[str]) -> dict:
             for name in workers:
                 key = "out_tok_s" if new > 1 else "prompt_tok_s"
                 v = [x[key] for x in samples if x["tree"] == name and x["batch"] == b and x["new"] == new]
-                print(f"{label:12s} {name:10s} median {statistics.median(v):7.1f} tok/s  "
-                      f"({min(v):.1f}-{max(v):.1f}, {len(v)} runs)", file=sys.stderr, flush=True)
+                print(
+                    f"{label:12s} {name:10s} median {statistics.median(v):7.1f} tok/s  "
+                    f"({min(v):.1f}-{max(v):.1f}, {len(v)} runs)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         stop_busy(busy)
         for proc in workers.values():
@@ -379,8 +451,11 @@ def main(argv=None):
             return worker_main(args)
         run = {"speed": run_speed, "profile": run_profile, "model-ab": run_model_ab}[args.cmd]
         res = run(args)
-    res = dict(cmd=args.cmd, loadavg_end=loadavg(), argv=argv, result=res) if args.cmd != "compare" else \
-        dict(cmd="compare", loadavg_end=loadavg(), argv=argv, **res)
+    res = (
+        dict(cmd=args.cmd, loadavg_end=loadavg(), argv=argv, result=res)
+        if args.cmd != "compare"
+        else dict(cmd="compare", loadavg_end=loadavg(), argv=argv, **res)
+    )
     if args.json == "-":
         print(json.dumps(res["result"] if args.cmd != "compare" else res))
     elif args.json:

@@ -11,6 +11,7 @@ Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same m
              continuation, and how many generated tokens are identical before the first divergence.
 Every row carries the load average.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,18 @@ def loadavg() -> str:
     except OSError:
         return "?"
 
+
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-PROMPTS = ["What is paged attention? Answer in one sentence.", "Name three fruits.", "Write a haiku about the sea.",
-           "Explain what a CPU cache is.", "What is the capital of France?", "Give me a tip for learning Python.",
-           "Why is the sky blue?", "Describe a cat in two sentences."]
+PROMPTS = [
+    "What is paged attention? Answer in one sentence.",
+    "Name three fruits.",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is.",
+    "What is the capital of France?",
+    "Give me a tip for learning Python.",
+    "Why is the sky blue?",
+    "Describe a cat in two sentences.",
+]
 
 
 def best_us(fn, calls: int) -> float:
@@ -65,21 +74,35 @@ def run_kernels(args) -> list[dict]:
                 x = torch.randn(m, k, generator=gen)
                 out = torch.empty(m, n)
                 calls = 4 if name == "lm_head" else 20
-                fns = {"fp32": lambda: F.linear(x, w),
-                       "packed": lambda: torch.ops.minisched.packed_linear(x, w_packed, out),
-                       "int8": lambda: torch.ops.minisched.int8_linear(x, w_q, scales, out)}
+                fns = {
+                    "fp32": lambda: F.linear(x, w),
+                    "packed": lambda: torch.ops.minisched.packed_linear(x, w_packed, out),
+                    "int8": lambda: torch.ops.minisched.int8_linear(x, w_q, scales, out),
+                }
                 times = {key: [] for key in fns}
                 for r in range(args.rounds):
-                    for key in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+                    for key in list(fns) if r % 2 == 0 else list(reversed(fns)):
                         times[key].append(best_us(fns[key], calls))
                 us = {key: min(v) for key, v in times.items()}
-                row = dict(threads=threads, shape=name, n=n, k=k, m=m, fp32_us=us["fp32"], packed_us=us["packed"],
-                           int8_us=us["int8"], speedup=us["fp32"] / us["int8"],
-                           int8_vs_packed=us["packed"] / us["int8"], loadavg=loadavg())
+                row = dict(
+                    threads=threads,
+                    shape=name,
+                    n=n,
+                    k=k,
+                    m=m,
+                    fp32_us=us["fp32"],
+                    packed_us=us["packed"],
+                    int8_us=us["int8"],
+                    speedup=us["fp32"] / us["int8"],
+                    int8_vs_packed=us["packed"] / us["int8"],
+                    loadavg=loadavg(),
+                )
                 rows.append(row)
-                print(f"kernel t={threads} {name:8s} M={m:3d}  fp32 {us['fp32']:9.1f} us  packed {us['packed']:9.1f} us"
-                      f"  int8 {us['int8']:9.1f} us  int8/packed x{row['int8_vs_packed']:.2f}  load {row['loadavg']}",
-                      flush=True)
+                print(
+                    f"kernel t={threads} {name:8s} M={m:3d}  fp32 {us['fp32']:9.1f} us  packed {us['packed']:9.1f} us"
+                    f"  int8 {us['int8']:9.1f} us  int8/packed x{row['int8_vs_packed']:.2f}  load {row['loadavg']}",
+                    flush=True,
+                )
     return rows
 
 
@@ -95,12 +118,20 @@ def run_decode(args, engines) -> list[dict]:
                 t0 = time.perf_counter()
                 outs = engines[name].generate(prompts, sp, chat=True)
                 speeds[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-        row = dict(batch=batch, fp32_tok_s=statistics.median(speeds["fp32"]),
-                   int8_tok_s=statistics.median(speeds["int8"]), rounds=speeds, loadavg=loadavg())
+        row = dict(
+            batch=batch,
+            fp32_tok_s=statistics.median(speeds["fp32"]),
+            int8_tok_s=statistics.median(speeds["int8"]),
+            rounds=speeds,
+            loadavg=loadavg(),
+        )
         row["speedup"] = row["int8_tok_s"] / row["fp32_tok_s"]
         rows.append(row)
-        print(f"decode B={batch:3d}  fp32 {row['fp32_tok_s']:7.1f} tok/s  int8 {row['int8_tok_s']:7.1f} tok/s  "
-              f"x{row['speedup']:.2f}  load {row['loadavg']}", flush=True)
+        print(
+            f"decode B={batch:3d}  fp32 {row['fp32_tok_s']:7.1f} tok/s  int8 {row['int8_tok_s']:7.1f} tok/s  "
+            f"x{row['speedup']:.2f}  load {row['loadavg']}",
+            flush=True,
+        )
     return rows
 
 
@@ -123,10 +154,19 @@ def run_agreement(args, engines) -> dict:
             n += 1
         prefix += n
         identical += a.token_ids == b.token_ids
-    out = dict(prompts=len(PROMPTS), tokens=total, teacher_forced_top1=forced / total,
-               identical_prefix_tokens=prefix, identical_outputs=identical, loadavg=loadavg())
-    print(f"agreement: teacher-forced top-1 {forced}/{total} = {forced / total:.3f}; identical outputs "
-          f"{identical}/{len(PROMPTS)}; tokens before the first divergence {prefix}/{total}", flush=True)
+    out = dict(
+        prompts=len(PROMPTS),
+        tokens=total,
+        teacher_forced_top1=forced / total,
+        identical_prefix_tokens=prefix,
+        identical_outputs=identical,
+        loadavg=loadavg(),
+    )
+    print(
+        f"agreement: teacher-forced top-1 {forced}/{total} = {forced / total:.3f}; identical outputs "
+        f"{identical}/{len(PROMPTS)}; tokens before the first divergence {prefix}/{total}",
+        flush=True,
+    )
     return out
 
 

@@ -20,6 +20,7 @@ Writes JSON (--json, default benchmarks/results/bench_kernels_cpu.json) and prin
 The builders take a device, but this script measures the CPU; the GPU numbers are
 benchmarks/kernels/bench_kernels_gpu.py's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,15 @@ CASES = {
 }
 
 
-def build_case(kind: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, page_size: int = 16,
-               seed: int = 0, **overrides) -> dict:
+def build_case(
+    kind: str,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    page_size: int = 16,
+    seed: int = 0,
+    **overrides,
+) -> dict:
     """Inputs of one case: a shuffled page pool holding every request's KV, and its CSR page table."""
     cfg = {**CASES[kind], **overrides}
     g = torch.Generator().manual_seed(seed)
@@ -56,14 +64,19 @@ def build_case(kind: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
     perm = torch.randperm(num_pages, generator=g)[: b * pages_per_req].to(torch.int32)
     i32 = dict(dtype=torch.int32, device=device)
     case = dict(
-        kind=kind, cfg=cfg, page_size=page_size, dtype=dtype, device=device,
+        kind=kind,
+        cfg=cfg,
+        page_size=page_size,
+        dtype=dtype,
+        device=device,
         q=torch.randn(b * cfg["qo_len"], cfg["hq"], d, generator=g).to(device=device, dtype=dtype),
         qo_indptr=torch.arange(0, b + 1, **i32) * cfg["qo_len"],
-        k_cache=k_cache, v_cache=v_cache,
+        k_cache=k_cache,
+        v_cache=v_cache,
         kv_indptr=torch.arange(0, b + 1, **i32) * pages_per_req,
         kv_indices=perm.to(device),
         kv_last_page_len=torch.full((b,), (kv_len - 1) % page_size + 1, **i32),
-        sm_scale=d ** -0.5,
+        sm_scale=d**-0.5,
     )
     if cfg["causal"]:  # bottom-right aligned: query i sees keys j <= kv_len - qo_len + i
         qi = torch.arange(cfg["qo_len"], device=device)[:, None]
@@ -76,17 +89,38 @@ def native_fn(case: dict):
     c = case
     out = torch.empty_like(c["q"])
     if c["kind"] == "decode":
-        args = (c["q"], c["k_cache"], c["v_cache"], c["kv_indptr"], c["kv_indices"], c["kv_last_page_len"],
-                c["sm_scale"], out, None)
+        args = (
+            c["q"],
+            c["k_cache"],
+            c["v_cache"],
+            c["kv_indptr"],
+            c["kv_indices"],
+            c["kv_last_page_len"],
+            c["sm_scale"],
+            out,
+            None,
+        )
         op = torch.ops.minisched.paged_decode_attention
     else:
-        args = (c["q"], c["qo_indptr"], c["k_cache"], c["v_cache"], c["kv_indptr"], c["kv_indices"],
-                c["kv_last_page_len"], c["cfg"]["causal"], c["sm_scale"], out, None)
+        args = (
+            c["q"],
+            c["qo_indptr"],
+            c["k_cache"],
+            c["v_cache"],
+            c["kv_indptr"],
+            c["kv_indices"],
+            c["kv_last_page_len"],
+            c["cfg"]["causal"],
+            c["sm_scale"],
+            out,
+            None,
+        )
         op = torch.ops.minisched.paged_prefill_attention
 
     def run():
         op(*args)
         return out
+
     return run
 
 
@@ -103,6 +137,7 @@ def reference_fn(case: dict):
         q = c["q"].view(b, qo_len, hq, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c["sm_scale"], enable_gqa=True)
         return o.transpose(1, 2).reshape(b * qo_len, hq, d)
+
     return run
 
 
@@ -144,21 +179,36 @@ def bench_case(kind: str, *, device: str, dtype: torch.dtype, page_size: int, wa
     t = time_interleaved({"native": nat, "reference": ref}, warmup=warmup, iters=iters, device=device)
     (t_nat, min_nat), (t_ref, min_ref) = t["native"], t["reference"]
     nbytes, nflops = kv_bytes(case), flops(case)
-    return dict(case=kind, **case["cfg"], page_size=page_size, dtype=str(dtype).removeprefix("torch."),
-                native_ms=t_nat, reference_ms=t_ref, speedup=t_ref / t_nat,
-                native_min_ms=min_nat, reference_min_ms=min_ref,
-                native_gbps=nbytes / t_nat / 1e6, reference_gbps=nbytes / t_ref / 1e6,
-                native_gflops=nflops / t_nat / 1e6, reference_gflops=nflops / t_ref / 1e6, max_abs_err=err)
+    return dict(
+        case=kind,
+        **case["cfg"],
+        page_size=page_size,
+        dtype=str(dtype).removeprefix("torch."),
+        native_ms=t_nat,
+        reference_ms=t_ref,
+        speedup=t_ref / t_nat,
+        native_min_ms=min_nat,
+        reference_min_ms=min_ref,
+        native_gbps=nbytes / t_nat / 1e6,
+        reference_gbps=nbytes / t_ref / 1e6,
+        native_gflops=nflops / t_nat / 1e6,
+        reference_gflops=nflops / t_ref / 1e6,
+        max_abs_err=err,
+    )
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'case':8} {'dtype':8} {'native ms':>10} {'gather+sdpa ms':>15} {'speedup':>8} "
-            f"{'native GB/s':>12} {'ref GB/s':>9} {'native GFLOP/s':>15} {'max err':>9}")
+    head = (
+        f"{'case':8} {'dtype':8} {'native ms':>10} {'gather+sdpa ms':>15} {'speedup':>8} "
+        f"{'native GB/s':>12} {'ref GB/s':>9} {'native GFLOP/s':>15} {'max err':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['case']:8} {r['dtype']:8} {r['native_ms']:10.3f} {r['reference_ms']:15.3f} "
-                     f"{r['speedup']:7.2f}x {r['native_gbps']:12.2f} {r['reference_gbps']:9.2f} "
-                     f"{r['native_gflops']:15.2f} {r['max_abs_err']:9.1e}")
+        lines.append(
+            f"{r['case']:8} {r['dtype']:8} {r['native_ms']:10.3f} {r['reference_ms']:15.3f} "
+            f"{r['speedup']:7.2f}x {r['native_gbps']:12.2f} {r['reference_gbps']:9.2f} "
+            f"{r['native_gflops']:15.2f} {r['max_abs_err']:9.1e}"
+        )
     return "\n".join(lines)
 
 
@@ -178,18 +228,30 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    rows = [bench_case(kind, device=args.device, dtype=dtype, page_size=args.page_size, warmup=args.warmup,
-                       iters=args.iters) for kind in args.cases.split(",")]
-    meta = dict(device=args.device, threads=torch.get_num_threads(), torch=torch.__version__,
-                machine=platform.machine(), processor=platform.processor() or platform.platform(),
-                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None, cpus=os.cpu_count())
+    rows = [
+        bench_case(
+            kind, device=args.device, dtype=dtype, page_size=args.page_size, warmup=args.warmup, iters=args.iters
+        )
+        for kind in args.cases.split(",")
+    ]
+    meta = dict(
+        device=args.device,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        machine=platform.machine(),
+        processor=platform.processor() or platform.platform(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None,
+        cpus=os.cpu_count(),
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
-    print(f"# bench_kernels device={args.device} threads={meta['threads']} torch={meta['torch']} "
-          f"page_size={args.page_size} load={meta['loadavg'][0] if meta['loadavg'] else float('nan'):.1f}/{meta['cpus']} cpus "
-          "(reference = gather pages + SDPA, same run, calls interleaved; medians)")
+    print(
+        f"# bench_kernels device={args.device} threads={meta['threads']} torch={meta['torch']} "
+        f"page_size={args.page_size} load={meta['loadavg'][0] if meta['loadavg'] else float('nan'):.1f}/{meta['cpus']} cpus "
+        "(reference = gather pages + SDPA, same run, calls interleaved; medians)"
+    )
     print(table(rows))
 
 

@@ -32,6 +32,7 @@ Usage:  python benchmarks/kernels/bench_kernels_gpu.py [--json PATH] [--quick] [
         python benchmarks/kernels/bench_kernels_gpu.py --merge W.json B.json F.json --json ALL.json
         python benchmarks/kernels/bench_kernels_gpu.py --dry-run     # tiny shapes on the CPU: plumbing only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,12 +60,14 @@ TORCH_IMPLS = ("sdpa", "flex-attention", "torch ")
 
 # -- timing ------------------------------------------------------------------------------------------
 
+
 class Timer:
     def __init__(self, device: str, quick: bool):
         self.cuda = device == "cuda"
         self.quick = quick
         try:
             from triton.testing import do_bench
+
             self.do_bench = do_bench if self.cuda else None
         except ImportError:
             self.do_bench = None
@@ -102,8 +105,16 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def record(case: str, impl: str, ms: float | None, *, bytes_moved: float = 0.0, flops: float = 0.0,
-           error: str | None = None, **extra) -> dict:
+def record(
+    case: str,
+    impl: str,
+    ms: float | None,
+    *,
+    bytes_moved: float = 0.0,
+    flops: float = 0.0,
+    error: str | None = None,
+    **extra,
+) -> dict:
     r = {"case": case, "impl": impl, "ms": ms, "GB/s": None, "TFLOP/s": None, "error": error, **extra}
     if ms:
         if bytes_moved:
@@ -166,6 +177,7 @@ def graphed(fn):
 
 # -- builders ---------------------------------------------------------------------------------------
 
+
 def paged_table(lens, page_size, num_pages, device, shared_prefix_pages=None):
     """CSR page table with each request's pages drawn at random from a pool of num_pages."""
     need = [-(-n // page_size) for n in lens]
@@ -188,6 +200,7 @@ def backends_for(device: str) -> list:
     if device == "cuda":
         try:
             import triton  # noqa: F401
+
             out.append("triton")
         except ImportError:
             pass
@@ -201,17 +214,24 @@ def sdpa_backends():
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return []
-    return [("sdpa-flash", SDPBackend.FLASH_ATTENTION, sdpa_kernel),
-            ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, sdpa_kernel),
-            ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, sdpa_kernel),
-            ("sdpa-math", SDPBackend.MATH, sdpa_kernel)]
+    return [
+        ("sdpa-flash", SDPBackend.FLASH_ATTENTION, sdpa_kernel),
+        ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, sdpa_kernel),
+        ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, sdpa_kernel),
+        ("sdpa-math", SDPBackend.MATH, sdpa_kernel),
+    ]
 
 
 def time_sdpa(timer, case, q, k, v, causal, kw, device, skip_math=True):
     """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] dense; every SDPA backend (GQA via enable_gqa)."""
     if device != "cuda":
-        attempt(timer, case, "sdpa-default", lambda: (lambda: F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, enable_gqa=True)), **kw)
+        attempt(
+            timer,
+            case,
+            "sdpa-default",
+            lambda: lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+            **kw,
+        )
         return
     for name, be, ctx in sdpa_backends():
         if skip_math and name == "sdpa-math":
@@ -221,51 +241,69 @@ def time_sdpa(timer, case, q, k, v, causal, kw, device, skip_math=True):
             def fn():
                 with ctx(be):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
             fn()
             return fn
+
         attempt(timer, case, name, make, **kw)
 
 
 def time_flex(timer, case, q, k, v, causal, kw):
     def make():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         flex = torch.compile(flex_attention, dynamic=False)
         mask = None
         if causal:
             lq, lk = q.shape[2], k.shape[2]
-            mask = create_block_mask(lambda b, h, qi, ki: ki <= qi + (lk - lq), B=None, H=None, Q_LEN=lq,
-                                     KV_LEN=lk, device=q.device)
+            mask = create_block_mask(
+                lambda b, h, qi, ki: ki <= qi + (lk - lq), B=None, H=None, Q_LEN=lq, KV_LEN=lk, device=q.device
+            )
 
         def fn():
             return flex(q, k, v, block_mask=mask, enable_gqa=True)
+
         fn()
         return fn
+
     attempt(timer, case, "flex-attention", make, **kw)
 
 
 # -- references: copy bandwidth and matmul rate -------------------------------------------------------
 
+
 def roofline(timer, device, dtype, args) -> tuple[float, float]:
     n = (256 << 20) if device == "cuda" and not args.quick else (64 << 20 if device == "cuda" else 1 << 20)
     a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     b = torch.empty_like(a)
-    r = attempt(timer, "ref:copy", "torch copy_", lambda: (lambda: b.copy_(a)), bytes_moved=2 * n)
+    r = attempt(timer, "ref:copy", "torch copy_", lambda: lambda: b.copy_(a), bytes_moved=2 * n)
     copy_bw = (r["GB/s"] or 0.0) * 1e9
     m = 8192 if device == "cuda" else 256
     x, y = randn((m, m), dtype, device), randn((m, m), dtype, device)
-    r = attempt(timer, "ref:matmul", f"torch mm {str(dtype)[6:]}", lambda: (lambda: x @ y), flops=2 * m ** 3)
+    r = attempt(timer, "ref:matmul", f"torch mm {str(dtype)[6:]}", lambda: lambda: x @ y, flops=2 * m**3)
     mm_rate = (r["TFLOP/s"] or 0.0) * 1e12
     if device == "cuda":
         host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-        attempt(timer, "ref:d2h-pinned", "torch copy_", lambda: (lambda: host.copy_(dev, non_blocking=True)),
-                bytes_moved=host.numel())
-        attempt(timer, "ref:h2d-pinned", "torch copy_", lambda: (lambda: dev.copy_(host, non_blocking=True)),
-                bytes_moved=host.numel())
+        attempt(
+            timer,
+            "ref:d2h-pinned",
+            "torch copy_",
+            lambda: lambda: host.copy_(dev, non_blocking=True),
+            bytes_moved=host.numel(),
+        )
+        attempt(
+            timer,
+            "ref:h2d-pinned",
+            "torch copy_",
+            lambda: lambda: dev.copy_(host, non_blocking=True),
+            bytes_moved=host.numel(),
+        )
     return copy_bw, mm_rate
 
 
 # -- cases ------------------------------------------------------------------------------------------
+
 
 def bench_copy_ops(timer, device, dtype, args, copy_bw, l2_bytes):
     s = args.scale
@@ -278,33 +316,69 @@ def bench_copy_ops(timer, device, dtype, args, copy_bw, l2_bytes):
     sets = max(1, min(8, math.ceil(4 * l2_bytes / max(1, 2 * moved))))
     perm = [torch.randperm(num_pages, device=device).to(torch.int32) for _ in range(sets)]
     srcs = [p[:n_move].contiguous() for p in perm]
-    dsts = [p[n_move:2 * n_move].contiguous() for p in perm]
+    dsts = [p[n_move : 2 * n_move].contiguous() for p in perm]
     bufs = [torch.empty((pool.shape[0], 2, n_move, ps, hkv, d), dtype=dtype, device=device) for _ in range(sets)]
-    mb = moved / 2 ** 20
+    mb = moved / 2**20
     for be in backends_for(device):
         kw = dict(bytes_moved=2 * moved, MB=mb)
-        attempt(timer, "copy_kv_pages", be, lambda: [
-            (lambda i=i: ops.call_op("copy_kv_pages", (pool, srcs[i], dsts[i]), be, check=False))
-            for i in range(sets)], **kw)
-        attempt(timer, "gather_kv_pages", be, lambda: [
-            (lambda i=i: ops.call_op("gather_kv_pages", (pool, srcs[i], bufs[i]), be, check=False))
-            for i in range(sets)], **kw)
-        attempt(timer, "scatter_kv_pages", be, lambda: [
-            (lambda i=i: ops.call_op("scatter_kv_pages", (bufs[i], pool, dsts[i]), be, check=False))
-            for i in range(sets)], **kw)
+        attempt(
+            timer,
+            "copy_kv_pages",
+            be,
+            lambda: [
+                (lambda i=i: ops.call_op("copy_kv_pages", (pool, srcs[i], dsts[i]), be, check=False))
+                for i in range(sets)
+            ],
+            **kw,
+        )
+        attempt(
+            timer,
+            "gather_kv_pages",
+            be,
+            lambda: [
+                (lambda i=i: ops.call_op("gather_kv_pages", (pool, srcs[i], bufs[i]), be, check=False))
+                for i in range(sets)
+            ],
+            **kw,
+        )
+        attempt(
+            timer,
+            "scatter_kv_pages",
+            be,
+            lambda: [
+                (lambda i=i: ops.call_op("scatter_kv_pages", (bufs[i], pool, dsts[i]), be, check=False))
+                for i in range(sets)
+            ],
+            **kw,
+        )
     if device == "cuda":
         host = torch.empty(bufs[0].shape, dtype=dtype, pin_memory=True)
         for be in backends_for(device):
-            attempt(timer, "gather_kv_pages->pinned", be,
-                    lambda: (lambda: ops.call_op("gather_kv_pages", (pool, srcs[0], host), be, check=False)),
-                    bytes_moved=moved, MB=mb)
-            attempt(timer, "scatter_kv_pages<-pinned", be,
-                    lambda: (lambda: ops.call_op("scatter_kv_pages", (host, pool, dsts[0]), be, check=False)),
-                    bytes_moved=moved, MB=mb)
+            attempt(
+                timer,
+                "gather_kv_pages->pinned",
+                be,
+                lambda: lambda: ops.call_op("gather_kv_pages", (pool, srcs[0], host), be, check=False),
+                bytes_moved=moved,
+                MB=mb,
+            )
+            attempt(
+                timer,
+                "scatter_kv_pages<-pinned",
+                be,
+                lambda: lambda: ops.call_op("scatter_kv_pages", (host, pool, dsts[0]), be, check=False),
+                bytes_moved=moved,
+                MB=mb,
+            )
     # torch baseline: index_select over the page dim (gather) and index_copy_ (scatter)
-    attempt(timer, "gather_kv_pages", "torch index_select", lambda: [
-        (lambda i=i: torch.index_select(pool, 2, srcs[i].long(), out=bufs[i])) for i in range(sets)],
-        bytes_moved=2 * moved, MB=mb)
+    attempt(
+        timer,
+        "gather_kv_pages",
+        "torch index_select",
+        lambda: [(lambda i=i: torch.index_select(pool, 2, srcs[i].long(), out=bufs[i])) for i in range(sets)],
+        bytes_moved=2 * moved,
+        MB=mb,
+    )
 
     # store_kv: one prefill chunk of tokens into one layer's caches
     n_tok = 16384 // s
@@ -315,14 +389,29 @@ def bench_copy_ops(timer, device, dtype, args, copy_bw, l2_bytes):
     slots = [torch.randperm(kc.shape[0] * ps, device=device)[:n_tok].to(torch.int32) for _ in range(2)]
     tok_bytes = 2 * n_tok * hkv * d * kc.element_size()
     for be in backends_for(device):
-        attempt(timer, "store_kv", be, lambda: [
-            (lambda i=i: ops.call_op("store_kv", (ks[i], vs[i], kc, vc, slots[i]), be, check=False))
-            for i in range(2)], bytes_moved=2 * tok_bytes, MB=tok_bytes / 2 ** 20)
+        attempt(
+            timer,
+            "store_kv",
+            be,
+            lambda: [
+                (lambda i=i: ops.call_op("store_kv", (ks[i], vs[i], kc, vc, slots[i]), be, check=False))
+                for i in range(2)
+            ],
+            bytes_moved=2 * tok_bytes,
+            MB=tok_bytes / 2**20,
+        )
     flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
-    attempt(timer, "store_kv", "torch index_copy_", lambda: [
-        (lambda i=i: (flat_k.index_copy_(0, slots[i].long(), ks[i]), flat_v.index_copy_(0, slots[i].long(), vs[i])))
-        for i in range(2)], bytes_moved=2 * tok_bytes, MB=tok_bytes / 2 ** 20)
-
+    attempt(
+        timer,
+        "store_kv",
+        "torch index_copy_",
+        lambda: [
+            (lambda i=i: (flat_k.index_copy_(0, slots[i].long(), ks[i]), flat_v.index_copy_(0, slots[i].long(), vs[i])))
+            for i in range(2)
+        ],
+        bytes_moved=2 * tok_bytes,
+        MB=tok_bytes / 2**20,
+    )
 
 
 def decode_shape(args):
@@ -344,8 +433,15 @@ def bench_decode(timer, device, dtype, args, copy_bw):
     case = "decode"
     kw = dict(bytes_moved=kv_bytes, shape=f"B{B} ctx{ctx} {hq}/{hkv} d{d} ps{ps}")
     for be in backends_for(device):
-        attempt(timer, case, be, lambda: (lambda: ops.call_op(
-            "paged_decode_attention", (q, kc, vc, *table, d ** -0.5, out, lse), be, check=False)), **kw)
+        attempt(
+            timer,
+            case,
+            be,
+            lambda: (
+                lambda: ops.call_op("paged_decode_attention", (q, kc, vc, *table, d**-0.5, out, lse), be, check=False)
+            ),
+            **kw,
+        )
     # dense equivalents (contiguous K/V per request: what the paged layout avoids)
     qd = q.view(B, hq, 1, d)
     kd = randn((B, hkv, ctx, d), dtype, device)
@@ -358,10 +454,12 @@ def bench_decode(timer, device, dtype, args, copy_bw):
 def bench_flashinfer_decode(timer, case, q, kc, vc, table, hq, hkv, d, ps, kw):
     def make():
         import flashinfer
+
         ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(table[0], table[1], table[2], hq, hkv, d, ps, data_type=q.dtype, q_data_type=q.dtype)
         return lambda: w.run(q, (kc, vc))
+
     attempt(timer, case, "flashinfer", make, **kw)
 
 
@@ -386,8 +484,17 @@ def bench_prefill(timer, device, dtype, args, mm_rate):
     x, kw = prefill_inputs(device, dtype, args)
     q, qo, kc, vc, table, d, out, lse = (x[k] for k in ("q", "qo", "kc", "vc", "table", "d", "out", "lse"))
     for be in backends_for(device):
-        attempt(timer, "prefill", be, lambda: (lambda: ops.call_op(
-            "paged_prefill_attention", (q, qo, kc, vc, *table, True, d ** -0.5, out, lse), be, check=False)), **kw)
+        attempt(
+            timer,
+            "prefill",
+            be,
+            lambda: (
+                lambda: ops.call_op(
+                    "paged_prefill_attention", (q, qo, kc, vc, *table, True, d**-0.5, out, lse), be, check=False
+                )
+            ),
+            **kw,
+        )
     B, L, hq, hkv, d = x["dense"]
     qd = randn((B, hq, L, d), dtype, device)
     kd = randn((B, hkv, L, d), dtype, device)
@@ -406,8 +513,9 @@ def bench_prefill_wgmma(timer, device, dtype, args):
     q, qo, kc, vc, table, d, out, lse = (x[k] for k in ("q", "qo", "kc", "vc", "table", "d", "out", "lse"))
 
     def run(kernel, o, l):
-        ops.call_op("paged_prefill_attention", (q, qo, kc, vc, *table, True, d ** -0.5, o, l, kernel), "native",
-                    check=False)
+        ops.call_op(
+            "paged_prefill_attention", (q, qo, kc, vc, *table, True, d**-0.5, o, l, kernel), "native", check=False
+        )
 
     ref_o, ref_l = torch.empty_like(out), torch.empty_like(lse)
     run(1, ref_o, ref_l)
@@ -420,8 +528,8 @@ def bench_prefill_wgmma(timer, device, dtype, args):
     if not (err <= 2e-2 and lse_err <= 2e-3):  # NaN fails too
         record(case, "native wgmma", None, error=f"output differs from mma.sync: {err:.3g} / lse {lse_err:.3g}", **kw)
         return
-    attempt(timer, case, "native mma", lambda: (lambda: run(1, out, lse)), **kw)
-    attempt(timer, case, "native wgmma", lambda: (lambda: run(2, out, lse)), **kw)
+    attempt(timer, case, "native mma", lambda: lambda: run(1, out, lse), **kw)
+    attempt(timer, case, "native wgmma", lambda: lambda: run(2, out, lse), **kw)
 
 
 def bench_flex(timer, device, dtype, args):
@@ -431,15 +539,31 @@ def bench_flex(timer, device, dtype, args):
         print("  (FlexAttention: CUDA only)", flush=True)
         return
     B, ctx, hq, hkv, d, ps = decode_shape(args)
-    kw = dict(bytes_moved=2 * B * ctx * hkv * d * torch.empty((), dtype=dtype).element_size(),
-              shape=f"B{B} ctx{ctx} {hq}/{hkv} d{d} ps{ps}")
-    time_flex(timer, "decode", randn((B, hq, 1, d), dtype, device), randn((B, hkv, ctx, d), dtype, device),
-              randn((B, hkv, ctx, d), dtype, device), False, kw)
+    kw = dict(
+        bytes_moved=2 * B * ctx * hkv * d * torch.empty((), dtype=dtype).element_size(),
+        shape=f"B{B} ctx{ctx} {hq}/{hkv} d{d} ps{ps}",
+    )
+    time_flex(
+        timer,
+        "decode",
+        randn((B, hq, 1, d), dtype, device),
+        randn((B, hkv, ctx, d), dtype, device),
+        randn((B, hkv, ctx, d), dtype, device),
+        False,
+        kw,
+    )
     x, kw = prefill_inputs(device, dtype, args)
     B, L, hq, hkv, d = x["dense"]
     del x
-    time_flex(timer, "prefill", randn((B, hq, L, d), dtype, device), randn((B, hkv, L, d), dtype, device),
-              randn((B, hkv, L, d), dtype, device), True, kw)
+    time_flex(
+        timer,
+        "prefill",
+        randn((B, hq, L, d), dtype, device),
+        randn((B, hkv, L, d), dtype, device),
+        randn((B, hkv, L, d), dtype, device),
+        True,
+        kw,
+    )
 
 
 def bench_cascade(timer, device, dtype, args):
@@ -451,13 +575,19 @@ def bench_cascade(timer, device, dtype, args):
     vc = randn((num_pages, ps, hkv, d), dtype, device)
     perm = torch.randperm(num_pages, device=device).to(torch.int32)
     pre = perm[:pre_pages]
-    own = perm[pre_pages:pre_pages + n * suf_pages].view(n, suf_pages)
+    own = perm[pre_pages : pre_pages + n * suf_pages].view(n, suf_pages)
     i32 = dict(dtype=torch.int32, device=device)
     full_idx = torch.cat([torch.cat([pre, own[i]]) for i in range(n)])
-    full = (torch.arange(0, n * (pre_pages + suf_pages) + 1, pre_pages + suf_pages, **i32), full_idx,
-            torch.full((n,), ps, **i32))
-    suf = (torch.arange(0, n * suf_pages + 1, suf_pages, **i32), own.reshape(-1).contiguous(),
-           torch.full((n,), ps, **i32))
+    full = (
+        torch.arange(0, n * (pre_pages + suf_pages) + 1, pre_pages + suf_pages, **i32),
+        full_idx,
+        torch.full((n,), ps, **i32),
+    )
+    suf = (
+        torch.arange(0, n * suf_pages + 1, suf_pages, **i32),
+        own.reshape(-1).contiguous(),
+        torch.full((n,), ps, **i32),
+    )
     pre_t = (torch.tensor([0, pre_pages], **i32), pre.contiguous(), torch.full((1,), ps, **i32))
     group = torch.tensor([0, n], **i32)
     q = randn((n, hq, d), dtype, device)
@@ -465,6 +595,7 @@ def bench_cascade(timer, device, dtype, args):
     case = "cascade"
     kw = dict(bytes_moved=bytes_unique, shape=f"{n} reqs, prefix {prefix}, suffix {suffix}, {hq}/{hkv} d{d}")
     for be in backends_for(device):
+
         def cascade(be=be):
             return ops.cascade_decode_attention(q, group, kc, vc, pre_t, suf, backend=be, check=False)
 
@@ -485,11 +616,17 @@ def bench_merge(timer, device, dtype, args, copy_bw):
     vo, lo = torch.empty_like(va), torch.empty_like(la)
     moved = 3 * va.numel() * va.element_size() + 3 * la.numel() * 4
     for be in backends_for(device):
-        attempt(timer, "merge_attention_states", be, lambda: (lambda: ops.call_op(
-            "merge_attention_states", (va, la, vb, lb, vo, lo), be)), bytes_moved=moved)
+        attempt(
+            timer,
+            "merge_attention_states",
+            be,
+            lambda: lambda: ops.call_op("merge_attention_states", (va, la, vb, lb, vo, lo), be),
+            bytes_moved=moved,
+        )
 
 
 # -- targets -----------------------------------------------------------------------------------------
+
 
 def fmt(r: dict | None, copy_bw: float = 0.0) -> str:
     """One result as 'impl 0.123 ms, 2950 GB/s (69%)' / '..., 310 TFLOP/s'; 'n/a' when missing."""
@@ -506,41 +643,71 @@ def fmt(r: dict | None, copy_bw: float = 0.0) -> str:
 def evaluate(copy_bw: float) -> None:
     """The targets, from the results so far (re-evaluated after every stage and by --merge)."""
     TARGETS.clear()
-    frac = (lambda r: r["GB/s"] * 1e9 / copy_bw if (r and r.get("GB/s") and copy_bw) else None)
+    frac = lambda r: r["GB/s"] * 1e9 / copy_bw if (r and r.get("GB/s") and copy_bw) else None
     # decode
     r, tb = get("decode", "native"), best("decode", TORCH_IMPLS)
-    target("decode >= 85% copy bw", None if frac(r) is None else frac(r) >= 0.85, fmt(r, copy_bw), ">= 85%",
-           fmt(tb, copy_bw))
-    target("decode faster than best torch", None if not (r and tb) else r["ms"] < tb["ms"],
-           "n/a" if not (r and tb) else f"{r['ms']:.3f} ms = {tb['ms'] / r['ms']:.2f}x torch's speed",
-           "native < torch", fmt(tb, copy_bw))
+    target(
+        "decode >= 85% copy bw",
+        None if frac(r) is None else frac(r) >= 0.85,
+        fmt(r, copy_bw),
+        ">= 85%",
+        fmt(tb, copy_bw),
+    )
+    target(
+        "decode faster than best torch",
+        None if not (r and tb) else r["ms"] < tb["ms"],
+        "n/a" if not (r and tb) else f"{r['ms']:.3f} ms = {tb['ms'] / r['ms']:.2f}x torch's speed",
+        "native < torch",
+        fmt(tb, copy_bw),
+    )
     # prefill: mma.sync ("native", cuda_kernel auto) and wgmma
     r, sd = get("prefill", "native"), best("prefill", TORCH_IMPLS)
-    tflops = (lambda x: None if not (x and x.get("TFLOP/s")) else x["TFLOP/s"] >= 400)
+    tflops = lambda x: None if not (x and x.get("TFLOP/s")) else x["TFLOP/s"] >= 400
     target("prefill mma.sync >= 400 TFLOP/s", tflops(r), fmt(r), ">= 400", fmt(sd))
-    target("prefill mma.sync <= 1.5x torch best", None if not (r and sd) else r["ms"] <= 1.5 * sd["ms"],
-           "n/a" if not (r and sd) else f"{r['ms'] / sd['ms']:.2f}x of {sd['impl']}", "<= 1.5x", fmt(sd))
+    target(
+        "prefill mma.sync <= 1.5x torch best",
+        None if not (r and sd) else r["ms"] <= 1.5 * sd["ms"],
+        "n/a" if not (r and sd) else f"{r['ms'] / sd['ms']:.2f}x of {sd['impl']}",
+        "<= 1.5x",
+        fmt(sd),
+    )
     w = get("prefill", "native wgmma")
-    werr = next((x["error"] for x in RESULTS if x["case"] == "prefill" and x["impl"] == "native wgmma"
-                 and not x["ms"]), None)
-    target("prefill wgmma >= 400 TFLOP/s", tflops(w) if w else (False if werr and "differs" in werr else None),
-           fmt(w) if w else (f"failed: {werr[:60]}" if werr else "n/a"), ">= 400, equal to mma.sync", fmt(sd))
+    werr = next(
+        (x["error"] for x in RESULTS if x["case"] == "prefill" and x["impl"] == "native wgmma" and not x["ms"]), None
+    )
+    target(
+        "prefill wgmma >= 400 TFLOP/s",
+        tflops(w) if w else (False if werr and "differs" in werr else None),
+        fmt(w) if w else (f"failed: {werr[:60]}" if werr else "n/a"),
+        ">= 400, equal to mma.sync",
+        fmt(sd),
+    )
     # cascade: eager and replayed from a CUDA graph
     for how, suffix in (("eager", ""), ("graph", " graph")):
         c, p = get("cascade", f"native cascade{suffix}"), get("cascade", f"native plain decode{suffix}")
-        target(f"cascade >= 10x plain decode, {how}", None if not (c and p) else p["ms"] / c["ms"] >= 10,
-               "n/a" if not (c and p) else f"{p['ms'] / c['ms']:.1f}x ({c['ms']:.4f} vs {p['ms']:.4f} ms)", ">= 10x")
+        target(
+            f"cascade >= 10x plain decode, {how}",
+            None if not (c and p) else p["ms"] / c["ms"] >= 10,
+            "n/a" if not (c and p) else f"{p['ms'] / c['ms']:.1f}x ({c['ms']:.4f} vs {p['ms']:.4f} ms)",
+            ">= 10x",
+        )
     # KV copy ops (torch: index_select / index_copy_ where measured, else the copy_ roofline)
     roof = get("ref:copy", "torch copy_")
     for case in ("store_kv", "copy_kv_pages", "gather_kv_pages", "scatter_kv_pages"):
         r = get(case, "native")
-        target(f"{case} >= 85% copy bw", None if frac(r) is None else frac(r) >= 0.85, fmt(r, copy_bw), ">= 85%",
-               fmt(best(case, TORCH_IMPLS) or roof, copy_bw))
+        target(
+            f"{case} >= 85% copy bw",
+            None if frac(r) is None else frac(r) >= 0.85,
+            fmt(r, copy_bw),
+            ">= 85%",
+            fmt(best(case, TORCH_IMPLS) or roof, copy_bw),
+        )
     r = get("merge_attention_states", "native")
     target("merge_attention_states (no target)", None, fmt(r, copy_bw), "-", fmt(roof, copy_bw))
 
 
 # -- main ---------------------------------------------------------------------------------------------
+
 
 def table() -> str:
     lines = ["", "== results (median) ==", f"{'case':<26}{'impl':<26}{'ms':>10}{'GB/s':>10}{'TFLOP/s':>10}"]
@@ -593,8 +760,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (torch.compile time)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (fp32): checks the plumbing")
     ap.add_argument("--only", default="", help="comma list of stages: " + ",".join(STAGES))
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="join these runs' results, evaluate the targets over all of them (with --json: write)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="join these runs' results, evaluate the targets over all of them (with --json: write)",
+    )
     args = ap.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.json)
@@ -609,18 +781,26 @@ def main(argv=None) -> int:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     timer = Timer(device, args.quick)
-    want = (lambda k: k in only if only else not (k == "flex" and args.no_flex))
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__, "device": device,
-            "dtype": str(dtype), "host": platform.node(), "native": ops.native_available(),
-            "native_error": ops.NATIVE_ERROR, "stages": [k for k in STAGES if want(k)]}
+    want = lambda k: k in only if only else not (k == "flex" and args.no_flex)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "torch": torch.__version__,
+        "device": device,
+        "dtype": str(dtype),
+        "host": platform.node(),
+        "native": ops.native_available(),
+        "native_error": ops.NATIVE_ERROR,
+        "stages": [k for k in STAGES if want(k)],
+    }
     if device == "cuda":
         prop = torch.cuda.get_device_properties(0)
-        meta.update(gpu=prop.name, sms=prop.multi_processor_count, l2_mb=getattr(prop, "L2_cache_size", 0) / 2 ** 20)
+        meta.update(gpu=prop.name, sms=prop.multi_processor_count, l2_mb=getattr(prop, "L2_cache_size", 0) / 2**20)
         l2 = getattr(prop, "L2_cache_size", 50 << 20)
     else:
         l2 = 1 << 20
     try:
         import triton
+
         meta["triton"] = triton.__version__
     except ImportError:
         meta["triton"] = None
@@ -632,14 +812,16 @@ def main(argv=None) -> int:
         copy_bw, mm_rate = roofline(timer, device, dtype, args)
         meta.update(copy_GBps=copy_bw / 1e9, matmul_TFLOPs=mm_rate / 1e12)
 
-    stages = {"roof": roof,
-              "copy": lambda: bench_copy_ops(timer, device, dtype, args, copy_bw, l2),
-              "decode": lambda: bench_decode(timer, device, dtype, args, copy_bw),
-              "prefill": lambda: bench_prefill(timer, device, dtype, args, mm_rate),
-              "cascade": lambda: bench_cascade(timer, device, dtype, args),
-              "merge": lambda: bench_merge(timer, device, dtype, args, copy_bw),
-              "wgmma": lambda: bench_prefill_wgmma(timer, device, dtype, args),
-              "flex": lambda: bench_flex(timer, device, dtype, args)}
+    stages = {
+        "roof": roof,
+        "copy": lambda: bench_copy_ops(timer, device, dtype, args, copy_bw, l2),
+        "decode": lambda: bench_decode(timer, device, dtype, args, copy_bw),
+        "prefill": lambda: bench_prefill(timer, device, dtype, args, mm_rate),
+        "cascade": lambda: bench_cascade(timer, device, dtype, args),
+        "merge": lambda: bench_merge(timer, device, dtype, args, copy_bw),
+        "wgmma": lambda: bench_prefill_wgmma(timer, device, dtype, args),
+        "flex": lambda: bench_flex(timer, device, dtype, args),
+    }
 
     def save():
         evaluate(copy_bw)

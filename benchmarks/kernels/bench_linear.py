@@ -10,6 +10,7 @@ the speedup (median of the per-round ratios). The weights are the same tensors e
 small ones are cache-resident (a decode step streams them from memory: the model-level numbers are
 in benchmarks/cpu/bench_cpu.py); the 113 MB LM head is not. /proc/loadavg is recorded before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ def loadavg() -> str:
             return " ".join(f.read().split()[:3])
     except OSError:
         return "?"
+
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -69,15 +71,26 @@ def main() -> None:
                 aten, packed = [], []
                 for r in range(args.rounds):
                     pair = [("aten", lambda: F.linear(x, w)), ("packed", lambda: ops.packed_linear(x, wp, n, out=out))]
-                    for label, fn in (pair if r % 2 == 0 else pair[::-1]):
+                    for label, fn in pair if r % 2 == 0 else pair[::-1]:
                         (aten if label == "aten" else packed).append(per_call(fn, args.seconds))
                 ratio = statistics.median(a / b for a, b in zip(aten, packed))
-                row = dict(threads=threads, rows=m, shape=name, n=n, k=k, aten_us=statistics.median(aten),
-                           packed_us=statistics.median(packed), speedup=ratio,
-                           packed_gflops=2 * m * n * k / statistics.median(packed) / 1e3)
+                row = dict(
+                    threads=threads,
+                    rows=m,
+                    shape=name,
+                    n=n,
+                    k=k,
+                    aten_us=statistics.median(aten),
+                    packed_us=statistics.median(packed),
+                    speedup=ratio,
+                    packed_gflops=2 * m * n * k / statistics.median(packed) / 1e3,
+                )
                 results["runs"].append(row)
-                print(f"{threads:>3} {m:>4} {name:>8} {row['aten_us']:>9.1f} {row['packed_us']:>9.1f} "
-                      f"{row['packed_gflops']:>8.1f} {ratio:>7.2f}x", flush=True)
+                print(
+                    f"{threads:>3} {m:>4} {name:>8} {row['aten_us']:>9.1f} {row['packed_us']:>9.1f} "
+                    f"{row['packed_gflops']:>8.1f} {ratio:>7.2f}x",
+                    flush=True,
+                )
     results["load_after"] = loadavg()
     print(f"load {results['load_after']}")
     if args.json:

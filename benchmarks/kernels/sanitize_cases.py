@@ -25,6 +25,7 @@ printed before a case's line is that case's; exits 1 if any case raised. The san
 its --error-exitcode) says whether a kernel touched memory it should not have. A memory fault leaves the
 CUDA context unusable, so the cases after it fail too: rerun the first one alone with --case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,9 @@ class Ctx:
             for n in ng:
                 indptr.append(indptr[-1] + n)
             last = [(n - 1) % page_size + 1 if n else page_size for n in g]
-            tables.append((self.i32(indptr), perm[used:used + indptr[-1]].contiguous().to(self.device),
-                           self.i32(last)))
+            tables.append(
+                (self.i32(indptr), perm[used : used + indptr[-1]].contiguous().to(self.device), self.i32(last))
+            )
             used += indptr[-1]
         k = self.randn(num_pages, page_size, hkv, d)
         v = self.randn(num_pages, page_size, hkv, d)
@@ -126,8 +128,9 @@ def prefill(c: Ctx, qo_lens, kv_lens, hq, hkv, d, cuda_kernel="auto", causal=Tru
     for n in qo_lens:
         qo.append(qo[-1] + n)
     q = c.randn(qo[-1], hq, d)
-    out, lse = ops.paged_prefill_attention(q, c.i32(qo), k, v, *table, causal=causal, return_lse=True,
-                                           cuda_kernel=cuda_kernel)
+    out, lse = ops.paged_prefill_attention(
+        q, c.i32(qo), k, v, *table, causal=causal, return_lse=True, cuda_kernel=cuda_kernel
+    )
     finite(out)
 
 
@@ -255,7 +258,7 @@ def prefill_bad_page_table(c):
     indices = indices.clone()
     indices[-1] = -5  # request 1's last page
     q = c.randn(120, 8, 128)
-    run = (lambda: ops.paged_prefill_attention(q, c.i32([0, 70, 120]), k, v, indptr, indices, last, check=False))
+    run = lambda: ops.paged_prefill_attention(q, c.i32([0, 70, 120]), k, v, indptr, indices, last, check=False)
     if c.device != "cuda":
         return rejected(run)
     out = run()
@@ -294,8 +297,9 @@ def main(argv=None) -> int:
             print(f"case {name}: {note or 'ok'} ({time.perf_counter() - t0:.2f} s)", flush=True)
         except Exception as exc:  # noqa: BLE001 - report every case, not the first failure
             failed += 1
-            print(f"case {name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                  flush=True)
+            print(
+                f"case {name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True
+            )
     print(f"sanitize_cases: {len(names) - failed} of {len(names)} cases ran", flush=True)
     return 1 if failed else 0
 

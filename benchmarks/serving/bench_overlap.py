@@ -16,6 +16,7 @@ For each model and batch size B: B prompts of --prompt-len tokens run to --new-t
 The medians, the on/off throughput ratio and /proc/loadavg before and after go to stdout and --json.
 Outputs of the two engines are compared (identical greedy tokens), so a speedup never hides a bug.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,16 @@ def one_run(engine: Engine, spans: list, prompts: list[list[int]], sp: SamplingP
     fwd = sum(e - s for s, e in spans)
     step_wall = sum(e - s for s, e in engine.step_times[steps0:])
     tokens = sum(len(o.token_ids) for o in outs)
-    return dict(wall=wall, tok_s=tokens / wall, forward=fwd, sched_share=max(0.0, 1 - fwd / wall),
-                steps=len(engine.step_times) - steps0, forwards=len(spans), step_wall=step_wall,
-                tokens=[o.token_ids for o in outs])
+    return dict(
+        wall=wall,
+        tok_s=tokens / wall,
+        forward=fwd,
+        sched_share=max(0.0, 1 - fwd / wall),
+        steps=len(engine.step_times) - steps0,
+        forwards=len(spans),
+        step_wall=step_wall,
+        tokens=[o.token_ids for o in outs],
+    )
 
 
 def main() -> None:
@@ -85,31 +93,45 @@ def main() -> None:
     result = dict(loadavg_before=loadavg(), args=vars(args), torch_threads=torch.get_num_threads(), cases=[])
     for model in args.model:
         base = Engine(model, num_threads=args.threads, overlap=False)
-        engines = {False: base, True: Engine(base.model, tokenizer=base.tokenizer, num_threads=args.threads,
-                                             overlap=True)}
+        engines = {
+            False: base,
+            True: Engine(base.model, tokenizer=base.tokenizer, num_threads=args.threads, overlap=True),
+        }
         spans = {ov: timed(eng) for ov, eng in engines.items()}
         vocab = base.cfg.vocab_size
         for b in args.batch:
             g = torch.Generator().manual_seed(b)
-            prompts = [torch.randint(3, min(vocab, 30000), (args.prompt_len,), generator=g).tolist()
-                       for _ in range(b)]
+            prompts = [torch.randint(3, min(vocab, 30000), (args.prompt_len,), generator=g).tolist() for _ in range(b)]
             sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
             for eng in engines.values():  # warm-up
                 eng.generate(prompts[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
             runs = {False: [], True: []}
             for r in range(args.rounds):
-                for ov in ((False, True) if r % 2 == 0 else (True, False)):
+                for ov in (False, True) if r % 2 == 0 else (True, False):
                     runs[ov].append(one_run(engines[ov], spans[ov], prompts, sp))
             same = all(x["tokens"] == runs[False][0]["tokens"] for x in runs[False] + runs[True])
-            med = {ov: {k: statistics.median(x[k] for x in runs[ov])
-                        for k in ("wall", "tok_s", "forward", "sched_share", "steps", "forwards", "step_wall")}
-                   for ov in runs}
-            case = dict(model=model, batch=b, off=med[False], on=med[True], same_tokens=same,
-                        ratio_tok_s=med[True]["tok_s"] / med[False]["tok_s"])
+            med = {
+                ov: {
+                    k: statistics.median(x[k] for x in runs[ov])
+                    for k in ("wall", "tok_s", "forward", "sched_share", "steps", "forwards", "step_wall")
+                }
+                for ov in runs
+            }
+            case = dict(
+                model=model,
+                batch=b,
+                off=med[False],
+                on=med[True],
+                same_tokens=same,
+                ratio_tok_s=med[True]["tok_s"] / med[False]["tok_s"],
+            )
             result["cases"].append(case)
-            print(f"{model:12s} B={b:3d}  off: {med[False]['tok_s']:8.1f} tok/s sched {med[False]['sched_share']:6.1%}"
-                  f"  on: {med[True]['tok_s']:8.1f} tok/s sched {med[True]['sched_share']:6.1%}"
-                  f"  on/off {case['ratio_tok_s']:.3f}  same tokens: {same}", flush=True)
+            print(
+                f"{model:12s} B={b:3d}  off: {med[False]['tok_s']:8.1f} tok/s sched {med[False]['sched_share']:6.1%}"
+                f"  on: {med[True]['tok_s']:8.1f} tok/s sched {med[True]['sched_share']:6.1%}"
+                f"  on/off {case['ratio_tok_s']:.3f}  same tokens: {same}",
+                flush=True,
+            )
     result["loadavg_after"] = loadavg()
     print(f"loadavg before {result['loadavg_before']} after {result['loadavg_after']}")
     if args.json:

@@ -17,6 +17,7 @@ minisched.observe.run_record, readable by `minisched report`; each run's "summar
 numbers, and a top-level "comparisons" list holds the table rows) and bench_serving.md.
 The development machines are shared: the load average is recorded with the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,9 @@ import time
 
 import torch
 
-from minisched.observe import workloads as bw
 from minisched.cli.bench import format_summary
 from minisched.engine import Engine
+from minisched.observe import workloads as bw
 from minisched.observe.run_record import RunRecord
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -42,18 +43,31 @@ def progress(label):
         now = time.monotonic()
         if now - last[0] >= 5.0:
             last[0] = now
-            print(f"  {label}: {p['elapsed']:6.1f}s done {p['done']}/{p['total']} running {p['running']} "
-                  f"waiting {p['waiting']}", file=sys.stderr, flush=True)
+            print(
+                f"  {label}: {p['elapsed']:6.1f}s done {p['done']}/{p['total']} running {p['running']} "
+                f"waiting {p['waiting']}",
+                file=sys.stderr,
+                flush=True,
+            )
+
     return cb
 
 
 def serve(base: Engine, workload, mode: str, name: str, records: list, **engine_kw) -> dict:
-    engine = Engine(base.model, tokenizer=base.tokenizer, page_size=16, num_pages=base.sched_config.num_pages,
-                    **engine_kw)
-    result = bw.run_workload(engine, workload, mode, static_batch=ARGS.static_batch, progress=progress(name),
-                             name=name)
-    rec = bw.run_record(engine, result, config={"mode": mode, "engine": engine_kw, "backend": engine.backend,
-                                                "workload_stats": bw.workload_stats(workload)})
+    engine = Engine(
+        base.model, tokenizer=base.tokenizer, page_size=16, num_pages=base.sched_config.num_pages, **engine_kw
+    )
+    result = bw.run_workload(engine, workload, mode, static_batch=ARGS.static_batch, progress=progress(name), name=name)
+    rec = bw.run_record(
+        engine,
+        result,
+        config={
+            "mode": mode,
+            "engine": engine_kw,
+            "backend": engine.backend,
+            "workload_stats": bw.workload_stats(workload),
+        },
+    )
     records.append(rec)
     print(format_summary(rec.summary), flush=True)
     return rec.summary
@@ -70,24 +84,40 @@ def hf_static(workload, batch: int, gguf_path: str) -> dict:
     start = time.monotonic()
     useful, e2e = 0, []
     for i in range(0, len(workload), batch):
-        group = workload[i:i + batch]
+        group = workload[i : i + batch]
         longest = max(len(r.prompt_ids) for r in group)
         ids = torch.full((len(group), longest), 2, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for b, r in enumerate(group):  # left padding
-            ids[b, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[b, longest - len(r.prompt_ids):] = 1
+            ids[b, longest - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[b, longest - len(r.prompt_ids) :] = 1
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_new_tokens for r in group),
-                           do_sample=False, eos_token_id=None, pad_token_id=2)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(r.max_new_tokens for r in group),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )
         useful += sum(r.max_new_tokens for r in group)
         e2e += [time.monotonic() - start] * len(group)
-        print(f"  hf: batch {i // batch + 1}/{-(-len(workload) // batch)} done at {time.monotonic() - start:.1f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"  hf: batch {i // batch + 1}/{-(-len(workload) // batch)} done at {time.monotonic() - start:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     dur = time.monotonic() - start
     inp = sum(len(r.prompt_ids) for r in workload)
-    return {"name": f"hf-generate-batch{batch}", "duration_s": dur, "load_s": load_s, "output_tokens": useful,
-            "output_tok_s": useful / dur, "input_tok_s": inp / dur, "e2e_latency_s": bw.percentiles(e2e)}
+    return {
+        "name": f"hf-generate-batch{batch}",
+        "duration_s": dur,
+        "load_s": load_s,
+        "output_tokens": useful,
+        "output_tok_s": useful / dur,
+        "input_tok_s": inp / dur,
+        "e2e_latency_s": bw.percentiles(e2e),
+    }
 
 
 def ratio(a, b):
@@ -105,8 +135,12 @@ def main() -> int:
     p.add_argument("--mixed-requests", type=int, default=None)
     p.add_argument("--mixed-rate", type=float, default=None)
     p.add_argument("--shared-requests", type=int, default=None)
-    p.add_argument("--shared-rate", type=float, default=4.0,
-                   help="shared-prefix arrivals, req/s (<= 0: all at t=0, so one batch admits every prefix cold)")
+    p.add_argument(
+        "--shared-rate",
+        type=float,
+        default=4.0,
+        help="shared-prefix arrivals, req/s (<= 0: all at t=0, so one batch admits every prefix cold)",
+    )
     p.add_argument("--stages", default="mixed,shared,hf", help="comma-separated subset of mixed,shared,hf")
     p.add_argument("--skip-hf", action="store_true")
     ARGS = p.parse_args()
@@ -120,8 +154,10 @@ def main() -> int:
 
     t = time.monotonic()
     base = Engine(ARGS.model, page_size=16, num_pages=4096)  # 64k-token pool: no retraction pressure here
-    print(f"model loaded in {time.monotonic() - t:.1f}s; backend {base.backend}; {torch.get_num_threads()} threads",
-          flush=True)
+    print(
+        f"model loaded in {time.monotonic() - t:.1f}s; backend {base.backend}; {torch.get_num_threads()} threads",
+        flush=True,
+    )
     records: list[RunRecord] = []
     rows = []
 
@@ -133,28 +169,45 @@ def main() -> int:
     if "mixed" in stages:
         cont = serve(base, mixed, "continuous", "mixed/continuous", records, max_running_requests=64)
         stat = serve(base, mixed, "static", f"mixed/static-batch{ARGS.static_batch}", records, max_running_requests=64)
-        rows.append({"comparison": "mixed: continuous vs static batching",
-                     "ours_tok_s": cont["output_tok_s"], "baseline_tok_s": stat["output_tok_s"],
-                     "throughput_x": ratio(cont["output_tok_s"], stat["output_tok_s"]), "target_throughput_x": 1.4,
-                     "ours_p99_s": cont["e2e_latency_s"]["p99"], "baseline_p99_s": stat["e2e_latency_s"]["p99"],
-                     "p99_latency_x": ratio(cont["e2e_latency_s"]["p99"], stat["e2e_latency_s"]["p99"]),
-                     "target_p99_latency_x": 0.4})
+        rows.append(
+            {
+                "comparison": "mixed: continuous vs static batching",
+                "ours_tok_s": cont["output_tok_s"],
+                "baseline_tok_s": stat["output_tok_s"],
+                "throughput_x": ratio(cont["output_tok_s"], stat["output_tok_s"]),
+                "target_throughput_x": 1.4,
+                "ours_p99_s": cont["e2e_latency_s"]["p99"],
+                "baseline_p99_s": stat["e2e_latency_s"]["p99"],
+                "p99_latency_x": ratio(cont["e2e_latency_s"]["p99"], stat["e2e_latency_s"]["p99"]),
+                "target_p99_latency_x": 0.4,
+            }
+        )
         save(rows, records, env())
 
     # 2. radix cache + LPM vs no cache on the shared-prefix workload
-    shared = bw.make_workload("shared-prefix", n_shared, ARGS.shared_rate, vocab=base.cfg.vocab_size, seed=1,
-                              scale=0.5 if quick else 1.0)
+    shared = bw.make_workload(
+        "shared-prefix", n_shared, ARGS.shared_rate, vocab=base.cfg.vocab_size, seed=1, scale=0.5 if quick else 1.0
+    )
     if "shared" in stages:
-        radix = serve(base, shared, "continuous", "shared-prefix/radix+lpm", records, policy="lpm",
-                      enable_radix_cache=True)
-        nocache = serve(base, shared, "continuous", "shared-prefix/no-cache", records, policy="fcfs",
-                        enable_radix_cache=False)
-        rows.append({"comparison": "shared-prefix: radix+LPM vs no cache",
-                     "ours_tok_s": radix["output_tok_s"], "baseline_tok_s": nocache["output_tok_s"],
-                     "throughput_x": ratio(radix["output_tok_s"], nocache["output_tok_s"]), "target_throughput_x": 2.0,
-                     "ours_p99_s": radix["e2e_latency_s"]["p99"], "baseline_p99_s": nocache["e2e_latency_s"]["p99"],
-                     "p99_latency_x": ratio(radix["e2e_latency_s"]["p99"], nocache["e2e_latency_s"]["p99"]),
-                     "cache_hit_rate": radix["cache_hit_rate"]})
+        radix = serve(
+            base, shared, "continuous", "shared-prefix/radix+lpm", records, policy="lpm", enable_radix_cache=True
+        )
+        nocache = serve(
+            base, shared, "continuous", "shared-prefix/no-cache", records, policy="fcfs", enable_radix_cache=False
+        )
+        rows.append(
+            {
+                "comparison": "shared-prefix: radix+LPM vs no cache",
+                "ours_tok_s": radix["output_tok_s"],
+                "baseline_tok_s": nocache["output_tok_s"],
+                "throughput_x": ratio(radix["output_tok_s"], nocache["output_tok_s"]),
+                "target_throughput_x": 2.0,
+                "ours_p99_s": radix["e2e_latency_s"]["p99"],
+                "baseline_p99_s": nocache["e2e_latency_s"]["p99"],
+                "p99_latency_x": ratio(radix["e2e_latency_s"]["p99"], nocache["e2e_latency_s"]["p99"]),
+                "cache_hit_rate": radix["cache_hit_rate"],
+            }
+        )
         save(rows, records, env())
 
     # 3. HF transformers generate in fixed batches of 8, same prompts (all present at t=0), vs an offline run of ours
@@ -164,33 +217,50 @@ def main() -> int:
         from minisched.model.weights import resolve
 
         hf = hf_static(offline, 8, resolve(ARGS.model)[1])
-        print(f"{hf['name']}: {hf['output_tokens']} useful tokens in {hf['duration_s']:.1f}s = "
-              f"{hf['output_tok_s']:.1f} tok/s", flush=True)
-        rows.append({"comparison": "mixed (offline): ours vs HF generate, batches of 8",
-                     "ours_tok_s": ours["output_tok_s"], "baseline_tok_s": hf["output_tok_s"],
-                     "throughput_x": ratio(ours["output_tok_s"], hf["output_tok_s"]), "target_throughput_x": 2.0,
-                     "ours_p99_s": ours["e2e_latency_s"]["p99"], "baseline_p99_s": hf["e2e_latency_s"]["p99"],
-                     "p99_latency_x": ratio(ours["e2e_latency_s"]["p99"], hf["e2e_latency_s"]["p99"]),
-                     "hf": hf})
+        print(
+            f"{hf['name']}: {hf['output_tokens']} useful tokens in {hf['duration_s']:.1f}s = "
+            f"{hf['output_tok_s']:.1f} tok/s",
+            flush=True,
+        )
+        rows.append(
+            {
+                "comparison": "mixed (offline): ours vs HF generate, batches of 8",
+                "ours_tok_s": ours["output_tok_s"],
+                "baseline_tok_s": hf["output_tok_s"],
+                "throughput_x": ratio(ours["output_tok_s"], hf["output_tok_s"]),
+                "target_throughput_x": 2.0,
+                "ours_p99_s": ours["e2e_latency_s"]["p99"],
+                "baseline_p99_s": hf["e2e_latency_s"]["p99"],
+                "p99_latency_x": ratio(ours["e2e_latency_s"]["p99"], hf["e2e_latency_s"]["p99"]),
+                "hf": hf,
+            }
+        )
 
     print(save(rows, records, env()))
     return 0
 
 
 def env_of(base, load0, n_mixed, rate, scale, n_shared) -> dict:
-    return {"quick": ARGS.quick, "threads": torch.get_num_threads(), "backend": base.backend,
-            "torch": torch.__version__, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "mixed": {"num_requests": n_mixed, "rate": rate, "scale": scale, "static_batch": ARGS.static_batch},
-            "shared_prefix": {"num_requests": n_shared, "rate": ARGS.shared_rate}}
+    return {
+        "quick": ARGS.quick,
+        "threads": torch.get_num_threads(),
+        "backend": base.backend,
+        "torch": torch.__version__,
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "mixed": {"num_requests": n_mixed, "rate": rate, "scale": scale, "static_batch": ARGS.static_batch},
+        "shared_prefix": {"num_requests": n_shared, "rate": ARGS.shared_rate},
+    }
 
 
 def save(rows, records, env) -> str:
     """Write (or rewrite, after each stage) the JSON and the markdown table; returns the table."""
     os.makedirs(ARGS.out_dir, exist_ok=True)
     with open(os.path.join(ARGS.out_dir, "bench_serving.json"), "w") as f:
-        json.dump({"version": 1, "env": env, "comparisons": rows, "runs": [r.to_dict() for r in records]}, f,
-                  default=str)
+        json.dump(
+            {"version": 1, "env": env, "comparisons": rows, "runs": [r.to_dict() for r in records]}, f, default=str
+        )
     table = markdown(rows, env)
     with open(os.path.join(ARGS.out_dir, "bench_serving.md"), "w") as f:
         f.write(table)
@@ -202,17 +272,22 @@ def _f(v, fmt="{:.2f}"):
 
 
 def markdown(rows, env) -> str:
-    lines = [f"SmolLM2-135M fp32, CPU, {env['threads']} threads, backend {env['backend']}, "
-             f"{'--quick' if env['quick'] else 'full'} run, {env['date']}, load avg "
-             f"{env['loadavg_start'][0]:.1f} -> {env['loadavg_end'][0]:.1f}", "",
-             "| comparison | ours out tok/s | baseline out tok/s | throughput x (target) | ours p99 e2e s "
-             "| baseline p99 e2e s | p99 x (target) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"SmolLM2-135M fp32, CPU, {env['threads']} threads, backend {env['backend']}, "
+        f"{'--quick' if env['quick'] else 'full'} run, {env['date']}, load avg "
+        f"{env['loadavg_start'][0]:.1f} -> {env['loadavg_end'][0]:.1f}",
+        "",
+        "| comparison | ours out tok/s | baseline out tok/s | throughput x (target) | ours p99 e2e s "
+        "| baseline p99 e2e s | p99 x (target) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         tp = f"{_f(r['throughput_x'])} (>= {r['target_throughput_x']})"
         lat = _f(r["p99_latency_x"]) + (f" (<= {r['target_p99_latency_x']})" if "target_p99_latency_x" in r else "")
-        lines.append(f"| {r['comparison']} | {_f(r['ours_tok_s'], '{:.1f}')} | {_f(r['baseline_tok_s'], '{:.1f}')} "
-                     f"| {tp} | {_f(r['ours_p99_s'], '{:.1f}')} | {_f(r['baseline_p99_s'], '{:.1f}')} | {lat} |")
+        lines.append(
+            f"| {r['comparison']} | {_f(r['ours_tok_s'], '{:.1f}')} | {_f(r['baseline_tok_s'], '{:.1f}')} "
+            f"| {tp} | {_f(r['ours_p99_s'], '{:.1f}')} | {_f(r['baseline_p99_s'], '{:.1f}')} | {lat} |"
+        )
     return "\n".join(lines) + "\n"
 
 

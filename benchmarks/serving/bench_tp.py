@@ -18,6 +18,7 @@ slower rank to arrive, so "in collectives" is communication plus imbalance, seen
 
 The machine is shared: every result carries /proc/loadavg before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,11 @@ import time
 
 import torch
 
-from minisched.parallel import ModelSource, TPSession
-from minisched.parallel.group import CommStats
 from minisched.engine import Engine
 from minisched.engine.threads import default_num_threads
 from minisched.model.config import preset
+from minisched.parallel import ModelSource, TPSession
+from minisched.parallel.group import CommStats
 from minisched.sched.req import SamplingParams
 
 
@@ -75,23 +76,34 @@ def summarize(tp: int, threads: int, batch: int, steps: list[dict]) -> list[dict
         coll = [sum(v["seconds"] for v in s["comm"].values()) for s in sel]
         total = sum(s["seconds"] for s in sel)
         tokens = statistics.mean(s["tokens"] for s in sel)
-        rows.append(dict(
-            tp=tp, threads_per_rank=threads, batch=batch, phase=phase, steps=len(sel), tokens_per_step=tokens,
-            step_ms_median=1e3 * statistics.median(s["seconds"] for s in sel),
-            collective_ms_median=1e3 * statistics.median(coll), collective_share=sum(coll) / total if total else 0.0,
-            allreduce_calls_per_step=per_step("all_reduce", "calls"),
-            allreduce_bytes_per_step=per_step("all_reduce", "bytes"),
-            allreduce_bytes_per_token=per_step("all_reduce", "bytes") / tokens if tokens else 0.0,
-            allreduce_ms_per_step=1e3 * per_step("all_reduce", "seconds"),
-            broadcast_bytes_per_step=per_step("broadcast", "bytes"),
-            broadcast_ms_per_step=1e3 * per_step("broadcast", "seconds"),
-            gather_bytes_per_step=per_step("gather", "bytes"),
-            gather_ms_per_step=1e3 * per_step("gather", "seconds")))
+        rows.append(
+            dict(
+                tp=tp,
+                threads_per_rank=threads,
+                batch=batch,
+                phase=phase,
+                steps=len(sel),
+                tokens_per_step=tokens,
+                step_ms_median=1e3 * statistics.median(s["seconds"] for s in sel),
+                collective_ms_median=1e3 * statistics.median(coll),
+                collective_share=sum(coll) / total if total else 0.0,
+                allreduce_calls_per_step=per_step("all_reduce", "calls"),
+                allreduce_bytes_per_step=per_step("all_reduce", "bytes"),
+                allreduce_bytes_per_token=per_step("all_reduce", "bytes") / tokens if tokens else 0.0,
+                allreduce_ms_per_step=1e3 * per_step("all_reduce", "seconds"),
+                broadcast_bytes_per_step=per_step("broadcast", "bytes"),
+                broadcast_ms_per_step=1e3 * per_step("broadcast", "seconds"),
+                gather_bytes_per_step=per_step("gather", "bytes"),
+                gather_ms_per_step=1e3 * per_step("gather", "seconds"),
+            )
+        )
     return rows
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="dummy:smollm2-135m")
     ap.add_argument("--heads", type=int, default=8, help="dummy models: query heads (KV heads: --kv-heads)")
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -116,8 +128,11 @@ def main() -> int:
         tp_engine = session.engine(page_size=16, chunk_size=512)
         one = Engine(source.load(), tokenizer=tp_engine.tokenizer, num_threads=cores, page_size=16, chunk_size=512)
         # label -> (engine, threads, stats): TP=1 with one thread and with every core, TP=N with the cores shared
-        engines = {(1, 1): (one, 1, None), (1, cores): (one, cores, None),
-                   (args.tp, session.num_threads): (tp_engine, session.num_threads, session.group.stats)}
+        engines = {
+            (1, 1): (one, 1, None),
+            (1, cores): (one, cores, None),
+            (args.tp, session.num_threads): (tp_engine, session.num_threads, session.group.stats),
+        }
         g = torch.Generator().manual_seed(0)
         vocab = one.cfg.vocab_size
         results: dict = {}
@@ -134,17 +149,33 @@ def main() -> int:
         rows = [row for (key, batch), steps in sorted(results.items()) for row in summarize(*key, batch, steps)]
     finally:
         session.close()
-    out = dict(benchmark="bench_tp", model=model_name, tp=args.tp, cores=cores, backend=one.backend, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-               rounds=args.rounds, torch=torch.__version__, loadavg_before=la0, loadavg_after=loadavg(), rows=rows)
+    out = dict(
+        benchmark="bench_tp",
+        model=model_name,
+        tp=args.tp,
+        cores=cores,
+        backend=one.backend,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        rounds=args.rounds,
+        torch=torch.__version__,
+        loadavg_before=la0,
+        loadavg_after=loadavg(),
+        rows=rows,
+    )
     print(f"model {model_name}, {cores} cores, load {la0} -> {out['loadavg_after']}; per step on rank 0 (medians):")
-    print("| TP | threads/rank | batch | phase | tokens/step | step ms | in collectives ms | share | all-reduce calls | "
-          "all-reduce bytes/step | bytes/token | broadcast bytes | gather bytes |")
+    print(
+        "| TP | threads/rank | batch | phase | tokens/step | step ms | in collectives ms | share | all-reduce calls | "
+        "all-reduce bytes/step | bytes/token | broadcast bytes | gather bytes |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tp']} | {r['threads_per_rank']} | {r['batch']} | {r['phase']} | {r['tokens_per_step']:.0f} | {r['step_ms_median']:.1f} | "
-              f"{r['collective_ms_median']:.1f} | {r['collective_share']:.0%} | {r['allreduce_calls_per_step']:.0f} | "
-              f"{r['allreduce_bytes_per_step'] / 1e3:.0f} kB | {r['allreduce_bytes_per_token'] / 1e3:.1f} kB | "
-              f"{r['broadcast_bytes_per_step']:.0f} | {r['gather_bytes_per_step'] / 1e3:.0f} kB |")
+        print(
+            f"| {r['tp']} | {r['threads_per_rank']} | {r['batch']} | {r['phase']} | {r['tokens_per_step']:.0f} | {r['step_ms_median']:.1f} | "
+            f"{r['collective_ms_median']:.1f} | {r['collective_share']:.0%} | {r['allreduce_calls_per_step']:.0f} | "
+            f"{r['allreduce_bytes_per_step'] / 1e3:.0f} kB | {r['allreduce_bytes_per_token'] / 1e3:.1f} kB | "
+            f"{r['broadcast_bytes_per_step']:.0f} | {r['gather_bytes_per_step'] / 1e3:.0f} kB |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -36,18 +36,25 @@ namespace minisched::cpu {
 template <typename F>
 void dispatch_float(at::ScalarType t, F&& f) {
   switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK_TYPE(false, "minisched: unsupported dtype ", t);
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    case at::kHalf:
+      f(c10::Half{});
+      break;
+    default:
+      TORCH_CHECK_TYPE(false, "minisched: unsupported dtype ", t);
   }
 }
 
 struct AttnParams {
-  const void* q;             // [N, Hq, D]
-  void* out;                 // [N, Hq, D]
-  float* lse;                // [N, Hq] or nullptr
-  const void* k_cache;       // [num_pages, page_size, Hkv, D]
+  const void* q;        // [N, Hq, D]
+  void* out;            // [N, Hq, D]
+  float* lse;           // [N, Hq] or nullptr
+  const void* k_cache;  // [num_pages, page_size, Hkv, D]
   const void* v_cache;
   const int32_t* qo_indptr;  // [B+1]; nullptr: one query per request (decode, row b)
   const int32_t* kv_indptr;  // [B+1]
@@ -76,8 +83,16 @@ struct Scratch {
   std::vector<int64_t> lim;
   std::vector<const float*> kp, vp;
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), s(rows * kBlock), m(rows), l(rows), kbuf(kBlock * d), vbuf(kBlock * d), lim(rows),
-        kp(kBlock), vp(kBlock) {}
+      : q(rows * d),
+        acc(rows * d),
+        s(rows * kBlock),
+        m(rows),
+        l(rows),
+        kbuf(kBlock * d),
+        vbuf(kBlock * d),
+        lim(rows),
+        kp(kBlock),
+        vp(kBlock) {}
 };
 
 template <typename scalar_t>
@@ -130,7 +145,7 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
     while (r0 < rows && w.lim[r0] < j0) ++r0;
     float* S = w.s.data();
     block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock);
-    for (int64_t r = r0; r < rows; ++r) {  // online softmax: scores -> probabilities in place
+    for (int64_t r = r0; r < rows; ++r) {                    // online softmax: scores -> probabilities in place
       const int64_t valid = std::min(n, w.lim[r] - j0 + 1);  // causal: keys past lim are masked
       float sum = 0.f;
       const float m_new = softmax_block(S + r * kBlock, valid, w.m[r], &sum);
@@ -196,7 +211,8 @@ void paged_attention(const AttnParams& p) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(rows, p.d);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) run_item<scalar_t>(p, items[i], tq, w);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
+      run_item<scalar_t>(p, items[i], tq, w);
   });
 }
 
@@ -204,8 +220,8 @@ void paged_attention(const AttnParams& p) {
 // qo_indptr == nullptr: one query per request (decode); lse may be null.
 inline void run_paged_attention(const at::Tensor& q, const int32_t* qo_indptr, int64_t batch, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                                const at::Tensor& kv_last_page_len, bool causal, double sm_scale,
-                                const at::Tensor& out, float* lse) {
+                                const at::Tensor& kv_last_page_len, bool causal, double sm_scale, const at::Tensor& out,
+                                float* lse) {
   AttnParams p{};
   p.q = q.const_data_ptr();
   p.out = out.data_ptr();

@@ -110,8 +110,9 @@ inline void scores_rx4(const float* q, int64_t d, const float* const* k, float* 
     }
   }
   const __m256 z = _mm256_setzero_ps();
-  const __m256 sum = R == 2 ? hsum8(a[0][0], a[0][1], a[0][2], a[0][3], a[R - 1][0], a[R - 1][1], a[R - 1][2], a[R - 1][3])
-                            : hsum8(a[0][0], a[0][1], a[0][2], a[0][3], z, z, z, z);
+  const __m256 sum = R == 2
+                         ? hsum8(a[0][0], a[0][1], a[0][2], a[0][3], a[R - 1][0], a[R - 1][1], a[R - 1][2], a[R - 1][3])
+                         : hsum8(a[0][0], a[0][1], a[0][2], a[0][3], z, z, z, z);
   _mm_storeu_ps(s0, _mm256_castps256_ps128(sum));
   if (R == 2) _mm_storeu_ps(s1, _mm256_extractf128_ps(sum, 1));
 }
@@ -209,7 +210,8 @@ inline void block_scores(const float* q, int64_t rows, int64_t d, const float* c
     const int64_t n4 = n / 4 * 4;
     int64_t r = 0;
     for (; r + 2 <= rows; r += 2)
-      for (int64_t j = 0; j < n4; j += 4) scores_rx4<2>(q + r * d, d, k + j, S + r * kBlock + j, S + (r + 1) * kBlock + j);
+      for (int64_t j = 0; j < n4; j += 4)
+        scores_rx4<2>(q + r * d, d, k + j, S + r * kBlock + j, S + (r + 1) * kBlock + j);
     for (; r < rows; ++r)
       for (int64_t j = 0; j < n4; j += 4) scores_rx4<1>(q + r * d, d, k + j, S + r * kBlock + j, nullptr);
     if (n4 < n)

@@ -52,8 +52,8 @@ inline float hsum(__m256 v) {
 // at most 8 accumulators + temporaries in the 16 ymm registers). G % 32 == 0 makes each group a
 // whole number of U*8 steps.
 template <int MT>
-inline void dot_row(const float* x, int64_t ldx, const int8_t* w, const float* s, int64_t K, int64_t G,
-                    float* out, int64_t ldo) {
+inline void dot_row(const float* x, int64_t ldx, const int8_t* w, const float* s, int64_t K, int64_t G, float* out,
+                    int64_t ldo) {
   constexpr int U = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
   __m256 acc[MT][U];
   for (int m = 0; m < MT; ++m)
@@ -98,8 +98,7 @@ inline void transpose8(__m256 (&r)[8]) {
 // Weight rows n0 .. n0 + 15 (zero past N) to one fp32 panel, panel[k * 16 + j] = w[n0 + j, k] *
 // scale: 8 rows x 8 weights converted and scaled per step, then transposed in registers. G % 32 == 0,
 // so the 8 weights of a step share their group's scale.
-inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K, int64_t G, int64_t n0,
-                          float* panel) {
+inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K, int64_t G, int64_t n0, float* panel) {
   const int64_t ng = K / G;
   for (int64_t jh = 0; jh < kPanel; jh += 8) {
     const int64_t rows = std::min<int64_t>(8, N - n0 - jh);  // may be <= 0: a zero half
@@ -115,8 +114,7 @@ inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K,
   }
 }
 #else
-inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K, int64_t G, int64_t n0,
-                          float* panel) {
+inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K, int64_t G, int64_t n0, float* panel) {
   const int64_t ng = K / G;
   for (int64_t k = 0; k < K; ++k)
     for (int64_t j = 0; j < kPanel; ++j) {
@@ -126,8 +124,8 @@ inline void dequant_panel(const int8_t* w, const float* s, int64_t N, int64_t K,
 }
 
 template <int MT>
-inline void dot_row(const float* x, int64_t ldx, const int8_t* w, const float* s, int64_t K, int64_t G,
-                    float* out, int64_t ldo) {
+inline void dot_row(const float* x, int64_t ldx, const int8_t* w, const float* s, int64_t K, int64_t G, float* out,
+                    int64_t ldo) {
   for (int m = 0; m < MT; ++m) {
     float total = 0.f;
     for (int64_t g0 = 0; g0 < K; g0 += G) {
@@ -150,14 +148,29 @@ void fused_rows(const float* x, int64_t M, int64_t ldx, const int8_t* w, const f
     int64_t m = 0;
     for (; m + 8 <= M; m += 8) dot_row<8>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
     switch (M - m) {
-      case 7: dot_row<7>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N); break;
-      case 6: dot_row<6>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N); break;
-      case 5: dot_row<5>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N); break;
-      case 4: dot_row<4>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N); break;
-      case 3: dot_row<3>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N); break;
-      case 2: dot_row<2>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N); break;
-      case 1: dot_row<1>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N); break;
-      default: break;
+      case 7:
+        dot_row<7>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
+        break;
+      case 6:
+        dot_row<6>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
+        break;
+      case 5:
+        dot_row<5>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
+        break;
+      case 4:
+        dot_row<4>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
+        break;
+      case 3:
+        dot_row<3>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
+        break;
+      case 2:
+        dot_row<2>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
+        break;
+      case 1:
+        dot_row<1>(x + m * ldx, ldx, wn, sn, K, G, out + m * N + n, N);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -196,9 +209,8 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& s
   // ~32 KB of weights per task: enough work to amortize a thread wake-up, small enough to split
   // the 576-row projections of a 135M model across cores.
   const int64_t grain = std::max<int64_t>(1, 32768 / K);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    fused_rows(xp, M, x.stride(0), w, s, K, G, o, N, n0, n1);
-  });
+  at::parallel_for(0, N, grain,
+                   [&](int64_t n0, int64_t n1) { fused_rows(xp, M, x.stride(0), w, s, K, G, o, N, n0, n1); });
 }
 
 }  // namespace

@@ -19,8 +19,8 @@ namespace {
 // For each of the 2L slices, copy n pages: dst_page(i) <- src_page(i) (page indices inside the
 // slice), where a slice of the pool holds num_pages pages and a slice of a buffer holds n.
 template <typename SrcIdx, typename DstIdx>
-void move_pages(const char* src, int64_t src_pages_per_slice, char* dst, int64_t dst_pages_per_slice,
-                int64_t slices, int64_t n, int64_t page_bytes, SrcIdx src_idx, DstIdx dst_idx) {
+void move_pages(const char* src, int64_t src_pages_per_slice, char* dst, int64_t dst_pages_per_slice, int64_t slices,
+                int64_t n, int64_t page_bytes, SrcIdx src_idx, DstIdx dst_idx) {
   if (n == 0 || slices == 0 || page_bytes == 0) return;
   // Split slices (each in page order) first; a single-slice pool still moves in order.
   at::parallel_for(0, slices, 1, [&](int64_t begin, int64_t end) {
@@ -46,8 +46,9 @@ void copy_kv_pages(const at::Tensor& kv_cache, const at::Tensor& src_pages, cons
   const int32_t* dst = dst_pages.const_data_ptr<int32_t>();
   char* pool = static_cast<char*>(kv_cache.data_ptr());
   const int64_t np = kv_cache.size(2);
-  move_pages(pool, np, pool, np, kv_cache.size(0) * 2, src_pages.size(0), page_bytes(kv_cache),
-             [&](int64_t i) { return int64_t(src[i]); }, [&](int64_t i) { return int64_t(dst[i]); });
+  move_pages(
+      pool, np, pool, np, kv_cache.size(0) * 2, src_pages.size(0), page_bytes(kv_cache),
+      [&](int64_t i) { return int64_t(src[i]); }, [&](int64_t i) { return int64_t(dst[i]); });
 }
 
 void gather_kv_pages(const at::Tensor& kv_cache, const at::Tensor& pages, const at::Tensor& out) {
@@ -55,9 +56,10 @@ void gather_kv_pages(const at::Tensor& kv_cache, const at::Tensor& pages, const 
   checks::check_device("gather_kv_pages", "out", out, kv_cache.device());
   const int32_t* idx = pages.const_data_ptr<int32_t>();
   const int64_t n = pages.size(0);
-  move_pages(static_cast<const char*>(kv_cache.const_data_ptr()), kv_cache.size(2),
-             static_cast<char*>(out.data_ptr()), n, kv_cache.size(0) * 2, n, page_bytes(kv_cache),
-             [&](int64_t i) { return int64_t(idx[i]); }, [](int64_t i) { return i; });
+  move_pages(
+      static_cast<const char*>(kv_cache.const_data_ptr()), kv_cache.size(2), static_cast<char*>(out.data_ptr()), n,
+      kv_cache.size(0) * 2, n, page_bytes(kv_cache), [&](int64_t i) { return int64_t(idx[i]); },
+      [](int64_t i) { return i; });
 }
 
 void scatter_kv_pages(const at::Tensor& src, const at::Tensor& kv_cache, const at::Tensor& pages) {
@@ -65,9 +67,10 @@ void scatter_kv_pages(const at::Tensor& src, const at::Tensor& kv_cache, const a
   checks::check_device("scatter_kv_pages", "src", src, kv_cache.device());
   const int32_t* idx = pages.const_data_ptr<int32_t>();
   const int64_t n = pages.size(0);
-  move_pages(static_cast<const char*>(src.const_data_ptr()), n, static_cast<char*>(kv_cache.data_ptr()),
-             kv_cache.size(2), kv_cache.size(0) * 2, n, page_bytes(kv_cache),
-             [](int64_t i) { return i; }, [&](int64_t i) { return int64_t(idx[i]); });
+  move_pages(
+      static_cast<const char*>(src.const_data_ptr()), n, static_cast<char*>(kv_cache.data_ptr()), kv_cache.size(2),
+      kv_cache.size(0) * 2, n, page_bytes(kv_cache), [](int64_t i) { return i; },
+      [&](int64_t i) { return int64_t(idx[i]); });
 }
 
 }  // namespace

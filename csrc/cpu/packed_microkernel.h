@@ -18,7 +18,7 @@
 
 namespace minisched::cpu::packed {
 
-constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float ymm vectors
+constexpr int64_t kPanel = 16;   // output columns per panel: two 8-float ymm vectors
 constexpr int64_t kMaxRows = 6;  // activation rows per micro-kernel call (6 x 2 accumulators)
 
 #ifdef MINISCHED_PACKED_AVX2
@@ -79,22 +79,36 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
   for (int64_t k = 0; k < K; ++k)
     for (int m = 0; m < MT; ++m)
       for (int p = 0; p < NP; ++p)
-        for (int64_t j = 0; j < kPanel; ++j) acc[m][p * kPanel + j] += x[m * ldx + k] * w[p * K * kPanel + k * kPanel + j];
+        for (int64_t j = 0; j < kPanel; ++j)
+          acc[m][p * kPanel + j] += x[m * ldx + k] * w[p * K * kPanel + k * kPanel + j];
   for (int m = 0; m < MT; ++m) std::copy(acc[m], acc[m] + ncols, out + m * ldo);
 }
 #endif
 
 template <int NP>
 inline void rows_block(int64_t mt, const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
-                int64_t ncols) {
+                       int64_t ncols) {
   switch (mt) {
-    case 1: micro<1, NP>(x, ldx, w, K, out, ldo, ncols); break;
-    case 2: micro<2, NP>(x, ldx, w, K, out, ldo, ncols); break;
-    case 3: micro<3, NP>(x, ldx, w, K, out, ldo, ncols); break;
-    case 4: micro<4, NP>(x, ldx, w, K, out, ldo, ncols); break;
-    case 5: micro<5, NP>(x, ldx, w, K, out, ldo, ncols); break;
-    case 6: micro<6, NP>(x, ldx, w, K, out, ldo, ncols); break;
-    default: TORCH_CHECK(false, "packed micro-kernel: internal error: ", mt, " rows in one block");
+    case 1:
+      micro<1, NP>(x, ldx, w, K, out, ldo, ncols);
+      break;
+    case 2:
+      micro<2, NP>(x, ldx, w, K, out, ldo, ncols);
+      break;
+    case 3:
+      micro<3, NP>(x, ldx, w, K, out, ldo, ncols);
+      break;
+    case 4:
+      micro<4, NP>(x, ldx, w, K, out, ldo, ncols);
+      break;
+    case 5:
+      micro<5, NP>(x, ldx, w, K, out, ldo, ncols);
+      break;
+    case 6:
+      micro<6, NP>(x, ldx, w, K, out, ldo, ncols);
+      break;
+    default:
+      TORCH_CHECK(false, "packed micro-kernel: internal error: ", mt, " rows in one block");
   }
 }
 
@@ -106,8 +120,8 @@ constexpr int panels_per_call(int64_t m) { return m == 1 ? 4 : (m == 2 ? 2 : 1);
 
 // Rows [0, M) of x against `np_here` consecutive panels starting at `wp` (ncols valid columns), in
 // balanced blocks of at most kMaxRows rows (8 rows: 4 + 4, not 6 + 2, so no block runs on 2 chains).
-inline void panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t np_here, int64_t K,
-                       float* out, int64_t ldo, int64_t ncols) {
+inline void panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t np_here, int64_t K, float* out,
+                       int64_t ldo, int64_t ncols) {
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows;
   const int64_t rows = (M + blocks - 1) / blocks;
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
@@ -115,10 +129,18 @@ inline void panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, 
     const float* xm = x + m0 * ldx;
     float* om = out + m0 * ldo;
     switch (np_here) {
-      case 4: rows_block<4>(mt, xm, ldx, wp, K, om, ldo, ncols); break;
-      case 3: rows_block<3>(mt, xm, ldx, wp, K, om, ldo, ncols); break;
-      case 2: rows_block<2>(mt, xm, ldx, wp, K, om, ldo, ncols); break;
-      default: rows_block<1>(mt, xm, ldx, wp, K, om, ldo, ncols); break;
+      case 4:
+        rows_block<4>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        break;
+      case 3:
+        rows_block<3>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        break;
+      case 2:
+        rows_block<2>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        break;
+      default:
+        rows_block<1>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        break;
     }
   }
 }

@@ -16,8 +16,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& kv_last_page_len, double sm_scale, const at::Tensor& out,
                             const std::optional<at::Tensor>& lse) {
   checks::check_paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, out, lse);
-  run_paged_attention(q, /*qo_indptr=*/nullptr, q.size(0), k_cache, v_cache, kv_indptr, kv_indices,
-                      kv_last_page_len, /*causal=*/false, sm_scale, out, lse.has_value() ? lse->data_ptr<float>() : nullptr);
+  run_paged_attention(q, /*qo_indptr=*/nullptr, q.size(0), k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
+                      /*causal=*/false, sm_scale, out, lse.has_value() ? lse->data_ptr<float>() : nullptr);
 }
 
 }  // namespace

@@ -17,8 +17,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& qo_indptr, c
                              const at::Tensor& kv_last_page_len, bool causal, double sm_scale, const at::Tensor& out,
                              const std::optional<at::Tensor>& lse, int64_t kernel) {
   // kernel picks a CUDA kernel; the CPU has one (checked for range only)
-  checks::check_paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
-                                        out, lse, kernel);
+  checks::check_paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, out,
+                                        lse, kernel);
   run_paged_attention(q, qo_indptr.const_data_ptr<int32_t>(), qo_indptr.size(0) - 1, k_cache, v_cache, kv_indptr,
                       kv_indices, kv_last_page_len, causal, sm_scale, out,
                       lse.has_value() ? lse->data_ptr<float>() : nullptr);

@@ -70,8 +70,7 @@ void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta, const
   // ~64K elements per task: below that a thread wake-up costs more than the row work.
   const int64_t grain = std::max<int64_t>(1, 65536 / D);
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      norm_row(xp + m * D, dp == nullptr ? nullptr : dp + m * D, w, e, o + m * D, D);
+    for (int64_t m = m0; m < m1; ++m) norm_row(xp + m * D, dp == nullptr ? nullptr : dp + m * D, w, e, o + m * D, D);
   });
 }
 

@@ -23,8 +23,7 @@ void copy_token(const at::Tensor& src, int64_t t, char* dst, int64_t esize) {
     for (int64_t h = 0; h < hkv; ++h) std::memcpy(dst + h * d * esize, base + h * s1 * esize, d * esize);
   } else {
     for (int64_t h = 0; h < hkv; ++h)
-      for (int64_t i = 0; i < d; ++i)
-        std::memcpy(dst + (h * d + i) * esize, base + (h * s1 + i * s2) * esize, esize);
+      for (int64_t i = 0; i < d; ++i) std::memcpy(dst + (h * d + i) * esize, base + (h * s1 + i * s2) * esize, esize);
   }
 }
 

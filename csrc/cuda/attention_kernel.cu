@@ -64,13 +64,13 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
     paged_attention_kernel(const AttentionParams p) {
   constexpr int WARPS = ROW_WARPS * KV_WARPS;
   constexpr int SP = pitch<D>();
-  constexpr int CH = D / 8;     // 16-byte chunks per row
-  constexpr int KS = D / 16;    // k-steps of QK^T
+  constexpr int CH = D / 8;               // 16-byte chunks per row
+  constexpr int KS = D / 16;              // k-steps of QK^T
   constexpr int NW = kBlockN / KV_WARPS;  // KV tokens of each tile one warp computes on (its sub-tile)
-  constexpr int NT = NW / 8;    // n8 tiles of the warp's S
-  constexpr int DT = D / 8;     // n8 tiles of O
-  constexpr int WR = 16 * RF;   // rows per warp: RF m16 row fragments
-  constexpr int NR = 2 * RF;    // rows per thread: fragment f, half h -> warp row f * 16 + h * 8 + lane / 4
+  constexpr int NT = NW / 8;              // n8 tiles of the warp's S
+  constexpr int DT = D / 8;               // n8 tiles of O
+  constexpr int WR = 16 * RF;             // rows per warp: RF m16 row fragments
+  constexpr int NR = 2 * RF;              // rows per thread: fragment f, half h -> warp row f * 16 + h * 8 + lane / 4
   // Q fragments stay in registers for the whole loop with one row fragment (KS * 4 registers); the
   // 32-row warp reloads them from shared memory per k-step (RF ldmatrix.x4 per k-step, NOTES.md
   // "Prefill kernel (mma.sync)"): at D 128 o (128) + S (64) leave no room for 64 more, at D 64
@@ -78,9 +78,9 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
   constexpr bool Q_REGS = RF == 1;
   static_assert(NW % 16 == 0, "P V takes 16 tokens per mma k-step");
   static_assert(RF == 1 || KV_WARPS == 1, "several row fragments per warp: prefill's 4 x 1 CTA only");
-  static_assert(KV_WARPS == 1 ||
-                    merge_bytes<D>(16 * RF * ROW_WARPS, KV_WARPS) <= 2 * kStages * kBlockN * SP * sizeof(T),
-                "the KV warps' merge must fit in the K/V stages");
+  static_assert(
+      KV_WARPS == 1 || merge_bytes<D>(16 * RF * ROW_WARPS, KV_WARPS) <= 2 * kStages * kBlockN * SP * sizeof(T),
+      "the KV warps' merge must fit in the K/V stages");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
         ldmatrix_x4(kb, k_s + (nb * 16 + (lane & 7) + (lane >> 4) * 8) * SP + ks * 16 + ((lane >> 3) & 1) * 8);
 #pragma unroll
         for (int f = 0; f < RF; ++f) {
-          const uint32_t(&a)[4] = Q_REGS ? qa[Q_REGS ? f : 0][Q_REGS ? ks : 0] : qs[Q_REGS ? 0 : f];
+          const uint32_t (&a)[4] = Q_REGS ? qa[Q_REGS ? f : 0][Q_REGS ? ks : 0] : qs[Q_REGS ? 0 : f];
           mma_16816<T>(s[f][2 * nb], a, kb[0], kb[1]);
           mma_16816<T>(s[f][2 * nb + 1], a, kb[2], kb[3]);
         }
@@ -323,8 +323,8 @@ __global__ void __launch_bounds__(ROW_WARPS * KV_WARPS * 32, (D == 64 && RF == 2
   if constexpr (KV_WARPS > 1) {
     constexpr int OP = merge_pitch<D>();
     float* s_m = reinterpret_cast<float*>(sK);  // [KV_WARPS][rows_tile]
-    float* s_l = s_m + KV_WARPS * rows_tile;     // [KV_WARPS][rows_tile]
-    float* s_o = s_l + KV_WARPS * rows_tile;     // [KV_WARPS - 1][rows_tile][OP]
+    float* s_l = s_m + KV_WARPS * rows_tile;    // [KV_WARPS][rows_tile]
+    float* s_o = s_l + KV_WARPS * rows_tile;    // [KV_WARPS - 1][rows_tile][OP]
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -493,8 +493,8 @@ cudaError_t launch_typed(AttentionParams p, int64_t est_kv_len, int num_sms, Wor
 
 }  // namespace
 
-cudaError_t launch_paged_attention(AttentionParams p, bool dtype_is_bf16, int head_dim, int64_t est_kv_len,
-                                   int num_sms, WorkspaceAllocator& alloc, cudaStream_t stream) {
+cudaError_t launch_paged_attention(AttentionParams p, bool dtype_is_bf16, int head_dim, int64_t est_kv_len, int num_sms,
+                                   WorkspaceAllocator& alloc, cudaStream_t stream) {
   p.num_splits = 1;
   p.part_out = nullptr;
   p.part_lse = nullptr;

@@ -21,11 +21,11 @@ constexpr int kBlockN = 64;  // KV tokens per tile
 
 template <typename T, int D, int WARPS>
 struct KvLoader {
-  static constexpr int CH = D / 8;            // 16-byte chunks per row
-  static constexpr int RPW = 32 / CH;         // rows a warp copies per iteration (2 for D 128, 4 for D 64)
-  static constexpr int RPI = WARPS * RPW;     // rows the CTA copies per iteration
-  static constexpr int ITERS = kBlockN / RPI;  // copy iterations per tile
-  static constexpr int RW = ITERS * RPW;      // rows per warp per tile
+  static constexpr int CH = D / 8;              // 16-byte chunks per row
+  static constexpr int RPW = 32 / CH;           // rows a warp copies per iteration (2 for D 128, 4 for D 64)
+  static constexpr int RPI = WARPS * RPW;       // rows the CTA copies per iteration
+  static constexpr int ITERS = kBlockN / RPI;   // copy iterations per tile
+  static constexpr int RW = ITERS * RPW;        // rows per warp per tile
   static constexpr int SLOTS = (RW + 31) / 32;  // rows a lane resolves per tile
   static_assert(32 % CH == 0 && kBlockN % RPI == 0 && RW * WARPS == kBlockN, "loader shape");
 
@@ -38,7 +38,13 @@ struct KvLoader {
 
   __device__ __forceinline__ KvLoader(const AttentionParams& p_, int lane_, int warp_, int kvh_, int kv_beg_,
                                       int s_beg_, int s_end_)
-      : p(p_), lane(lane_), warp(warp_), kvh(kvh_), kv_beg(kv_beg_), s_beg(s_beg_), s_end(s_end_),
+      : p(p_),
+        lane(lane_),
+        warp(warp_),
+        kvh(kvh_),
+        kv_beg(kv_beg_),
+        s_beg(s_beg_),
+        s_end(s_end_),
         row_stride((long long)p_.num_kv_heads * D) {}
 
   __device__ __forceinline__ int owned_tok(int tok0, int s, bool& in) const {  // token of the lane's row in slot s

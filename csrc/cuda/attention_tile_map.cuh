@@ -29,7 +29,10 @@ __device__ __forceinline__ TileLoc locate_tile(const AttentionParams& p, int x) 
   int lo = 0, hi = p.batch - 1;  // largest b with tile_offsets[b] <= x
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (p.tile_offsets[mid] <= x) lo = mid; else hi = mid - 1;
+    if (p.tile_offsets[mid] <= x)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   t.b = lo;
   const int ntiles = p.tile_offsets[lo + 1] - p.tile_offsets[lo];
@@ -41,8 +44,8 @@ __device__ __forceinline__ TileLoc locate_tile(const AttentionParams& p, int x) 
 
 // tile_offsets[b] = sum over b' < b of ceil(qo_len_b' * group / rows_tile); invalid ranges get 0
 // tiles. One block; each thread scans a contiguous run of requests.
-__global__ void __launch_bounds__(1024) tile_map_kernel(const int32_t* qo_indptr, int batch, int num_qo, int group,
-                                                        int rows_tile, int32_t* tile_offsets) {
+__global__ void __launch_bounds__(1024)
+    tile_map_kernel(const int32_t* qo_indptr, int batch, int num_qo, int group, int rows_tile, int32_t* tile_offsets) {
   __shared__ int sums[1024];
   const int t = threadIdx.x, n = blockDim.x;
   const int per = (batch + n - 1) / n;

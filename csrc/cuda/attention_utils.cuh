@@ -44,8 +44,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
 }
 // The same with the source size given (16: copy, 0: zero fill), for branch-free loaders.
 __device__ __forceinline__ void cp_async_16_src(void* smem, const void* gmem, int src_bytes) {
@@ -114,17 +113,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // CUDA tensors without a device sync, so this is the documented CUDA behaviour. A request with
 // no pages (kv_indptr[b] == kv_indptr[b+1]) is not bad: an empty KV range, out 0 and lse -inf.
 struct AttentionParams {
-  const void* q;          // [num_qo, Hq, D]
-  const void* k_cache;    // [num_pages, page_size, Hkv, D]
+  const void* q;        // [num_qo, Hq, D]
+  const void* k_cache;  // [num_pages, page_size, Hkv, D]
   const void* v_cache;
-  void* out;              // [num_qo, Hq, D] (num_splits == 1)
-  float* lse;             // [num_qo, Hq] or nullptr (num_splits == 1)
-  float* part_out;        // [num_splits, num_qo, Hq, D] (num_splits > 1)
-  float* part_lse;        // [num_splits, num_qo, Hq]     (num_splits > 1)
-  const int32_t* qo_indptr;     // [B+1] or nullptr (one query per request)
-  const int32_t* tile_offsets;  // [B+1] device tile map when qo_indptr is set
-  const int32_t* kv_indptr;     // [B+1]
-  const int32_t* kv_indices;    // [nnz]
+  void* out;                        // [num_qo, Hq, D] (num_splits == 1)
+  float* lse;                       // [num_qo, Hq] or nullptr (num_splits == 1)
+  float* part_out;                  // [num_splits, num_qo, Hq, D] (num_splits > 1)
+  float* part_lse;                  // [num_splits, num_qo, Hq]     (num_splits > 1)
+  const int32_t* qo_indptr;         // [B+1] or nullptr (one query per request)
+  const int32_t* tile_offsets;      // [B+1] device tile map when qo_indptr is set
+  const int32_t* kv_indptr;         // [B+1]
+  const int32_t* kv_indices;        // [nnz]
   const int32_t* kv_last_page_len;  // [B]
   int batch;
   int num_qo;
@@ -133,8 +132,8 @@ struct AttentionParams {
   int group;         // Hq / Hkv
   int num_pages;
   int page_size;
-  int page_shift;    // log2(page_size) when a power of two, else -1
-  int nnz;           // len(kv_indices)
+  int page_shift;  // log2(page_size) when a power of two, else -1
+  int nnz;         // len(kv_indices)
   int num_splits;
   int tiles_per_request;  // decode: ceil(group / rows_tile)
   bool causal;
@@ -151,12 +150,12 @@ struct WorkspaceAllocator {
   virtual ~WorkspaceAllocator() = default;
 };
 
-cudaError_t launch_paged_attention(AttentionParams p, bool dtype_is_bf16, int head_dim, int64_t est_kv_len,
-                                   int num_sms, WorkspaceAllocator& alloc, cudaStream_t stream);
+cudaError_t launch_paged_attention(AttentionParams p, bool dtype_is_bf16, int head_dim, int64_t est_kv_len, int num_sms,
+                                   WorkspaceAllocator& alloc, cudaStream_t stream);
 
 // The Hopper prefill kernel (attention_wgmma.cu, sm_90a): ragged rows only (p.qo_indptr set), one KV
 // split, bf16 / fp16, head_dim 64 / 128 (else cudaErrorInvalidValue).
-cudaError_t launch_paged_attention_wgmma(AttentionParams p, bool dtype_is_bf16, int head_dim,
-                                         WorkspaceAllocator& alloc, cudaStream_t stream);
+cudaError_t launch_paged_attention_wgmma(AttentionParams p, bool dtype_is_bf16, int head_dim, WorkspaceAllocator& alloc,
+                                         cudaStream_t stream);
 
 }  // namespace minisched::cuda

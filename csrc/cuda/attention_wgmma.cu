@@ -24,7 +24,7 @@
 namespace minisched::cuda {
 namespace {
 
-constexpr int kRows = 128;    // query rows per CTA
+constexpr int kRows = 128;     // query rows per CTA
 constexpr int kThreads = 256;  // 2 warpgroups
 constexpr float kLn2w = 0.6931471805599453f;
 
@@ -32,18 +32,24 @@ constexpr float kLn2w = 0.6931471805599453f;
 // every 64-column block is a multiple of 1024 bytes, so each region starts on a 1024-byte boundary
 // when the base does (the kernel aligns the base; +1024 bytes of slack).
 template <int D>
-constexpr int q_bytes() { return kRows * D * 2; }
+constexpr int q_bytes() {
+  return kRows * D * 2;
+}
 template <int D>
-constexpr int kv_stage_bytes() { return kBlockN * D * 2; }
+constexpr int kv_stage_bytes() {
+  return kBlockN * D * 2;
+}
 template <int D>
-constexpr size_t wgmma_smem_bytes() { return size_t(q_bytes<D>() + 4 * kv_stage_bytes<D>() + 1024); }
+constexpr size_t wgmma_smem_bytes() {
+  return size_t(q_bytes<D>() + 4 * kv_stage_bytes<D>() + 1024);
+}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) paged_attention_wgmma_kernel(const AttentionParams p) {
-  constexpr int CH = D / 8;     // 16-byte chunks per row
-  constexpr int KS = D / 16;    // k-steps of Q K^T
-  constexpr int DT = D / 8;     // n8 column tiles of O
-  constexpr int SBO = 1024;     // 8 rows x 128 bytes: the next 8-row group (K-major) / 8-token group (MN-major)
+  constexpr int CH = D / 8;   // 16-byte chunks per row
+  constexpr int KS = D / 16;  // k-steps of Q K^T
+  constexpr int DT = D / 8;   // n8 column tiles of O
+  constexpr int SBO = 1024;   // 8 rows x 128 bytes: the next 8-row group (K-major) / 8-token group (MN-major)
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -259,8 +265,8 @@ cudaError_t launch_wgmma_typed(AttentionParams p, WorkspaceAllocator& alloc, cud
 
 }  // namespace
 
-cudaError_t launch_paged_attention_wgmma(AttentionParams p, bool dtype_is_bf16, int head_dim,
-                                         WorkspaceAllocator& alloc, cudaStream_t stream) {
+cudaError_t launch_paged_attention_wgmma(AttentionParams p, bool dtype_is_bf16, int head_dim, WorkspaceAllocator& alloc,
+                                         cudaStream_t stream) {
   if (p.qo_indptr == nullptr) return cudaErrorInvalidValue;  // prefill (ragged rows) only
   if (dtype_is_bf16) {
     if (head_dim == 64) return launch_wgmma_typed<__nv_bfloat16, 64>(p, alloc, stream);

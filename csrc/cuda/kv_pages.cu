@@ -105,10 +105,14 @@ void launch_move(MoveParams p, int64_t page_bytes, at::ScalarType dtype, int dev
     const long long blocks = std::min<long long>(chunks, (long long)sm_count(device) * (2048 / threads) * 4);
     move_pages_kernel<V><<<unsigned(blocks), threads, 0, stream>>>(p, nan_pattern<V>(dtype));
   };
-  if (fits(16)) go(uint4{});
-  else if (fits(8)) go(uint2{});
-  else if (fits(4)) go(uint32_t{});
-  else go(uint16_t{});
+  if (fits(16))
+    go(uint4{});
+  else if (fits(8))
+    go(uint2{});
+  else if (fits(4))
+    go(uint32_t{});
+  else
+    go(uint16_t{});
   MINISCHED_CUDA_CHECK(op, cudaGetLastError());
 }
 
@@ -136,8 +140,7 @@ void copy_kv_pages(const at::Tensor& kv_cache, const at::Tensor& src_pages, cons
   p.n = src_pages.size(0);
   p.slices = kv_cache.size(0) * 2;
   p.num_pages = int(kv_cache.size(2));
-  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache),
-              op);
+  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache), op);
 }
 
 void gather_kv_pages(const at::Tensor& kv_cache, const at::Tensor& pages, const at::Tensor& out) {
@@ -161,8 +164,7 @@ void gather_kv_pages(const at::Tensor& kv_cache, const at::Tensor& pages, const 
   p.n = pages.size(0);
   p.slices = kv_cache.size(0) * 2;
   p.num_pages = int(kv_cache.size(2));
-  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache),
-              op);
+  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache), op);
   // pinned: cudaMemcpyAsync on the current stream (torch records the pinned block's use);
   // pageable: a synchronous copy
   if (staging.defined()) const_cast<at::Tensor&>(out).copy_(staging, /*non_blocking=*/true);
@@ -192,8 +194,7 @@ void scatter_kv_pages(const at::Tensor& src, const at::Tensor& kv_cache, const a
   p.n = pages.size(0);
   p.slices = kv_cache.size(0) * 2;
   p.num_pages = int(kv_cache.size(2));
-  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache),
-              op);
+  launch_move(p, page_bytes(kv_cache), kv_cache.scalar_type(), kv_cache.device().index(), current_stream(kv_cache), op);
 }
 
 }  // namespace

@@ -16,26 +16,40 @@ namespace minisched::cuda {
 namespace {
 
 template <typename T>
-__device__ __forceinline__ float to_f(T x) { return float(x); }
+__device__ __forceinline__ float to_f(T x) {
+  return float(x);
+}
 template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <>
-__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f<__half>(__half x) {
+  return __half2float(x);
+}
 
 template <typename T>
-__device__ __forceinline__ T from_f(float x) { return T(x); }
+__device__ __forceinline__ T from_f(float x) {
+  return T(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
 template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+__device__ __forceinline__ __half from_f<__half>(float x) {
+  return __float2half(x);
+}
 
 // VEC elements per thread (16 bytes when D allows it, else 1).
 template <typename T, int VEC>
-__global__ void __launch_bounds__(256) merge_states_kernel(const T* __restrict__ v_a, const float* __restrict__ lse_a,
-                                                           const T* __restrict__ v_b, const float* __restrict__ lse_b,
-                                                           T* __restrict__ v_out, float* __restrict__ lse_out,
-                                                           long long rows, int d) {
-  struct alignas(sizeof(T) * VEC) Vec { T x[VEC]; };
+__global__ void __launch_bounds__(256)
+    merge_states_kernel(const T* __restrict__ v_a, const float* __restrict__ lse_a, const T* __restrict__ v_b,
+                        const float* __restrict__ lse_b, T* __restrict__ v_out, float* __restrict__ lse_out,
+                        long long rows, int d) {
+  struct alignas(sizeof(T) * VEC) Vec {
+    T x[VEC];
+  };
   const int vecs = d / VEC;
   const long long total = rows * vecs;
   for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
@@ -64,8 +78,8 @@ void launch(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_
   constexpr int kVec = 16 / sizeof(T);
   const long long rows = v_a.size(0) * v_a.size(1);
   const int d = int(v_a.size(2));
-  const bool vec = d % kVec == 0 && aligned16(v_a.data_ptr()) && aligned16(v_b.data_ptr()) &&
-                   aligned16(v_out.data_ptr());
+  const bool vec =
+      d % kVec == 0 && aligned16(v_a.data_ptr()) && aligned16(v_b.data_ptr()) && aligned16(v_out.data_ptr());
   const long long total = rows * (vec ? d / kVec : d);
   const int blocks = int(std::min<long long>((total + 255) / 256, 65535LL * 8));
   if (blocks == 0) return;
@@ -73,8 +87,8 @@ void launch(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_
   auto* b = reinterpret_cast<const T*>(v_b.data_ptr());
   auto* o = reinterpret_cast<T*>(v_out.data_ptr());
   if (vec)
-    merge_states_kernel<T, kVec><<<blocks, 256, 0, stream>>>(a, lse_a.data_ptr<float>(), b, lse_b.data_ptr<float>(),
-                                                             o, lse_out.data_ptr<float>(), rows, d);
+    merge_states_kernel<T, kVec><<<blocks, 256, 0, stream>>>(a, lse_a.data_ptr<float>(), b, lse_b.data_ptr<float>(), o,
+                                                             lse_out.data_ptr<float>(), rows, d);
   else
     merge_states_kernel<T, 1><<<blocks, 256, 0, stream>>>(a, lse_a.data_ptr<float>(), b, lse_b.data_ptr<float>(), o,
                                                           lse_out.data_ptr<float>(), rows, d);
@@ -87,9 +101,15 @@ void merge_attention_states(const at::Tensor& v_a, const at::Tensor& lse_a, cons
   const c10::cuda::CUDAGuard guard(v_a.device());
   const cudaStream_t stream = current_stream(v_a);
   switch (v_a.scalar_type()) {
-    case at::kBFloat16: launch<__nv_bfloat16>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream); break;
-    case at::kHalf: launch<__half>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream); break;
-    default: launch<float>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream); break;
+    case at::kBFloat16:
+      launch<__nv_bfloat16>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream);
+      break;
+    case at::kHalf:
+      launch<__half>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream);
+      break;
+    default:
+      launch<float>(v_a, lse_a, v_b, lse_b, v_out, lse_out, stream);
+      break;
   }
   MINISCHED_CUDA_CHECK("merge_attention_states", cudaGetLastError());
 }

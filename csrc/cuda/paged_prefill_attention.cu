@@ -21,8 +21,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& qo_indptr, c
                              const at::Tensor& v_cache, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                              const at::Tensor& kv_last_page_len, bool causal, double sm_scale, const at::Tensor& out,
                              const std::optional<at::Tensor>& lse, int64_t kernel) {
-  checks::check_paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
-                                        out, lse, kernel);
+  checks::check_paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, out,
+                                        lse, kernel);
   // kernel 0 (auto) is the mma.sync kernel for now: the wgmma kernel has never run on hardware; the
   // first GPU session that passes tests/ops/test_cuda_kernels.py on it flips auto (eligible shapes
   // whose split choice is 1) to wgmma.

@@ -20,9 +20,8 @@ void shared_prefix_attention(const at::Tensor& q, const at::Tensor& group_indptr
                              double sm_scale, const at::Tensor& out, const at::Tensor& lse) {
   checks::check_shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices,
                                         prefix_kv_last_page_len, out, lse);
-  run_paged_attention("shared_prefix_attention", q, group_indptr, k_cache, v_cache, prefix_kv_indptr,
-                      prefix_kv_indices, prefix_kv_last_page_len, /*causal=*/false, sm_scale, out,
-                      lse.data_ptr<float>());
+  run_paged_attention("shared_prefix_attention", q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices,
+                      prefix_kv_last_page_len, /*causal=*/false, sm_scale, out, lse.data_ptr<float>());
 }
 
 }  // namespace

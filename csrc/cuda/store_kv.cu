@@ -17,11 +17,11 @@ namespace {
 
 // threadIdx.x strides over a row's vectors, threadIdx.y (and the grid) over tokens.
 template <typename V>
-__global__ void __launch_bounds__(256) store_kv_kernel(const V* __restrict__ k, const V* __restrict__ v,
-                                                       long long k_stride, long long v_stride,  // in V units
-                                                       V* __restrict__ k_cache, V* __restrict__ v_cache,
-                                                       const int32_t* __restrict__ slots, long long n_tokens,
-                                                       int row_vecs, long long num_slots) {
+__global__ void __launch_bounds__(256)
+    store_kv_kernel(const V* __restrict__ k, const V* __restrict__ v, long long k_stride,
+                    long long v_stride,  // in V units
+                    V* __restrict__ k_cache, V* __restrict__ v_cache, const int32_t* __restrict__ slots,
+                    long long n_tokens, int row_vecs, long long num_slots) {
   for (long long t = blockIdx.x * (long long)blockDim.y + threadIdx.y; t < n_tokens;
        t += (long long)gridDim.x * blockDim.y) {
     const V* ks = k + t * k_stride;
@@ -75,10 +75,14 @@ void store_kv(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& 
            reinterpret_cast<uintptr_t>(v_cache.data_ptr()) % w == 0;
   };
   const cudaStream_t stream = current_stream(k_cache);
-  if (fits(16)) launch<uint4>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
-  else if (fits(8)) launch<uint2>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
-  else if (fits(4)) launch<uint32_t>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
-  else launch<uint16_t>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
+  if (fits(16))
+    launch<uint4>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
+  else if (fits(8))
+    launch<uint2>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
+  else if (fits(4))
+    launch<uint32_t>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
+  else
+    launch<uint16_t>(k, v, k_cache, v_cache, slot_mapping, row_bytes, stream);
   MINISCHED_CUDA_CHECK("store_kv", cudaGetLastError());
 }
 

@@ -17,9 +17,9 @@
 
 namespace minisched::cuda {
 
-#define MINISCHED_CUDA_CHECK(op, expr)                                                              \
-  do {                                                                                              \
-    const cudaError_t err_ = (expr);                                                                \
+#define MINISCHED_CUDA_CHECK(op, expr)                                                                  \
+  do {                                                                                                  \
+    const cudaError_t err_ = (expr);                                                                    \
     TORCH_CHECK(err_ == cudaSuccess, op, ": CUDA error: ", cudaGetErrorString(err_), " (", #expr, ")"); \
   } while (0)
 
@@ -82,18 +82,19 @@ inline void run_paged_attention(const char* op, const at::Tensor& q, const at::T
                                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& kv_indptr,
                                 const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len, bool causal,
                                 double sm_scale, const at::Tensor& out, float* lse, bool wgmma = false) {
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op,
-                   ": q has dtype ", checks::dtype_name(q.scalar_type()),
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, op, ": q has dtype ",
+                   checks::dtype_name(q.scalar_type()),
                    ", expected one of (torch.bfloat16, torch.float16) on CUDA (float32 attention runs on the CPU)");
   const int64_t d = q.size(2);
   TORCH_CHECK_VALUE(d == 64 || d == 128, op, ": head_dim ", d,
                     " is not supported by the CUDA kernel (shape must have head_dim 64 or 128)");
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &out})
-    TORCH_CHECK_VALUE(aligned16(t->data_ptr()), op, ": q/k_cache/v_cache/out must be 16-byte aligned (contiguous "
+    TORCH_CHECK_VALUE(aligned16(t->data_ptr()), op,
+                      ": q/k_cache/v_cache/out must be 16-byte aligned (contiguous "
                       "views starting on a 16-byte boundary)");
-  TORCH_CHECK_VALUE(q.size(0) < (int64_t(1) << 30) && k_cache.size(0) < (int64_t(1) << 31) &&
-                        kv_indices.numel() < (int64_t(1) << 31),
-                    op, ": shape too large for int32 indexing");
+  TORCH_CHECK_VALUE(
+      q.size(0) < (int64_t(1) << 30) && k_cache.size(0) < (int64_t(1) << 31) && kv_indices.numel() < (int64_t(1) << 31),
+      op, ": shape too large for int32 indexing");
   const int64_t batch = kv_indptr.size(0) - 1;
   if (q.size(0) == 0 || batch <= 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -124,8 +125,8 @@ inline void run_paged_attention(const char* op, const at::Tensor& q, const at::T
   const int64_t est_kv_len = kv_indices.numel() * k_cache.size(1) / batch;
   TorchWorkspace ws(q.device());
   if (wgmma) {  // prefill only (qo_indptr defined), eligibility checked by check_wgmma_prefill
-    MINISCHED_CUDA_CHECK(op, launch_paged_attention_wgmma(p, q.scalar_type() == at::kBFloat16, int(d), ws,
-                                                          current_stream(q)));
+    MINISCHED_CUDA_CHECK(
+        op, launch_paged_attention_wgmma(p, q.scalar_type() == at::kBFloat16, int(d), ws, current_stream(q)));
     return;
   }
   MINISCHED_CUDA_CHECK(op, launch_paged_attention(p, q.scalar_type() == at::kBFloat16, int(d), est_kv_len,

@@ -69,16 +69,16 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-#define MS_ACC8(i)                                                                                    \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define MS_ACC8(i)                                                                                            \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
 #define MS_ACC32 MS_ACC8(0), MS_ACC8(8), MS_ACC8(16), MS_ACC8(24)
 #define MS_ACC64 MS_ACC32, MS_ACC8(32), MS_ACC8(40), MS_ACC8(48), MS_ACC8(56)
-#define MS_R32                                                                                      \
+#define MS_R32                                                                                       \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
   "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define MS_R64                                                                                           \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "     \
   "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, " \
   "%41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, " \
   "%61, %62, %63}"
@@ -99,15 +99,17 @@ struct Ty<__half> {
 template <typename T>
 __device__ __forceinline__ void mma_ss_n64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   if constexpr (Ty<T>::bf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MS_R32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : MS_ACC32
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MS_R32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : MS_ACC32
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " MS_R32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : MS_ACC32
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " MS_R32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : MS_ACC32
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }
 }
 
@@ -118,31 +120,32 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
   static_assert(N == 64 || N == 128, "m64n64k16 or m64n128k16");
   if constexpr (N == 64) {
     if constexpr (Ty<T>::bf16) {
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MS_R32
-                   ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                   : MS_ACC32
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MS_R32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+          : MS_ACC32
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
     } else {
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " MS_R32
-                   ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                   : MS_ACC32
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " MS_R32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+          : MS_ACC32
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
     }
   } else {
     if constexpr (Ty<T>::bf16) {
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MS_R64
-                   ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                   : MS_ACC64
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MS_R64
+          ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+          : MS_ACC64
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
     } else {
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " MS_R64
-                   ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                   : MS_ACC64
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " MS_R64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+          : MS_ACC64
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
     }
   }
 }

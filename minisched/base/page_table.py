@@ -7,7 +7,7 @@ page_ids[t // page_size] * page_size + t % page_size.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,7 +45,9 @@ def build_csr(
             raise ValueError(f"{n} tokens need {c} pages of {page_size}, request has {len(pages)}")
     indptr = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=indptr[1:])
-    indices = np.fromiter((p for pages, c in zip(page_lists, counts) for p in pages[:c]), dtype=np.int32, count=int(indptr[-1]))
+    indices = np.fromiter(
+        (p for pages, c in zip(page_lists, counts) for p in pages[:c]), dtype=np.int32, count=int(indptr[-1])
+    )
     last = np.array([last_page_len(n, page_size) for n in kv_lens], dtype=np.int32)
     return indptr, indices, last
 

@@ -1,4 +1,5 @@
 """Value checks shared by the configs and request validation."""
+
 from __future__ import annotations
 
 import math

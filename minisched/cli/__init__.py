@@ -11,6 +11,7 @@
 "messages" (chat), and optional sampling fields ("max_new_tokens", "temperature", ...).
 Errors (missing model, bad arguments, an impossible pool size) print one line and exit 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,14 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minisched", description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=Formatter)
+    p = argparse.ArgumentParser(
+        prog="minisched", description=__doc__.split("\n\n")[0].strip(), formatter_class=Formatter
+    )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    g = sub.add_parser("generate", help="generate text for prompts", formatter_class=Formatter,
-                       description=generate_doc())
+    g = sub.add_parser(
+        "generate", help="generate text for prompts", formatter_class=Formatter, description=generate_doc()
+    )
     g.add_argument("prompts", nargs="*", help="prompt texts")
     g.add_argument("--file", default=None, help="JSON-lines prompts file ('-' for stdin)")
     g.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
@@ -41,15 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sampling_args(g)
     engine_args(g)
-    c = sub.add_parser("chat", help="interactive multi-turn chat (each turn reuses the cached conversation)",
-                       formatter_class=Formatter)
+    c = sub.add_parser(
+        "chat", help="interactive multi-turn chat (each turn reuses the cached conversation)", formatter_class=Formatter
+    )
     c.add_argument("--system", default=None, help="system prompt")
     sampling_args(c)
     engine_args(c)
     c.set_defaults(max_new_tokens=256)
     b = sub.add_parser("bench", help="serving benchmark on a synthetic workload", formatter_class=Formatter)
-    b.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "poisson"],
-                   help="request mix (see minisched.observe.workloads)")
+    b.add_argument(
+        "--workload",
+        default="mixed",
+        choices=["mixed", "shared-prefix", "long-prompt", "poisson"],
+        help="request mix (see minisched.observe.workloads)",
+    )
     b.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     b.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s (<= 0: all at once)")
     b.add_argument("--compare", default=None, choices=["static"], help="also run the static-batching baseline")
@@ -66,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--vocab-size", type=int, default=49152, help="token ids of the random prompts stay below this")
     engine_args(b)
     serve_cli.add_parser(sub).formatter_class = Formatter
-    sub.add_parser("report", help="lifecycle report of a bench JSON (minisched report -h for its options)",
-                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser(
+        "report", help="lifecycle report of a bench JSON (minisched report -h for its options)", add_help=False
+    ).add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
 

@@ -6,6 +6,7 @@ evicted), so only the new turn is prefilled: the line after each reply shows how
 tokens came from the cache. `/reset` starts a new conversation, `/exit` (or Ctrl-D) quits;
 Ctrl-C stops the reply being written (the request is aborted and its pages released).
 """
+
 from __future__ import annotations
 
 import sys
@@ -63,5 +64,8 @@ def cmd_chat(args, read=_read, out=sys.stdout) -> int:
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": final.text})
-        print(f"  [{final.cached_tokens}/{len(final.prompt_ids)} prompt tokens from the cache, "
-              f"{len(final.token_ids)} generated, {final.finish_reason}]", file=out)
+        print(
+            f"  [{final.cached_tokens}/{len(final.prompt_ids)} prompt tokens from the cache, "
+            f"{len(final.token_ids)} generated, {final.finish_reason}]",
+            file=out,
+        )

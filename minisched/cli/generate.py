@@ -6,6 +6,7 @@ wrong field type is an error naming the file and line (exit 2). A request that f
 time is reported as `minisched: request <label>: <reason>` on stderr and the exit status is 1;
 the other requests still run.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,14 +44,16 @@ def _check_line(obj: dict, where: str) -> tuple[object, dict]:
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise CLIError(f"{where}: 'messages' must be a list of {{\"role\": str, \"content\": str}} objects")
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        ):
+            raise CLIError(f'{where}: \'messages\' must be a list of {{"role": str, "content": str}} objects')
         prompt = msgs
     else:
         prompt = obj["prompt"]
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+        if not (
+            isinstance(prompt, str)
+            or (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+        ):
             raise CLIError(f"{where}: 'prompt' must be a string or a list of token ids, got {prompt!r:.60}")
     if "id" in obj and not isinstance(obj["id"], (str, int)):
         raise CLIError(f"{where}: 'id' must be a string or an int")
@@ -121,9 +124,15 @@ def _record(item: PromptItem, out) -> dict:
     if out.error:
         rec.update(error=out.error, finish_reason="error")
         return rec
-    rec.update(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-               prompt_tokens=len(out.prompt_ids), cached_tokens=out.cached_tokens, ttft_s=out.ttft,
-               e2e_latency_s=out.e2e_latency)
+    rec.update(
+        text=out.text,
+        token_ids=out.token_ids,
+        finish_reason=out.finish_reason,
+        prompt_tokens=len(out.prompt_ids),
+        cached_tokens=out.cached_tokens,
+        ttft_s=out.ttft,
+        e2e_latency_s=out.e2e_latency,
+    )
     return rec
 
 
@@ -136,8 +145,9 @@ def cmd_generate(args) -> int:
         return 1 if failed else 0
     status = StatusLine("generate", not args.no_progress and len(items) > 1)
     try:
-        outs = engine.generate(prompts, params, chat=args.chat,
-                               progress=lambda done, total: status({"done": done, "total": total}))
+        outs = engine.generate(
+            prompts, params, chat=args.chat, progress=lambda done, total: status({"done": done, "total": total})
+        )
     finally:
         status.close()
     failed = 0
@@ -151,13 +161,17 @@ def cmd_generate(args) -> int:
         elif o.error:
             continue
         elif multi:
-            print(f"=== [{item.index}]{' ' + str(item.id) if item.id is not None else ''} ({o.finish_reason}) ===\n"
-                  f"{o.text}")
+            print(
+                f"=== [{item.index}]{' ' + str(item.id) if item.id is not None else ''} ({o.finish_reason}) ===\n"
+                f"{o.text}"
+            )
         else:
             print(o.text)
             if o.finish_reason in LENGTH_REASONS:
-                print(f"minisched: note: stopped at the length limit ({o.finish_reason}: "
-                      f"{len(o.token_ids)} tokens)", file=sys.stderr)
+                print(
+                    f"minisched: note: stopped at the length limit ({o.finish_reason}: {len(o.token_ids)} tokens)",
+                    file=sys.stderr,
+                )
     return 1 if failed else 0
 
 

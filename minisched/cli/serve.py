@@ -1,9 +1,10 @@
 """`minisched serve`: the OpenAI-compatible HTTP server (docs/serving.md).
 
-    minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KEY]
-                    [--max-queued-requests 512] [--served-model-name NAME] [--grace-period 30]
-                    [--dp N] [--router cache-aware|round-robin]
+minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+                [--max-queued-requests 512] [--served-model-name NAME] [--grace-period 30]
+                [--dp N] [--router cache-aware|round-robin]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,25 +19,50 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--api-key", default=os.environ.get("MINISCHED_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MINISCHED_API_KEY)")
-    s.add_argument("--max-queued-requests", type=int, default=512,
-                   help="requests waiting for their first token beyond this get 429 + Retry-After")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("MINISCHED_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MINISCHED_API_KEY)",
+    )
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=512,
+        help="requests waiting for their first token beyond this get 429 + Retry-After",
+    )
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    s.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds in-flight requests may finish after SIGTERM / Ctrl-C before they are aborted")
+    s.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish after SIGTERM / Ctrl-C before they are aborted",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     dp = s.add_argument_group("data parallelism")
-    dp.add_argument("--dp", type=int, default=1,
-                    help="engine replicas, each its own process with its own KV pool and radix cache")
-    dp.add_argument("--router", default="cache-aware", choices=["cache-aware", "round-robin"],
-                    help="how --dp routes a request: to the replica caching its longest prefix, or in turn")
-    dp.add_argument("--router-cache-threshold", type=float, default=0.5,
-                    help="cache-aware: the prefix match (share of the prompt) above which it wins over a fresh replica")
-    dp.add_argument("--router-balance-abs-threshold", type=int, default=32,
-                    help="cache-aware: route by load when max - min in-flight requests exceeds this ...")
-    dp.add_argument("--router-balance-rel-threshold", type=float, default=1.1,
-                    help="... and max exceeds this times min")
+    dp.add_argument(
+        "--dp", type=int, default=1, help="engine replicas, each its own process with its own KV pool and radix cache"
+    )
+    dp.add_argument(
+        "--router",
+        default="cache-aware",
+        choices=["cache-aware", "round-robin"],
+        help="how --dp routes a request: to the replica caching its longest prefix, or in turn",
+    )
+    dp.add_argument(
+        "--router-cache-threshold",
+        type=float,
+        default=0.5,
+        help="cache-aware: the prefix match (share of the prompt) above which it wins over a fresh replica",
+    )
+    dp.add_argument(
+        "--router-balance-abs-threshold",
+        type=int,
+        default=32,
+        help="cache-aware: route by load when max - min in-flight requests exceeds this ...",
+    )
+    dp.add_argument(
+        "--router-balance-rel-threshold", type=float, default=1.1, help="... and max exceeds this times min"
+    )
     engine_args(s)
     return s
 
@@ -61,12 +87,16 @@ def cmd_serve(args) -> int:
         engine, loop = _start_replicas(args, config)
     else:
         engine, loop = make_engine(config), None
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                     engine_loop=loop)
-    print(f"minisched serve: model {name!r} on http://{args.host}:{args.port}/v1 "
-          f"(context {engine.sched_config.max_context_len} tokens, {engine.sched_config.num_pages} KV pages"
-          f"{f' per replica, {args.dp} replicas, {args.router} routing' if args.dp > 1 else ''}"
-          f"{', API key required' if args.api_key else ''})", flush=True)
+    app = create_app(
+        engine, model_name=name, api_key=args.api_key, max_queued_requests=args.max_queued_requests, engine_loop=loop
+    )
+    print(
+        f"minisched serve: model {name!r} on http://{args.host}:{args.port}/v1 "
+        f"(context {engine.sched_config.max_context_len} tokens, {engine.sched_config.num_pages} KV pages"
+        f"{f' per replica, {args.dp} replicas, {args.router} routing' if args.dp > 1 else ''}"
+        f"{', API key required' if args.api_key else ''})",
+        flush=True,
+    )
     try:
         run(app, host=args.host, port=args.port, grace_period=args.grace_period, log_level=args.log_level)
     except OSError as exc:  # e.g. the port is taken
@@ -93,9 +123,12 @@ def _start_replicas(args, config):
     from minisched.serve.router import RouterConfig
 
     try:
-        router = RouterConfig(args.router, cache_threshold=args.router_cache_threshold,
-                              balance_abs_threshold=args.router_balance_abs_threshold,
-                              balance_rel_threshold=args.router_balance_rel_threshold)
+        router = RouterConfig(
+            args.router,
+            cache_threshold=args.router_cache_threshold,
+            balance_abs_threshold=args.router_balance_abs_threshold,
+            balance_rel_threshold=args.router_balance_rel_threshold,
+        )
     except ValueError as exc:
         raise CLIError(f"--router: {exc}") from exc
     factories = [functools.partial(make_engine, replica_config(config, i)) for i in range(args.dp)]

@@ -1,5 +1,6 @@
 """Live progress on stderr for long work: one \\r-rewritten line on a terminal (4 updates/s),
 else a plain line every 10 s (logs stay readable)."""
+
 from __future__ import annotations
 
 import sys

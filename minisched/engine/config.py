@@ -14,6 +14,7 @@ Checks here need no model and no device (ValueError); what depends on them (a ba
 is not installed, CUDA graphs on a CPU, a pool larger than memory) is checked by the Engine
 (options.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,24 +60,35 @@ class EngineConfig:
             if not ok:
                 raise ValueError(msg)
 
-        need(self.model is None or (isinstance(self.model, str) and self.model != ""),
-             f"model must be a name or a path, got {self.model!r}")
-        need(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
-             f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(
+            self.model is None or (isinstance(self.model, str) and self.model != ""),
+            f"model must be a name or a path, got {self.model!r}",
+        )
+        need(
+            isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
+            f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
         need(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        need(self.backend in BACKEND_CHOICES,
-             f"unknown backend {self.backend!r}; expected one of {BACKEND_CHOICES}")
+        need(self.backend in BACKEND_CHOICES, f"unknown backend {self.backend!r}; expected one of {BACKEND_CHOICES}")
         need(self.quantize in QUANTIZE_CHOICES, f"quantize must be one of {QUANTIZE_CHOICES}, got {self.quantize!r}")
         if self.num_pages is not None and self.mem_fraction is not None:
             raise ValueError("give num_pages or mem_fraction, not both")
-        need(self.num_pages is None or (is_int(self.num_pages) and self.num_pages >= 2),
-             f"the KV pool needs at least 2 pages, got num_pages={self.num_pages!r}")
-        need(self.mem_fraction is None or (is_real(self.mem_fraction) and 0 < self.mem_fraction <= 1),
-             f"mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
-        need(self.max_context_len is None or (is_int(self.max_context_len) and self.max_context_len >= 2),
-             f"max_context_len must be an int >= 2, got {self.max_context_len!r}")
-        need(self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
-             f"num_threads must be an int >= 1 or None, got {self.num_threads!r}")
+        need(
+            self.num_pages is None or (is_int(self.num_pages) and self.num_pages >= 2),
+            f"the KV pool needs at least 2 pages, got num_pages={self.num_pages!r}",
+        )
+        need(
+            self.mem_fraction is None or (is_real(self.mem_fraction) and 0 < self.mem_fraction <= 1),
+            f"mem_fraction must be in (0, 1], got {self.mem_fraction!r}",
+        )
+        need(
+            self.max_context_len is None or (is_int(self.max_context_len) and self.max_context_len >= 2),
+            f"max_context_len must be an int >= 2, got {self.max_context_len!r}",
+        )
+        need(
+            self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
+            f"num_threads must be an int >= 1 or None, got {self.num_threads!r}",
+        )
         for name in ("overlap", "cuda_graph", "pack_weights"):
             v = getattr(self, name)
             need(v is None or isinstance(v, bool), f"{name} must be True, False or None (the default), got {v!r}")
@@ -105,8 +117,10 @@ class EngineConfig:
         theirs = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"num_pages", "max_context_len"}
         unknown = sorted(set(options) - mine - theirs)
         if unknown:
-            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; expected EngineConfig fields "
-                            f"{sorted(mine)} or scheduler fields {sorted(theirs)}")
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(unknown)}; expected EngineConfig fields "
+                f"{sorted(mine)} or scheduler fields {sorted(theirs)}"
+            )
         if "dtype" in options and options["dtype"] is not None and not isinstance(options["dtype"], str):
             options["dtype"] = str(options["dtype"]).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
         sched = {k: options.pop(k) for k in list(options) if k in theirs}

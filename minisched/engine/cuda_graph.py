@@ -26,6 +26,7 @@ Prefill and mixed steps always run eagerly. `pad_decode` and `buckets_for` are p
 on the CPU (padded rows do not change the real rows' outputs, on the torch and C++ backends);
 capture and replay need a GPU (tests/engine/test_cuda_graph.py, skipped without one).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -52,8 +53,9 @@ def pick_bucket(buckets: list[int], batch: int) -> Optional[int]:
     return buckets[i] if i < len(buckets) else None
 
 
-def pad_decode(input_ids: torch.Tensor, meta: ForwardMeta, bucket: int, scratch_page: int,
-               page_size: int) -> tuple[torch.Tensor, ForwardMeta]:
+def pad_decode(
+    input_ids: torch.Tensor, meta: ForwardMeta, bucket: int, scratch_page: int, page_size: int
+) -> tuple[torch.Tensor, ForwardMeta]:
     """A decode batch of b rows padded to `bucket` rows: row b.. reads one token of KV in
     `scratch_page` and writes its K/V there (position 0, token 0). Same devices and dtypes;
     the real rows' inputs are unchanged, so are their outputs (the ops are per row)."""
@@ -68,19 +70,30 @@ def pad_decode(input_ids: torch.Tensor, meta: ForwardMeta, bucket: int, scratch_
 
     tail = torch.arange(1, pad + 1, dtype=indptr.dtype, device=indptr.device) + indptr[-1]
     padded = ForwardMeta(
-        positions=cat(meta.positions, 0), out_slots=cat(meta.out_slots, scratch_page * page_size),
+        positions=cat(meta.positions, 0),
+        out_slots=cat(meta.out_slots, scratch_page * page_size),
         qo_indptr=torch.arange(bucket + 1, dtype=meta.qo_indptr.dtype, device=meta.qo_indptr.device),
         page_table=(torch.cat([indptr, tail]), cat(indices, scratch_page), cat(last, 1)),
         logits_indices=torch.arange(bucket, dtype=meta.logits_indices.dtype, device=meta.logits_indices.device),
-        is_decode=True)
+        is_decode=True,
+    )
     return cat(input_ids, 0), padded
 
 
 class CudaGraphRunner:
     """Captured decode forwards, one per bucket; `run` replays the one that fits, or returns None."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, *, max_batch: int,
-                 max_context_len: int, scratch_page: int, backend: str) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        page_size: int,
+        *,
+        max_batch: int,
+        max_context_len: int,
+        scratch_page: int,
+        backend: str,
+    ) -> None:
         if kv_cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {kv_cache.device}")
         self.model, self.kv_cache, self.page_size, self.backend = model, kv_cache, page_size, backend
@@ -103,10 +116,13 @@ class CudaGraphRunner:
     def _meta(self, bucket: int) -> ForwardMeta:
         dev = self.ids.device
         return ForwardMeta(
-            positions=self.positions[:bucket], out_slots=self.slots[:bucket],
+            positions=self.positions[:bucket],
+            out_slots=self.slots[:bucket],
             qo_indptr=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
-            page_table=(self.indptr[:bucket + 1], self.indices[:bucket * self.max_pages], self.last[:bucket]),
-            logits_indices=torch.arange(bucket, dtype=torch.int64, device=dev), is_decode=True)
+            page_table=(self.indptr[: bucket + 1], self.indices[: bucket * self.max_pages], self.last[:bucket]),
+            logits_indices=torch.arange(bucket, dtype=torch.int64, device=dev),
+            is_decode=True,
+        )
 
     def _forward(self, bucket: int, meta: ForwardMeta) -> torch.Tensor:
         return self.model(self.ids[:bucket], meta, self.kv_cache, backend=self.backend, check=False)
@@ -139,16 +155,19 @@ class CudaGraphRunner:
         A request longer than `max_pages` pages cannot happen: the scheduler's max_context_len bounds it."""
         b = input_ids.shape[0]
         bucket = self.fits(meta, b)
-        if bucket is None or bucket not in self.graphs or meta.page_table[1].shape[0] + bucket - b > \
-                bucket * self.max_pages:
+        if (
+            bucket is None
+            or bucket not in self.graphs
+            or meta.page_table[1].shape[0] + bucket - b > bucket * self.max_pages
+        ):
             return None
         ids, padded = pad_decode(input_ids, meta, bucket, self.scratch_page, self.page_size)
         indptr, indices, last = padded.page_table
         self.ids[:bucket].copy_(ids)
         self.positions[:bucket].copy_(padded.positions)
         self.slots[:bucket].copy_(padded.out_slots)
-        self.indptr[:bucket + 1].copy_(indptr)
-        self.indices[:indices.shape[0]].copy_(indices)
+        self.indptr[: bucket + 1].copy_(indptr)
+        self.indices[: indices.shape[0]].copy_(indices)
         self.last[:bucket].copy_(last)
         self.graphs[bucket].replay()
         self.num_replays += 1

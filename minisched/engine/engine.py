@@ -14,16 +14,27 @@ A bad request (empty or over-long prompt, invalid sampling) raises `InvalidReque
 `add_request`; `generate` instead reports it in that request's output (`error`) and runs the
 others.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import time
-from typing import Callable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
+from minisched.base.values import is_int
+from minisched.engine.config import EngineConfig
+from minisched.engine.cuda_graph import CudaGraphRunner
+from minisched.engine.generate import generate, stream
+from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
+from minisched.engine.outputs import Output, StreamChunk
+from minisched.engine.overlap import OverlapLoop
+from minisched.engine.runner import ModelRunner
+from minisched.engine.threads import ThreadTuner, default_num_threads
 from minisched.model import weights
 from minisched.model.config import ModelConfig
 from minisched.model.detokenize import final_text
@@ -33,15 +44,6 @@ from minisched.model.quant import QuantConfig, quantize_model
 from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler
-from minisched.engine.cuda_graph import CudaGraphRunner
-from minisched.base.values import is_int
-from minisched.engine.config import EngineConfig
-from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
-from minisched.engine.generate import generate, stream
-from minisched.engine.outputs import Output, StreamChunk
-from minisched.engine.overlap import OverlapLoop
-from minisched.engine.runner import ModelRunner
-from minisched.engine.threads import ThreadTuner, default_num_threads
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -52,9 +54,15 @@ class Engine:
     a loaded `LlamaModel` (then `tokenizer=` is required). `runner_factory` takes ModelRunner's
     arguments; tensor parallelism passes its own runner (minisched/parallel/launch.py)."""
 
-    def __init__(self, model: Union[str, LlamaModel, None] = None, *, config: Optional[EngineConfig] = None,
-                 tokenizer: Optional[MiniTokenizer] = None,
-                 runner_factory: Optional[Callable[..., ModelRunner]] = None, **options):
+    def __init__(
+        self,
+        model: Union[str, LlamaModel, None] = None,
+        *,
+        config: Optional[EngineConfig] = None,
+        tokenizer: Optional[MiniTokenizer] = None,
+        runner_factory: Optional[Callable[..., ModelRunner]] = None,
+        **options,
+    ):
         if isinstance(model, str):
             options["model"] = model
         elif model is not None and not isinstance(model, LlamaModel):
@@ -79,53 +87,83 @@ class Engine:
         if isinstance(model, LlamaModel):
             self.model, self.model_name = model, config.model or "custom"
         else:
-            dtype = getattr(torch, config.dtype) if config.dtype else (
-                torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+            dtype = (
+                getattr(torch, config.dtype)
+                if config.dtype
+                else (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+            )
             cfg, state = weights.load(config.model, dtype=dtype, device=self.device, seed=config.seed)
             try:
                 self.model = LlamaModel.from_state_dict(cfg, state, dtype=dtype, device=self.device)
             except (KeyError, RuntimeError, ValueError) as exc:  # missing or misshapen tensors
-                raise weights.ModelLoadError(f"cannot load the model {config.model or weights.DEFAULT_MODEL}: its "
-                                             f"weights do not fit its config ({type(exc).__name__}: {exc})") from None
+                raise weights.ModelLoadError(
+                    f"cannot load the model {config.model or weights.DEFAULT_MODEL}: its "
+                    f"weights do not fit its config ({type(exc).__name__}: {exc})"
+                ) from None
             del state
             self.model_name = config.model or weights.DEFAULT_MODEL
         quantize_model(self.model, self.quant)  # in place; a model passed in quantized stays as it is
         self.cfg: ModelConfig = self.model.cfg
         if tokenizer is None:
             if isinstance(model, LlamaModel):  # a byte-level guess would decode garbage silently
-                raise ValueError("Engine(model_object) needs tokenizer=...: a LlamaModel carries no tokenizer "
-                                 "(pass MiniTokenizer.byte_level(vocab_size) explicitly for byte-level tests)")
+                raise ValueError(
+                    "Engine(model_object) needs tokenizer=...: a LlamaModel carries no tokenizer "
+                    "(pass MiniTokenizer.byte_level(vocab_size) explicitly for byte-level tests)"
+                )
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         self.backend = pick_backend(config.backend, self.device)
         # Packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls.
-        self.pack_weights = want_packed(config.pack_weights, self.device, self.model.dtype, self.backend,
-                                        self.quant.enabled, runner_factory is not None)
+        self.pack_weights = want_packed(
+            config.pack_weights,
+            self.device,
+            self.model.dtype,
+            self.backend,
+            self.quant.enabled,
+            runner_factory is not None,
+        )
         if self.pack_weights:
             pack_model(self.model)
-        self.cuda_graph = want_cuda_graph(config.cuda_graph, self.device, self.backend, config.check,
-                                          runner_factory is not None)
+        self.cuda_graph = want_cuda_graph(
+            config.cuda_graph, self.device, self.backend, config.check, runner_factory is not None
+        )
         page_size = config.page_size
-        num_pages = pool_pages(self.cfg, self.model.dtype.itemsize, self.device, page_size, config.num_pages,
-                               config.mem_fraction)
+        num_pages = pool_pages(
+            self.cfg, self.model.dtype.itemsize, self.device, page_size, config.num_pages, config.mem_fraction
+        )
         max_context_len = config.max_context_len
         if max_context_len is None:
             max_context_len = min(self.cfg.max_position, num_pages * page_size)
         elif max_context_len > self.cfg.max_position:
-            raise ValueError(f"max_context_len must be an int in [2, {self.cfg.max_position}] (the model's "
-                             f"position limit), got {max_context_len!r}")
+            raise ValueError(
+                f"max_context_len must be an int in [2, {self.cfg.max_position}] (the model's "
+                f"position limit), got {max_context_len!r}"
+            )
         self.sched_config = dataclasses.replace(config.scheduler, num_pages=num_pages, max_context_len=max_context_len)
         # with CUDA graphs one more page, outside the scheduler's pool: the padding rows' scratch page
         self.kv_cache = self.model.new_kv_cache(num_pages + self.cuda_graph, page_size)
         graphs = None
         if self.cuda_graph:
-            graphs = CudaGraphRunner(self.model, self.kv_cache, page_size,
-                                     max_batch=config.scheduler.max_running_requests,
-                                     max_context_len=max_context_len, scratch_page=num_pages, backend=self.backend)
+            graphs = CudaGraphRunner(
+                self.model,
+                self.kv_cache,
+                page_size,
+                max_batch=config.scheduler.max_running_requests,
+                max_context_len=max_context_len,
+                scratch_page=num_pages,
+                backend=self.backend,
+            )
             graphs.capture()
         self.runner = (runner_factory or ModelRunner)(
-            self.model, self.kv_cache, page_size, backend=self.backend, cascade=config.cascade, check=config.check,
-            thread_tuner=tuner if self.device.type == "cpu" else None, cuda_graphs=graphs)
+            self.model,
+            self.kv_cache,
+            page_size,
+            backend=self.backend,
+            cascade=config.cascade,
+            check=config.check,
+            thread_tuner=tuner if self.device.type == "cpu" else None,
+            cuda_graphs=graphs,
+        )
         self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
@@ -135,7 +173,7 @@ class Engine:
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
 
-    def fresh(self, **options) -> "Engine":
+    def fresh(self, **options) -> Engine:
         """A new engine (empty KV pool and radix cache) on this engine's loaded model, tokenizer and
         runner kind, with these options changed (the pool keeps its size unless they change it)."""
         if "num_pages" not in options and "mem_fraction" not in options:
@@ -157,8 +195,9 @@ class Engine:
         if isinstance(prompt, torch.Tensor) or hasattr(prompt, "__array__"):
             arr = prompt.detach().cpu().numpy() if isinstance(prompt, torch.Tensor) else np.asarray(prompt)
             if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise InvalidRequest(f"a token-id array prompt must be 1-D integers, got shape {arr.shape} "
-                                     f"dtype {arr.dtype}")
+                raise InvalidRequest(
+                    f"a token-id array prompt must be 1-D integers, got shape {arr.shape} dtype {arr.dtype}"
+                )
             prompt = arr.tolist()
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
@@ -167,8 +206,9 @@ class Engine:
             vocab = self.cfg.vocab_size
             for pos, tok in enumerate(items):
                 if not 0 <= tok < vocab:
-                    raise InvalidRequest(f"prompt token {tok} at position {pos} is out of range "
-                                         f"(vocabulary of {vocab})")
+                    raise InvalidRequest(
+                        f"prompt token {tok} at position {pos} is out of range (vocabulary of {vocab})"
+                    )
             return [int(t) for t in items]
         raise InvalidRequest("a prompt must be a string, a list of token ids or a list of chat messages")
 
@@ -180,13 +220,26 @@ class Engine:
             return sampling
         return dataclasses.replace(sampling, stop_token_ids=sampling.stop_token_ids + (eos,))
 
-    def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None, *, rid: Optional[str] = None,
-                    chat: bool = False) -> Req:
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling: Optional[SamplingParams] = None,
+        *,
+        rid: Optional[str] = None,
+        chat: bool = False,
+    ) -> Req:
         """Queue one request; raises InvalidRequest (a ValueError) if it can never run."""
         return self.add_choices(prompt, sampling, 1, rids=None if rid is None else [rid], chat=chat)[0]
 
-    def add_choices(self, prompt: Prompt, sampling: Optional[SamplingParams], n: int, *,
-                    rids: Optional[Sequence[str]] = None, chat: bool = False) -> list[Req]:
+    def add_choices(
+        self,
+        prompt: Prompt,
+        sampling: Optional[SamplingParams],
+        n: int,
+        *,
+        rids: Optional[Sequence[str]] = None,
+        chat: bool = False,
+    ) -> list[Req]:
         """Queue `n` choices of one prompt (OpenAI's `n`); returns their requests. For n > 1 the prompt
         is prefilled once (SGLang's parallel sampling): a prefill-only request goes first and the
         choices wait for it, then reuse its full pages from the radix cache (the partial last page
@@ -210,9 +263,14 @@ class Engine:
         reqs = []
         try:
             for j, rid in enumerate(rids):
-                sp = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**64)
-                reqs.append(self.scheduler.add_request(rid, ids, dataclasses.replace(sp, prompt_logprobs=None),
-                                                       after=lead))
+                sp = (
+                    sampling
+                    if sampling.seed is None
+                    else dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**64)
+                )
+                reqs.append(
+                    self.scheduler.add_request(rid, ids, dataclasses.replace(sp, prompt_logprobs=None), after=lead)
+                )
         except BaseException:
             for r in [lead, *reqs]:
                 self.scheduler.abort(r.rid)
@@ -247,37 +305,58 @@ class Engine:
         stops = req.sampling.stop
         if not stops:
             return False
-        tail = self.tokenizer.decode(req.output_ids[-(2 * max(map(len, stops)) + 8):])
+        tail = self.tokenizer.decode(req.output_ids[-(2 * max(map(len, stops)) + 8) :])
         return any(s in tail for s in stops)
 
     def final_text(self, req: Req) -> str:
         sp = req.sampling
-        return final_text(self.tokenizer, req.output_ids, req.finish_reason.value if req.finish_reason else None,
-                          sp.stop, include_stop=sp.include_stop_str_in_output,
-                          skip_special_tokens=sp.skip_special_tokens)
+        return final_text(
+            self.tokenizer,
+            req.output_ids,
+            req.finish_reason.value if req.finish_reason else None,
+            sp.stop,
+            include_stop=sp.include_stop_str_in_output,
+            skip_special_tokens=sp.skip_special_tokens,
+        )
 
     def output_of(self, req: Req, index: int = 0, choice: int = 0) -> Output:
         t0 = req.arrival_time
         plp = req.prompt_logprobs if req.after is None else req.after.prompt_logprobs
-        return Output(index=index, rid=req.rid, prompt_ids=list(req.prompt_ids), token_ids=list(req.output_ids),
-                      text=self.final_text(req), finish_reason=req.finish_reason.value if req.finish_reason else None,
-                      error=req.error,
-                      ttft=None if req.first_token_time is None else req.first_token_time - t0,
-                      e2e_latency=None if req.finish_time is None else req.finish_time - t0,
-                      cached_tokens=req.cache_hit_tokens, num_retractions=req.num_retractions, choice=choice,
-                      logprobs=None if req.output_logprobs is None else list(req.output_logprobs),
-                      prompt_logprobs=None if plp is None else list(plp))
+        return Output(
+            index=index,
+            rid=req.rid,
+            prompt_ids=list(req.prompt_ids),
+            token_ids=list(req.output_ids),
+            text=self.final_text(req),
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            error=req.error,
+            ttft=None if req.first_token_time is None else req.first_token_time - t0,
+            e2e_latency=None if req.finish_time is None else req.finish_time - t0,
+            cached_tokens=req.cache_hit_tokens,
+            num_retractions=req.num_retractions,
+            choice=choice,
+            logprobs=None if req.output_logprobs is None else list(req.output_logprobs),
+            prompt_logprobs=None if plp is None else list(plp),
+        )
 
     # -- batch APIs (engine/generate.py) --------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False, n: int = 1,
-                 progress: Optional[Callable[[int, int], None]] = None) -> list[Output]:
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling=None,
+        *,
+        chat: bool = False,
+        n: int = 1,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> list[Output]:
         """Run every prompt to completion; one Output per prompt and choice, in order (prompt i's choice j
         at i * n + j; bad prompts carry `error`). `progress(done, total)` is called after each step. If the
         call is interrupted (Ctrl-C), its requests are aborted and their pages released first."""
         return generate(self, prompts, sampling, chat=chat, n=n, progress=progress)
 
-    def stream(self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False, n: int = 1
-               ) -> Iterator[StreamChunk]:
+    def stream(
+        self, prompts: Sequence[Prompt], sampling=None, *, chat: bool = False, n: int = 1
+    ) -> Iterator[StreamChunk]:
         """Yield new text per request as tokens arrive (after each step); a final chunk per request.
         Closing the iterator early (break, `close()`, garbage collection) aborts its requests."""
         return stream(self, prompts, sampling, chat=chat, n=n)

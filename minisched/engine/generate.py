@@ -4,9 +4,11 @@ Each prompt becomes `n` requests (`Engine.add_choices`); a bad prompt becomes an
 `error` and the others run. Both abort their own requests when interrupted or closed, and
 touch nobody else's.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
@@ -36,9 +38,12 @@ class Engine(Protocol):
 
 def _submit(engine: Engine, prompts, sampling, chat: bool, n: int) -> tuple[list[Output], dict[str, tuple[int, int]]]:
     if isinstance(prompts, (str, dict, torch.Tensor, np.ndarray)) or (
-            isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
-        raise TypeError("prompts must be a list of prompts (strings, token-id lists or arrays, chat message "
-                        "lists); wrap a single prompt in a list")
+        isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
+    ):
+        raise TypeError(
+            "prompts must be a list of prompts (strings, token-id lists or arrays, chat message "
+            "lists); wrap a single prompt in a list"
+        )
     if not is_int(n) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     prompts = list(prompts)
@@ -52,8 +57,9 @@ def _submit(engine: Engine, prompts, sampling, chat: bool, n: int) -> tuple[list
             try:
                 reqs = engine.add_choices(p, sp, n, chat=chat)
             except (InvalidRequest, ValueError, TypeError) as exc:
-                outputs.extend(Output(index=i, rid="", error=str(exc), finish_reason="error", choice=j)
-                               for j in range(n))
+                outputs.extend(
+                    Output(index=i, rid="", error=str(exc), finish_reason="error", choice=j) for j in range(n)
+                )
                 continue
             for j, req in enumerate(reqs):
                 live[req.rid] = (len(outputs), j)
@@ -76,8 +82,15 @@ def _drive(engine: Engine) -> list[Req]:
     return engine.step()
 
 
-def generate(engine: Engine, prompts: Sequence, sampling=None, *, chat: bool = False, n: int = 1,
-             progress: Optional[Callable[[int, int], None]] = None) -> list[Output]:
+def generate(
+    engine: Engine,
+    prompts: Sequence,
+    sampling=None,
+    *,
+    chat: bool = False,
+    n: int = 1,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> list[Output]:
     outputs, live = _submit(engine, prompts, sampling, chat, n)
     total = len(live)
     try:
@@ -94,8 +107,9 @@ def generate(engine: Engine, prompts: Sequence, sampling=None, *, chat: bool = F
     return outputs
 
 
-def stream(engine: Engine, prompts: Sequence, sampling=None, *, chat: bool = False, n: int = 1
-           ) -> Iterator[StreamChunk]:
+def stream(
+    engine: Engine, prompts: Sequence, sampling=None, *, chat: bool = False, n: int = 1
+) -> Iterator[StreamChunk]:
     outputs, live = _submit(engine, prompts, sampling, chat, n)
     try:
         yield from _stream(engine, outputs, live)
@@ -108,10 +122,15 @@ def _stream(engine: Engine, outputs: list[Output], live: dict[str, tuple[int, in
         if out.error is not None:
             yield StreamChunk(out.index, out.rid, "", [], True, out, out.choice)
     reqs = {rid: engine.scheduler.reqs[rid] for rid in live}
-    detok = {rid: IncrementalDetokenizer(engine.tokenizer, r.sampling.stop,
-                                         include_stop=r.sampling.include_stop_str_in_output,
-                                         skip_special_tokens=r.sampling.skip_special_tokens)
-             for rid, r in reqs.items()}
+    detok = {
+        rid: IncrementalDetokenizer(
+            engine.tokenizer,
+            r.sampling.stop,
+            include_stop=r.sampling.include_stop_str_in_output,
+            skip_special_tokens=r.sampling.skip_special_tokens,
+        )
+        for rid, r in reqs.items()
+    }
     sent = dict.fromkeys(live, 0)
     while live:
         finished = {r.rid for r in _drive(engine)}

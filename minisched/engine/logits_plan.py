@@ -12,6 +12,7 @@ before them (prefill_adder.py), so cached K/V is reused but no logit is ever ski
 where each sampled row's logits land (`sample_at`), and the prompt spans. `read_logprobs`
 turns the computed logits into `TokenLogprob`s (sampling.logprobs_of: raw log-softmax).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,7 +57,9 @@ def plan_logits(batch: Batch) -> LogitsPlan:
         if lo is not None:
             first, end = max(p, lo), min(p + e, req.prompt_len - 1)  # q in [first, end): predicts q + 1
             if end > first:
-                spans.append(PromptSpan(b, len(rows), req.prompt_ids[first + 1:end + 1], req.sampling.prompt_logprobs))
+                spans.append(
+                    PromptSpan(b, len(rows), req.prompt_ids[first + 1 : end + 1], req.sampling.prompt_logprobs)
+                )
                 rows.extend(range(int(qo[b]) + first - p, int(qo[b]) + end - p))
         if batch.sampled[b]:
             flat = int(last[b])
@@ -68,8 +71,16 @@ def plan_logits(batch: Batch) -> LogitsPlan:
     return LogitsPlan(np.asarray(rows, dtype=np.int64), [sample_at[b] for b in sampled], spans)
 
 
-def read_logprobs(logits: torch.Tensor, plan: LogitsPlan, sample_logits: torch.Tensor, sampled_rows: list[int],
-                  picked: list[int], ks: list[Optional[int]], batch_size: int, tokens: list[int]) -> StepOutput:
+def read_logprobs(
+    logits: torch.Tensor,
+    plan: LogitsPlan,
+    sample_logits: torch.Tensor,
+    sampled_rows: list[int],
+    picked: list[int],
+    ks: list[Optional[int]],
+    batch_size: int,
+    tokens: list[int],
+) -> StepOutput:
     """The step's StepOutput: tokens, and the logprobs the rows asked for (`ks`: per sampled row)."""
     out = StepOutput(tokens)
     asked = [i for i, k in enumerate(ks) if k is not None]
@@ -79,12 +90,13 @@ def read_logprobs(logits: torch.Tensor, plan: LogitsPlan, sample_logits: torch.T
         chosen, top = logprobs_of(sample_logits[idx], [picked[i] for i in asked], kmax)
         out.logprobs = [None] * batch_size
         for j, i in enumerate(asked):
-            out.logprobs[sampled_rows[i]] = TokenLogprob(picked[i], chosen[j], tuple(top[j][:ks[i]]))
+            out.logprobs[sampled_rows[i]] = TokenLogprob(picked[i], chosen[j], tuple(top[j][: ks[i]]))
     if plan.spans:
         out.prompt_logprobs = [None] * batch_size
         for span in plan.spans:
             n = len(span.targets)
-            chosen, top = logprobs_of(logits[span.start:span.start + n], span.targets, span.k)
-            out.prompt_logprobs[span.row] = [TokenLogprob(t, c, tuple(tp)) for t, c, tp in
-                                             zip(span.targets, chosen, top)]
+            chosen, top = logprobs_of(logits[span.start : span.start + n], span.targets, span.k)
+            out.prompt_logprobs[span.row] = [
+                TokenLogprob(t, c, tuple(tp)) for t, c, tp in zip(span.targets, chosen, top)
+            ]
     return out

@@ -1,4 +1,5 @@
 """Engine options resolved at construction: the kernel backend, CUDA graphs, the KV pool's size."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -7,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from minisched.base.values import cdiv
 from minisched import ops
+from minisched.base.values import cdiv
 from minisched.model.config import ModelConfig
 
 CPU_DEFAULT_POOL_TOKENS = 16384
@@ -24,9 +25,11 @@ def pick_backend(backend: str, device: torch.device) -> str:
             if importlib.util.find_spec("triton") is None:
                 raise RuntimeError("backend 'triton' needs the triton package (pip install triton)")
             if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise RuntimeError(f"backend 'triton' compiles for CUDA GPUs, and the device is {device}; use "
-                                   f"--device cuda, another backend, or TRITON_INTERPRET=1 to run the Triton "
-                                   f"interpreter on the CPU (very slow)")
+                raise RuntimeError(
+                    f"backend 'triton' compiles for CUDA GPUs, and the device is {device}; use "
+                    f"--device cuda, another backend, or TRITON_INTERPRET=1 to run the Triton "
+                    f"interpreter on the CPU (very slow)"
+                )
         return backend
     if ops.native_available():
         return "native"
@@ -42,8 +45,9 @@ def available_bytes(device: torch.device) -> int:
         return 1 << 40
 
 
-def want_cuda_graph(cuda_graph: Optional[bool], device: torch.device, backend: str, check: bool,
-                    custom_runner: bool) -> bool:
+def want_cuda_graph(
+    cuda_graph: Optional[bool], device: torch.device, backend: str, check: bool, custom_runner: bool
+) -> bool:
     """Decode by CUDA graph replay (engine/cuda_graph.py). None: on for CUDA with the native or Triton
     kernels, check=False and the plain runner (a tensor-parallel runner's forward is not captured);
     True where that cannot work is an error."""
@@ -51,17 +55,30 @@ def want_cuda_graph(cuda_graph: Optional[bool], device: torch.device, backend: s
         raise ValueError(f"cuda_graph must be True, False or None (the device's default), got {cuda_graph!r}")
     usable = device.type == "cuda" and backend != "torch" and not check and not custom_runner
     if cuda_graph and not usable:
-        why = (f"the device is {device}" if device.type != "cuda" else
-               "a custom runner_factory (tensor parallel) is not captured" if custom_runner else
-               "the torch reference backend reads index values on the host" if backend == "torch" else
-               "check=True reads index values on the host (a sync, which capture forbids)")
-        raise ValueError(f"cuda_graph=True needs a CUDA device, the native or Triton kernels, check=False "
-                         f"and the plain runner: {why}")
+        why = (
+            f"the device is {device}"
+            if device.type != "cuda"
+            else "a custom runner_factory (tensor parallel) is not captured"
+            if custom_runner
+            else "the torch reference backend reads index values on the host"
+            if backend == "torch"
+            else "check=True reads index values on the host (a sync, which capture forbids)"
+        )
+        raise ValueError(
+            f"cuda_graph=True needs a CUDA device, the native or Triton kernels, check=False "
+            f"and the plain runner: {why}"
+        )
     return usable if cuda_graph is None else cuda_graph
 
 
-def pool_pages(cfg: ModelConfig, itemsize: int, device: torch.device, page_size: int, num_pages: Optional[int],
-               mem_fraction: Optional[float]) -> int:
+def pool_pages(
+    cfg: ModelConfig,
+    itemsize: int,
+    device: torch.device,
+    page_size: int,
+    num_pages: Optional[int],
+    mem_fraction: Optional[float],
+) -> int:
     """The KV pool's page count: given, a fraction of the free memory, or the device's default
     (the values' types and ranges are EngineConfig's to check)."""
     per_page = cfg.kv_bytes_per_token(itemsize) * page_size
@@ -74,10 +91,13 @@ def pool_pages(cfg: ModelConfig, itemsize: int, device: torch.device, page_size:
         else:
             num_pages = cdiv(CPU_DEFAULT_POOL_TOKENS, page_size)
     if not isinstance(num_pages, int) or num_pages < 2:
-        raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages} "
-                         f"(page_size={page_size}, {per_page} bytes per page)")
+        raise ValueError(
+            f"the KV pool needs at least 2 pages, got {num_pages} (page_size={page_size}, {per_page} bytes per page)"
+        )
     if num_pages * per_page > avail:
-        raise ValueError(f"a KV pool of {num_pages} pages x {page_size} tokens needs "
-                         f"{num_pages * per_page / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is free "
-                         f"on {device}; lower num_pages or mem_fraction")
+        raise ValueError(
+            f"a KV pool of {num_pages} pages x {page_size} tokens needs "
+            f"{num_pages * per_page / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is free "
+            f"on {device}; lower num_pages or mem_fraction"
+        )
     return num_pages

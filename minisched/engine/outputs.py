@@ -1,4 +1,5 @@
 """What `Engine.generate` returns per request, and what `Engine.stream` yields."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

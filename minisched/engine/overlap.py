@@ -19,6 +19,7 @@ the requests of every launched batch with an error, after the worker has finishe
 running, and propagates; the worker skips the jobs queued behind a failed one (their inputs
 would name tokens that were never sampled).
 """
+
 from __future__ import annotations
 
 import time

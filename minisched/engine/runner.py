@@ -11,6 +11,7 @@ common leading full pages -- all before each member's new token -- are its share
 attended once per group by `ops.cascade_decode_attention`; every other request runs plain
 paged decode. Greedy output is identical either way (test_engine checks it).
 """
+
 from __future__ import annotations
 
 import time
@@ -21,15 +22,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from minisched.sched.batch import Batch, ForwardMode
-from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
 from minisched.base.page_table import build_csr
 from minisched.engine.cuda_graph import CudaGraphRunner
-from minisched.engine.threads import ThreadTuner
 from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
+from minisched.engine.threads import ThreadTuner
+from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
 from minisched.model.sampling import RowHistory, make_generator, sample
-from minisched.sched.step_output import StepOutput
+from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.req import Req, SamplingParams
+from minisched.sched.step_output import StepOutput
 
 
 def cascade_groups(page_lists: list[list[int]], kv_lens: list[int], page_size: int):
@@ -66,6 +67,7 @@ FUTURE_RING = 1 << 16  # placeholder-token slots (overlap): far more than the ro
 class ForwardJob:
     """One step's inputs, built by `prepare` on the scheduling thread. `execute` reads nothing else,
     so it may run on another thread while the scheduler changes its requests (overlap scheduling)."""
+
     input_ids: torch.Tensor  # int32 [N]; negative: a placeholder for a token an earlier job samples
     meta: ForwardMeta
     num_tokens: int
@@ -80,9 +82,18 @@ class ForwardJob:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, page_size: int, *, backend: str = "torch",
-                 cascade: bool = False, check: bool = False, thread_tuner: Optional[ThreadTuner] = None,
-                 cuda_graphs: Optional[CudaGraphRunner] = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        page_size: int,
+        *,
+        backend: str = "torch",
+        cascade: bool = False,
+        check: bool = False,
+        thread_tuner: Optional[ThreadTuner] = None,
+        cuda_graphs: Optional[CudaGraphRunner] = None,
+    ):
         self.model = model
         self.cuda_graphs = cuda_graphs  # decode steps replay a captured graph (engine/cuda_graph.py)
         self.thread_tuner = thread_tuner
@@ -92,7 +103,7 @@ class ModelRunner:
         self.cascade = cascade
         self.check = check
         self.device = model.device
-        self._generators: "weakref.WeakKeyDictionary[Req, torch.Generator]" = weakref.WeakKeyDictionary()
+        self._generators: weakref.WeakKeyDictionary[Req, torch.Generator] = weakref.WeakKeyDictionary()
         self.num_forwards = 0
         self.num_cascade_steps = 0
         self._futures: Optional[torch.Tensor] = None  # overlap: tokens sampled for placeholder ids
@@ -109,9 +120,13 @@ class ModelRunner:
         plan = plan or plan_logits(batch)
         table = batch.page_table()
         meta = ForwardMeta(
-            positions=self._t(batch.positions(), torch.int64), out_slots=self._t(batch.out_slots()),
-            qo_indptr=self._t(batch.qo_indptr()), page_table=tuple(self._t(a) for a in table),
-            logits_indices=self._t(plan.rows, torch.int64), is_decode=batch.mode is ForwardMode.DECODE)
+            positions=self._t(batch.positions(), torch.int64),
+            out_slots=self._t(batch.out_slots()),
+            qo_indptr=self._t(batch.qo_indptr()),
+            page_table=tuple(self._t(a) for a in table),
+            logits_indices=self._t(plan.rows, torch.int64),
+            is_decode=batch.mode is ForwardMode.DECODE,
+        )
         if meta.is_decode and self.cascade:
             meta.cascade = self._cascade_meta(batch)
         return self._t(batch.input_ids()), meta
@@ -133,14 +148,19 @@ class ModelRunner:
                 suf_pages.append(pages[b][shared:])
                 suf_lens.append(kv_lens[b] - shared * ps)
         self.num_cascade_steps += 1
-        plain_table = build_csr([pages[b] for b in plain], [kv_lens[b] for b in plain], ps) if plain else \
-            (np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+        plain_table = (
+            build_csr([pages[b] for b in plain], [kv_lens[b] for b in plain], ps)
+            if plain
+            else (np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+        )
         return CascadeMeta(
-            rows=self._t(np.asarray(rows), torch.int64), group_indptr=self._t(np.asarray(group_indptr)),
+            rows=self._t(np.asarray(rows), torch.int64),
+            group_indptr=self._t(np.asarray(group_indptr)),
             prefix_table=tuple(self._t(a) for a in build_csr(pre_pages, pre_lens, ps)),
             suffix_table=tuple(self._t(a) for a in build_csr(suf_pages, suf_lens, ps)),
             plain_rows=self._t(np.asarray(plain, dtype=np.int64), torch.int64),
-            plain_table=tuple(self._t(a) for a in plain_table))
+            plain_table=tuple(self._t(a) for a in plain_table),
+        )
 
     # -- the step ------------------------------------------------------------------------------------
     def generator_for(self, req: Req) -> Optional[torch.Generator]:
@@ -168,20 +188,29 @@ class ModelRunner:
         reqs = [batch.reqs[b] for b in rows]
         slots = None
         if batch.future_ids:
-            slots = self._t(np.asarray([(-batch.future_ids[b] - 1) % FUTURE_RING for b in rows], np.int64),
-                            torch.int64)
+            slots = self._t(np.asarray([(-batch.future_ids[b] - 1) % FUTURE_RING for b in rows], np.int64), torch.int64)
         history = None
         if any(r.sampling.needs_processing for r in reqs):  # penalties and min_tokens read the tokens so far
             history = []
             for b, r in zip(rows, reqs):
                 if r.sampling.needs_processing:
-                    fill = r.fill_ids[:batch.prefix_lens[b] + batch.extend_lens[b]]  # before the token sampled now
-                    history.append(RowHistory(fill[:r.prompt_len], fill[r.prompt_len:]))
+                    fill = r.fill_ids[: batch.prefix_lens[b] + batch.extend_lens[b]]  # before the token sampled now
+                    history.append(RowHistory(fill[: r.prompt_len], fill[r.prompt_len :]))
                 else:
                     history.append(None)
-        return ForwardJob(input_ids, meta, batch.num_tokens, batch.batch_size, rows, [r.sampling for r in reqs],
-                          [self.generator_for(r) for r in reqs], any(r.pending_ids for r in batch.reqs), slots,
-                          plan, history)
+        return ForwardJob(
+            input_ids,
+            meta,
+            batch.num_tokens,
+            batch.batch_size,
+            rows,
+            [r.sampling for r in reqs],
+            [self.generator_for(r) for r in reqs],
+            any(r.pending_ids for r in batch.reqs),
+            slots,
+            plan,
+            history,
+        )
 
     def _future_map(self) -> torch.Tensor:
         if self._futures is None:

@@ -1,5 +1,6 @@
 """CPU threads for the model: how many the process may use, and `ThreadTuner`, which picks the count
 while serving by measuring (the Engine's default, `num_threads=None`)."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,14 @@ class ThreadTuner:
     one busy process on 2 cores (benchmarks/RESULTS.md, "CPU threads"). Thread counts do not change the model's numbers
     (the kernels split work by rows, not by sums; tests/engine checks it)."""
 
-    def __init__(self, max_threads: int, interval: float = 3.0, probe_steps: int = 3, margin: float = 0.1,
-                 cost_factor: float = 20.0):
+    def __init__(
+        self,
+        max_threads: int,
+        interval: float = 3.0,
+        probe_steps: int = 3,
+        margin: float = 0.1,
+        cost_factor: float = 20.0,
+    ):
         self.max_threads = max_threads
         self.current = max_threads
         self.interval, self.probe_steps, self.margin = interval, probe_steps, margin
@@ -62,8 +69,12 @@ class ThreadTuner:
 
     def before_step(self, tokens: int) -> None:
         sizes = [t for t, _ in self.recent]
-        if (self.probe is None and time.monotonic() >= self.next_probe and len(self.recent) >= self.probe_steps
-                and max(sizes + [tokens]) <= 1.5 * max(1, min(sizes + [tokens]))):  # steady steps only
+        if (
+            self.probe is None
+            and time.monotonic() >= self.next_probe
+            and len(self.recent) >= self.probe_steps
+            and max(sizes + [tokens]) <= 1.5 * max(1, min(sizes + [tokens]))
+        ):  # steady steps only
             cand = max(1, self.current // 2) if self.go_down else min(self.max_threads, self.current * 2)
             if cand == self.current:  # at a bound: try the other way
                 self.go_down = not self.go_down
@@ -74,7 +85,7 @@ class ThreadTuner:
 
     def after_step(self, tokens: int, seconds: float) -> None:
         if self.probe is None:
-            self.recent = (self.recent + [(tokens, seconds)])[-self.probe_steps:]
+            self.recent = (self.recent + [(tokens, seconds)])[-self.probe_steps :]
             return
         cand, got = self.probe
         got.append((tokens, seconds))

@@ -3,6 +3,7 @@
 The presets are the shapes of real checkpoints (used with `dummy:<preset>` weights for GPU
 benchmarks) plus `tiny`, a two-layer model for fast CPU tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -25,8 +26,16 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_position"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -54,28 +63,87 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
 PRESETS: dict[str, ModelConfig] = {
     # two layers, head_dim 64 (what every kernel supports), GQA 2:1 -- the CPU test model
-    "tiny": ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
-                        intermediate_size=256, rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=True,
-                        max_position=2048, eos_token_id=2),
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                                head_dim=64, intermediate_size=1536, rope_theta=100000.0, rms_eps=1e-5,
-                                tie_embeddings=True, max_position=8192, bos_token_id=1, eos_token_id=2),
-    "llama3-1b": ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                             head_dim=64, intermediate_size=8192, rope_theta=500000.0, rms_eps=1e-5,
-                             tie_embeddings=True, max_position=131072, bos_token_id=128000, eos_token_id=128009),
-    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                             head_dim=128, intermediate_size=14336, rope_theta=500000.0, rms_eps=1e-5,
-                             tie_embeddings=False, max_position=131072, bos_token_id=128000, eos_token_id=128009),
-    "llama2-13b": ModelConfig(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40,
-                              head_dim=128, intermediate_size=13824, rope_theta=10000.0, rms_eps=1e-5,
-                              tie_embeddings=False, max_position=4096, bos_token_id=1, eos_token_id=2),
+    "tiny": ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        intermediate_size=256,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tie_embeddings=True,
+        max_position=2048,
+        eos_token_id=2,
+    ),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+        rms_eps=1e-5,
+        tie_embeddings=True,
+        max_position=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "llama3-1b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        tie_embeddings=True,
+        max_position=131072,
+        bos_token_id=128000,
+        eos_token_id=128009,
+    ),
+    "llama3-8b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        tie_embeddings=False,
+        max_position=131072,
+        bos_token_id=128000,
+        eos_token_id=128009,
+    ),
+    "llama2-13b": ModelConfig(
+        vocab_size=32000,
+        hidden_size=5120,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=40,
+        head_dim=128,
+        intermediate_size=13824,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tie_embeddings=False,
+        max_position=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 

@@ -16,25 +16,34 @@ is safe to send now:
 token that completes a stop string must not release held-back text) and returns the rest of
 `final_text`. Used by `Engine.stream` and by the server (which detokenizes on the HTTP side).
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
-def final_text(tokenizer, ids: Sequence[int], reason: str | None, stop: Sequence[str] = (), *,
-               include_stop: bool = False, skip_special_tokens: bool = True) -> str:
+def final_text(
+    tokenizer,
+    ids: Sequence[int],
+    reason: str | None,
+    stop: Sequence[str] = (),
+    *,
+    include_stop: bool = False,
+    skip_special_tokens: bool = True,
+) -> str:
     text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     if reason == "stop_str":
         hits = [(text.find(s), s) for s in stop if s in text]
         if hits:
             at, s = min(hits)
-            text = text[:at + len(s)] if include_stop else text[:at]
+            text = text[: at + len(s)] if include_stop else text[:at]
     return text
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False, skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
@@ -51,29 +60,35 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: Iterable[int]) -> str:
         self.ids.extend(new_ids)
-        before = self._decode(self.ids[self._prefix:self._read])
-        window = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        window = self._decode(self.ids[self._prefix :])
         if len(window) > len(before) and not window.endswith("\ufffd"):
-            self.text += window[len(before):]
+            self.text += window[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
         safe = len(self.text) - self.hold
         if safe <= self.sent:
             return ""
-        delta, self.sent = self.text[self.sent:safe], safe
+        delta, self.sent = self.text[self.sent : safe], safe
         return delta
 
     def finish(self, reason: str | None, last_ids: Iterable[int] = ()) -> str:
         """The unsent rest of the final text (`reason`: the engine's FinishReason value)."""
         self.ids.extend(last_ids)
-        final = final_text(self.tokenizer, self.ids, reason, self.stop, include_stop=self.include_stop,
-                           skip_special_tokens=self.skip_special)
-        sent = self.text[:self.sent]
+        final = final_text(
+            self.tokenizer,
+            self.ids,
+            reason,
+            self.stop,
+            include_stop=self.include_stop,
+            skip_special_tokens=self.skip_special,
+        )
+        sent = self.text[: self.sent]
         self.text = final
         if not final.startswith(sent):  # cannot happen with byte-level BPE; never resend
             return ""
-        delta, self.sent = final[len(sent):], len(final)
+        delta, self.sent = final[len(sent) :], len(final)
         return delta
 
     @property
     def sent_text(self) -> str:
-        return self.text[:self.sent]
+        return self.text[: self.sent]

@@ -4,6 +4,7 @@
 49k-token vocabulary; this reads the same header in ~0.1 s. Dequantization is still
 `gguf.quants.dequantize`. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
+
 from __future__ import annotations
 
 import struct
@@ -14,8 +15,19 @@ import numpy as np
 from minisched.base.values import cdiv
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-       7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NP = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 STRING, ARRAY = 8, 9
 
 
@@ -46,8 +58,16 @@ class GGUFFile:
             self._parse(path)
         except GGUFError:
             raise
-        except (struct.error, ValueError, OverflowError, KeyError, IndexError, UnicodeDecodeError, MemoryError,
-                TypeError) as exc:  # what a truncated or corrupt header turns into
+        except (
+            struct.error,
+            ValueError,
+            OverflowError,
+            KeyError,
+            IndexError,
+            UnicodeDecodeError,
+            MemoryError,
+            TypeError,
+        ) as exc:  # what a truncated or corrupt header turns into
             raise GGUFError(f"{path}: truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from None
         except OSError as exc:
             raise GGUFError(f"{path}: cannot read ({exc.strerror or exc})") from None
@@ -66,8 +86,10 @@ class GGUFFile:
         if version < 2:
             raise GGUFError(f"{path}: GGUF version {version} is not supported")
         if n_tensors > len(self._buf) or n_kv > len(self._buf):
-            raise GGUFError(f"{path}: truncated or corrupt GGUF header (it claims {n_tensors} tensors and {n_kv} "
-                            f"metadata keys in a {len(self._buf)}-byte file)")
+            raise GGUFError(
+                f"{path}: truncated or corrupt GGUF header (it claims {n_tensors} tensors and {n_kv} "
+                f"metadata keys in a {len(self._buf)}-byte file)"
+            )
         self.metadata: dict = {}
         for _ in range(n_kv):
             key = self._string()
@@ -90,9 +112,11 @@ class GGUFFile:
             row_bytes = dims[0] // block * type_size
             rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
             if start + offset + rows * row_bytes > len(self._buf):
-                raise GGUFError(f"{path}: truncated GGUF file (tensor {name!r} ends past the end of the file, "
-                                f"{len(self._buf)} bytes)")
-            data = self._buf[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+                raise GGUFError(
+                    f"{path}: truncated GGUF file (tensor {name!r} ends past the end of the file, "
+                    f"{len(self._buf)} bytes)"
+                )
+            data = self._buf[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
             self.tensors[name] = GGUFTensor(name, dims, qtype, data)
 
     def _unpack(self, fmt: str):
@@ -104,7 +128,7 @@ class GGUFFile:
         (n,) = struct.unpack_from("<Q", self._mv, self._pos)
         if self._pos + 8 + n > len(self._mv):
             raise struct.error(f"a string of {n} bytes runs past the end of the file")
-        s = bytes(self._mv[self._pos + 8:self._pos + 8 + n]).decode("utf-8", errors="replace")
+        s = bytes(self._mv[self._pos + 8 : self._pos + 8 + n]).decode("utf-8", errors="replace")
         self._pos += 8 + n
         return s
 

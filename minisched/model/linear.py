@@ -4,6 +4,7 @@ A weight is a float tensor [N, K] (torch's F.linear), or a module with `linear(x
 `PackedWeight` (packed.py, the CPU float32 default) or `Int8Weight` (quant.py, `--quantize int8`).
 A new weight kind implements `linear`, `shape` and, for the tied embedding, `rows`.
 """
+
 from __future__ import annotations
 
 import torch

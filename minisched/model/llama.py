@@ -15,6 +15,7 @@ model holds its rank's heads, MLP columns and vocabulary rows; `minisched.parall
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in float32 then cast back; RoPE
 cos/sin from float32 `position * inv_freq`; logits in float32.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class CascadeMeta:
     """Decode with shared prefixes. The batch rows `rows` (grouped: rows group_indptr[g]:group_indptr[g+1]
     of q[rows] share group g's prefix pages) run cascade attention; the rows `plain_rows` run plain paged
     decode with `plain_table`."""
+
     rows: torch.Tensor  # int64 [R]
     group_indptr: torch.Tensor  # int32 [G+1] over q[rows]
     prefix_table: PageTable  # one entry per group
@@ -47,6 +49,7 @@ class CascadeMeta:
 @dataclass
 class ForwardMeta:
     """Everything one forward needs besides the token ids. Index tensors live on the model's device."""
+
     positions: torch.Tensor  # int64 [N]
     out_slots: torch.Tensor  # int32 [N]: pool slot of each new token's K/V
     qo_indptr: torch.Tensor  # int32 [B+1]
@@ -75,12 +78,17 @@ def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def fused_norm_applies(x: torch.Tensor, backend: str) -> bool:
     """The native CPU kernels in float32 have a fused add + RMSNorm (ops.rms_norm, csrc/cpu/rms_norm.cpp)."""
-    return (backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32
-            and hasattr(torch.ops.minisched, "rms_norm"))
+    return (
+        backend == "native"
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and hasattr(torch.ops.minisched, "rms_norm")
+    )
 
 
-def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-                 fused: bool) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float, fused: bool
+) -> torch.Tensor:
     """x += delta (the residual add, in place; skipped when None), then RMSNorm(x) * weight."""
     if fused:
         return ops.rms_norm(x, weight, eps, delta=None if delta is None else delta.contiguous())
@@ -125,8 +133,9 @@ class LlamaModel(nn.Module):
         kw = dict(dtype=dtype, device=device)
         h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, h, **kw), requires_grad=False)
-        self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, h, **kw),
-                                                                    requires_grad=False)
+        self.lm_head = (
+            None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, h, **kw), requires_grad=False)
+        )
         self.norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
         self.layers = nn.ModuleList()
         for _ in range(cfg.num_layers):
@@ -151,8 +160,9 @@ class LlamaModel(nn.Module):
         return self.embed.device
 
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32,
-                        device="cpu") -> "LlamaModel":
+    def from_state_dict(
+        cls, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32, device="cpu"
+    ) -> LlamaModel:
         model = cls(cfg, dtype=dtype, device=device)  # torch.empty parameters: no init cost
         model.load_hf_state_dict(state)
         return model
@@ -160,6 +170,7 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy HF-named Llama weights (as minisched.model.weights returns them) into the fused layout."""
+
         def get(name):
             if name not in state:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
@@ -180,27 +191,45 @@ class LlamaModel(nn.Module):
 
     def new_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
         c = self.cfg
-        return torch.zeros(c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim,
-                           dtype=self.dtype, device=self.device)
+        return torch.zeros(
+            c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
+        )
 
     def _attention(self, q, k_cache, v_cache, meta: ForwardMeta, backend: str, check: bool) -> torch.Tensor:
         if meta.cascade is not None:
             c = meta.cascade
             out = torch.empty_like(q)
-            out[c.rows] = ops.cascade_decode_attention(q[c.rows], c.group_indptr, k_cache, v_cache, c.prefix_table,
-                                                       c.suffix_table, backend=backend, check=check)
+            out[c.rows] = ops.cascade_decode_attention(
+                q[c.rows],
+                c.group_indptr,
+                k_cache,
+                v_cache,
+                c.prefix_table,
+                c.suffix_table,
+                backend=backend,
+                check=check,
+            )
             if c.plain_rows.numel():
-                out[c.plain_rows] = ops.paged_decode_attention(q[c.plain_rows], k_cache, v_cache, *c.plain_table,
-                                                               backend=backend, check=check)
+                out[c.plain_rows] = ops.paged_decode_attention(
+                    q[c.plain_rows], k_cache, v_cache, *c.plain_table, backend=backend, check=check
+                )
             return out
         if meta.is_decode:
             return ops.paged_decode_attention(q, k_cache, v_cache, *meta.page_table, backend=backend, check=check)
-        return ops.paged_prefill_attention(q, meta.qo_indptr, k_cache, v_cache, *meta.page_table, causal=True,
-                                           backend=backend, check=check)
+        return ops.paged_prefill_attention(
+            q, meta.qo_indptr, k_cache, v_cache, *meta.page_table, causal=True, backend=backend, check=check
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, kv_cache: torch.Tensor, *,
-                backend: str = "torch", check: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: ForwardMeta,
+        kv_cache: torch.Tensor,
+        *,
+        backend: str = "torch",
+        check: bool = True,
+    ) -> torch.Tensor:
         """Logits float32 [len(meta.logits_indices), vocab] for a ragged batch; writes the new K/V into kv_cache.
         On a tensor-parallel rank (`self.tp`): the whole vocabulary's logits on rank 0, None on the others.
 
@@ -221,8 +250,8 @@ class LlamaModel(nn.Module):
             k_cache, v_cache = kv_layer.unbind(0)
             h = add_rms_norm(x, pending, layer.ln1, c.rms_eps, fused)
             qkv = linear(h, layer.qkv, backend)
-            qk = apply_rope_signed(qkv[:, :c.q_size + c.kv_size].view(n, hq + hkv, d), cos, sin)
-            v = qkv[:, c.q_size + c.kv_size:].view(n, hkv, d)
+            qk = apply_rope_signed(qkv[:, : c.q_size + c.kv_size].view(n, hq + hkv, d), cos, sin)
+            v = qkv[:, c.q_size + c.kv_size :].view(n, hkv, d)
             ops.store_kv(qk[:, hq:], v, k_cache, v_cache, meta.out_slots, backend=backend, check=check)
             attn = self._attention(qk[:, :hq].contiguous(), k_cache, v_cache, meta, backend, check)
             o = linear(attn.view(n, c.q_size), layer.o, backend)

@@ -9,6 +9,7 @@ differs from ATen's, so outputs agree with the unpacked model to float32 roundin
 
 A tied model keeps one copy: the embedding lookup reads its rows out of the packed LM head.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -55,17 +56,31 @@ class PackedWeight(nn.Module):
         return ops.reference.unpack_linear_weight(self.w_packed, self.n)
 
 
-def want_packed(pack_weights: Optional[bool], device: torch.device, dtype: torch.dtype, backend: str,
-                quantized: bool, tensor_parallel: bool) -> bool:
+def want_packed(
+    pack_weights: Optional[bool],
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    quantized: bool,
+    tensor_parallel: bool,
+) -> bool:
     """None: packed on the CPU for a float32 model with the native kernels, unless int8 or tensor
     parallel (the ranks shard plain weights); True where that cannot be is an error."""
     if pack_weights is not None and not isinstance(pack_weights, bool):
         raise ValueError(f"pack_weights must be True, False or None (the device's default), got {pack_weights!r}")
-    why = ("the weights are int8 (--quantize)" if quantized else
-           "tensor-parallel ranks shard plain weights" if tensor_parallel else
-           f"the device is {device}" if device.type != "cpu" else
-           f"the model is {dtype}, not float32" if dtype != torch.float32 else
-           f"the backend is {backend!r}" if backend != "native" else "")
+    why = (
+        "the weights are int8 (--quantize)"
+        if quantized
+        else "tensor-parallel ranks shard plain weights"
+        if tensor_parallel
+        else f"the device is {device}"
+        if device.type != "cpu"
+        else f"the model is {dtype}, not float32"
+        if dtype != torch.float32
+        else f"the backend is {backend!r}"
+        if backend != "native"
+        else ""
+    )
     if pack_weights and why:
         raise ValueError(f"pack_weights=True needs a float32 model on the CPU with the native kernels: {why}")
     return not why if pack_weights is None else pack_weights

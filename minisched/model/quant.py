@@ -7,6 +7,7 @@ bandwidth; int8 reads a quarter of the bytes (SmolLM2-135M: 540 MB -> ~150 MB pe
 It is an option, not the default: fp32 matches transformers, int8 does not exactly (the
 agreement with fp32 greedy output is measured in benchmarks/RESULTS.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,8 +71,9 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
     if not cfg.enabled:
         return model
     if model.device.type != "cpu" or model.embed.dtype != torch.float32:
-        raise ValueError(f"--quantize {cfg.mode} runs on the CPU with a float32 model "
-                         f"(got {model.device.type}, {model.dtype})")
+        raise ValueError(
+            f"--quantize {cfg.mode} runs on the CPU with a float32 model (got {model.device.type}, {model.dtype})"
+        )
     for layer in model.layers:
         for name in PROJECTIONS:
             w = getattr(layer, name)

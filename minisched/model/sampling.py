@@ -17,10 +17,12 @@
 log-softmax of the *raw* logits in float32 (before processing and temperature, vLLM's default
 "raw_logprobs"), the chosen token's and the top k.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -47,9 +49,13 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
-           history: Optional[Sequence[Optional[RowHistory]]] = None,
-           masks: Optional[torch.Tensor] = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[Optional[torch.Generator]],
+    history: Optional[Sequence[Optional[RowHistory]]] = None,
+    masks: Optional[torch.Tensor] = None,
+) -> list[int]:
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [B, V] with B == len(params) ({len(params)}), got {tuple(logits.shape)}")
     if any(p.needs_processing for p in params) or masks is not None:
@@ -64,8 +70,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     return out.tolist()
 
 
-def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   history: Optional[Sequence[Optional[RowHistory]]], masks: Optional[torch.Tensor]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    history: Optional[Sequence[Optional[RowHistory]]],
+    masks: Optional[torch.Tensor],
+) -> torch.Tensor:
     """A processed float32 copy of `logits` (see the module docstring, step 1)."""
     x = logits.float().clone()
     dev, vocab = x.device, x.shape[-1]
@@ -89,8 +99,11 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                 cols.append(t)
                 vals.append(b)
     if rows:
-        x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                     torch.tensor(vals, dtype=torch.float32, device=dev), accumulate=True)
+        x.index_put_(
+            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+            torch.tensor(vals, dtype=torch.float32, device=dev),
+            accumulate=True,
+        )
     # penalties
     pen = [i for i, p in enumerate(params) if p.has_penalties]
     if pen:
@@ -126,13 +139,14 @@ def _counts(seqs: Sequence[Sequence[int]], vocab: int, dev) -> torch.Tensor:
         ids = torch.full((len(seqs), width), vocab, dtype=torch.int64)
         for r, s in enumerate(seqs):
             if len(s):
-                ids[r, :len(s)] = torch.as_tensor(list(s), dtype=torch.int64).clamp_(0, vocab)
+                ids[r, : len(s)] = torch.as_tensor(list(s), dtype=torch.int64).clamp_(0, vocab)
         counts.scatter_add_(1, ids.to(dev), torch.ones(ids.shape, dtype=torch.float32, device=dev))
     return counts[:, :vocab]
 
 
-def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]
+) -> torch.Tensor:
     dev, vocab = logits.device, logits.shape[-1]
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     logits = logits / temp[:, None]
@@ -160,7 +174,9 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     return order.gather(1, pick).squeeze(1)
 
 
-def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def logprobs_of(
+    logits: torch.Tensor, tokens: Sequence[int], k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """For each row of raw `logits` [R, V]: log p(tokens[r]) and the k most likely (id, log p), from the
     float32 log-softmax (ties: lower ids first, as torch.topk on CPU)."""
     if not 0 <= k <= MAX_LOGPROBS:

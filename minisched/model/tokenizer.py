@@ -12,11 +12,12 @@ multi-digit numbers tokenizes differently here than in llama.cpp.
 
 Chat templates are rendered with jinja2 (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`).
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
@@ -37,8 +38,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class MiniTokenizer:
-    def __init__(self, tok: Tokenizer, *, eos_token_id: int | None, bos_token_id: int | None = None,
-                 chat_template: str | None = None, add_bos: bool = False):
+    def __init__(
+        self,
+        tok: Tokenizer,
+        *,
+        eos_token_id: int | None,
+        bos_token_id: int | None = None,
+        chat_template: str | None = None,
+        add_bos: bool = False,
+    ):
         self.tok = tok
         self.eos_token_id = eos_token_id
         self.bos_token_id = bos_token_id
@@ -48,7 +56,7 @@ class MiniTokenizer:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> "MiniTokenizer":
+    def from_gguf_metadata(cls, meta: dict) -> MiniTokenizer:
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {model!r}")
@@ -56,29 +64,45 @@ class MiniTokenizer:
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
-        vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
+        vocab = {
+            (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+            for i, t in enumerate(tokens)
+        }
         merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
-        tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                            end_of_word_suffix="", fuse_unk=False))
+        tok = Tokenizer(
+            BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        specials = [AddedToken(t, normalized=False, special=True)
-                    for t, ty in zip(tokens, types) if ty == CONTROL and set(t) <= alphabet]
+        specials = [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, types)
+            if ty == CONTROL and set(t) <= alphabet
+        ]
         tok.add_special_tokens(specials)
-        return cls(tok, eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-                   bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                   chat_template=meta.get("tokenizer.chat_template"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        return cls(
+            tok,
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
 
     @classmethod
-    def from_gguf(cls, path: str) -> "MiniTokenizer":
+    def from_gguf(cls, path: str) -> MiniTokenizer:
         from minisched.model.gguf_file import GGUFFile
 
         return cls.from_gguf_metadata(GGUFFile(path).metadata)
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> "MiniTokenizer":
+    def from_hf_dir(cls, path: str) -> MiniTokenizer:
         tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         cfg_path = os.path.join(path, "tokenizer_config.json")
         cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
@@ -95,7 +119,7 @@ class MiniTokenizer:
         return cls(tok, eos_token_id=tid("eos_token"), bos_token_id=tid("bos_token"), chat_template=template)
 
     @classmethod
-    def byte_level(cls, vocab_size: int = 512) -> "MiniTokenizer":
+    def byte_level(cls, vocab_size: int = 512) -> MiniTokenizer:
         """A trivial tokenizer for random-weight models: ids 3..258 are bytes; 0 pad, 1 bos, 2 eos."""
         return _ByteTokenizer(vocab_size)
 
@@ -124,15 +148,21 @@ class MiniTokenizer:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             # the environment transformers renders chat templates in
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(self.chat_template)
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"chat messages must be dicts with 'role' and 'content', got {m!r}")
         name = lambda i: self.id_to_token(i) if i is not None else ""  # noqa: E731
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=name(self.bos_token_id), eos_token=name(self.eos_token_id))
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=name(self.bos_token_id),
+            eos_token=name(self.eos_token_id),
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
@@ -148,8 +178,10 @@ class _ByteTokenizer(MiniTokenizer):
             raise ValueError("the byte tokenizer needs vocab_size >= 259")
         self._vocab = vocab_size
         self.eos_token_id, self.bos_token_id, self.add_bos = 2, 1, False
-        self.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                              "{% if add_generation_prompt %}<assistant>{% endif %}")
+        self.chat_template = (
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        )
         self._template = None
 
     @property

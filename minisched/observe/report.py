@@ -13,6 +13,7 @@ For each run, a column of panels sharing the time axis:
 With two runs (a `--compare` bench) the columns sit side by side on the same axes.
 Command line: `minisched report run.json -o report.png [--html report.html] [--trace t.json]`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,13 @@ def _draw_steps(ax, record: RunRecord, scale: float) -> None:
     for mode, color in MODE_COLORS.items():
         spans = [(a * scale, (b - a) * scale) for s, a, b in step_bounds(record) if s["mode"] == mode]
         if spans:
-            ax.broken_barh(spans, (0, 1), facecolors=color,
-                           edgecolor="white", linewidth=0.5 if len(record.step_stats) <= 150 else 0)
+            ax.broken_barh(
+                spans,
+                (0, 1),
+                facecolors=color,
+                edgecolor="white",
+                linewidth=0.5 if len(record.step_stats) <= 150 else 0,
+            )
     ax.set_yticks([])
     ax.set_ylim(0, 1)
     ax.set_ylabel("step", rotation=0, ha="right", va="center")
@@ -121,16 +127,25 @@ def _draw_kv(ax, record: RunRecord, scale: float) -> None:
     _, evict = _step_series(record, scale, lambda s: s["evictable_pages"])
     _, free = _step_series(record, scale, lambda s: s["free_pages"])
     if xs:
-        ax.stackplot(xs, used, evict, free, colors=KV_COLORS, step="post",
-                     labels=["in use by requests", "evictable radix cache", "free"])
+        ax.stackplot(
+            xs,
+            used,
+            evict,
+            free,
+            colors=KV_COLORS,
+            step="post",
+            labels=["in use by requests", "evictable radix cache", "free"],
+        )
     ax.set_ylim(0, max(total, 1) * HEADROOM)
     ax.set_ylabel(f"KV pages (of {total})")
     _legend(ax, "upper center", ncol=3)
 
 
 def _draw_queue(ax, record: RunRecord, scale: float) -> None:
-    for key, color, label in (("num_running", STATE_COLORS["decode"], "running (decode batch)"),
-                              ("num_waiting", "#7f7f7f", "waiting queue")):
+    for key, color, label in (
+        ("num_running", STATE_COLORS["decode"], "running (decode batch)"),
+        ("num_waiting", "#7f7f7f", "waiting queue"),
+    ):
         xs, ys = _step_series(record, scale, lambda s, k=key: s[k])
         ax.step(xs, ys, where="post", color=color, label=label, linewidth=1.6)
     ax.set_ylabel("requests")
@@ -145,15 +160,25 @@ def _ecdf(ax, values: list[float], color: str, label: str) -> None:
     if not vals:
         return
     n = len(vals)
-    ax.step([0.0] + vals, [0.0] + [(i + 1) / n for i in range(n)], where="post", color=color, linewidth=1.8,
-            label=f"{label} (n={n}, p50 {vals[(n - 1) // 2]:.3g})")
+    ax.step(
+        [0.0] + vals,
+        [0.0] + [(i + 1) / n for i in range(n)],
+        where="post",
+        color=color,
+        linewidth=1.8,
+        label=f"{label} (n={n}, p50 {vals[(n - 1) // 2]:.3g})",
+    )
 
 
 def _draw_latency(ax, record: RunRecord, scale: float, unit: str) -> None:
     reqs = record.requests
     _ecdf(ax, [r["ttft"] * scale for r in reqs if r["ttft"] is not None], STATE_COLORS["prefill"], "TTFT")
-    _ecdf(ax, [r["e2e_latency"] * scale for r in reqs
-                if r["status"] == "finished" and r["e2e_latency"] is not None], "#111111", "e2e latency")
+    _ecdf(
+        ax,
+        [r["e2e_latency"] * scale for r in reqs if r["status"] == "finished" and r["e2e_latency"] is not None],
+        "#111111",
+        "e2e latency",
+    )
     ax.set_xlabel(f"latency ({unit})")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
@@ -165,18 +190,26 @@ def _draw_latency(ax, record: RunRecord, scale: float, unit: str) -> None:
 def _title(record: RunRecord) -> str:
     d = derived_summary(record)
     tps = d["output tok/s"]
-    parts = [f"{d['requests']} requests", f"{d['finished']} finished", f"{d['aborted']} aborted",
-             f"{d['retractions']} retractions", f"{d['steps']} steps"]
+    parts = [
+        f"{d['requests']} requests",
+        f"{d['finished']} finished",
+        f"{d['aborted']} aborted",
+        f"{d['retractions']} retractions",
+        f"{d['steps']} steps",
+    ]
     if tps is not None:
         parts.append(f"{tps:.1f} output tok/s")
     return f"{record.name}\n" + ", ".join(parts)
 
 
 def _legend_handles() -> list:
-    handles = [Patch(color=c, label=("retracted (waiting again)" if s == "retracted" else s))
-               for s, c in STATE_COLORS.items()]
-    handles += [Line2D([], [], marker=m, color=c, linestyle="", markersize=8, markeredgewidth=1.5, label=lab)
-                for m, c, lab in MARK_STYLES.values()]
+    handles = [
+        Patch(color=c, label=("retracted (waiting again)" if s == "retracted" else s)) for s, c in STATE_COLORS.items()
+    ]
+    handles += [
+        Line2D([], [], marker=m, color=c, linestyle="", markersize=8, markeredgewidth=1.5, label=lab)
+        for m, c, lab in MARK_STYLES.values()
+    ]
     handles += [Patch(color=MODE_COLORS["mixed"], label="mixed step")]
     return handles
 
@@ -191,8 +224,17 @@ def render_figure(runs: list[RunRecord]):
     # room for the longest request label left of the first Gantt chart (~0.06 in per 8-pt character)
     longest = max((len(str(r.get("rid", ""))) for rec in runs for r in rec.requests), default=0)
     left_in = max(0.7, 0.35 + 0.062 * longest)
-    grid = fig.add_gridspec(5, len(runs), height_ratios=[0.35, 6.0, 1.8, 1.6, 2.2], hspace=0.32, wspace=0.18,
-                            left=left_in / (w / DPI), right=0.985, top=0.885, bottom=0.05)
+    grid = fig.add_gridspec(
+        5,
+        len(runs),
+        height_ratios=[0.35, 6.0, 1.8, 1.6, 2.2],
+        hspace=0.32,
+        wspace=0.18,
+        left=left_in / (w / DPI),
+        right=0.985,
+        top=0.885,
+        bottom=0.05,
+    )
     n_rows = max(len(r.requests) for r in runs)
     t_max = max(r.duration for r in runs) * scale
     columns = [[fig.add_subplot(grid[row, col]) for row in range(5)] for col in range(len(runs))]
@@ -216,8 +258,13 @@ def render_figure(runs: list[RunRecord]):
         queue_ax.set_xlabel(f"time since run start ({unit})")
     columns[0][1].set_xlim(0, t_max * 1.01 if t_max > 0 else 1.0)
     # the latency axes are shared across runs: fit the slowest run's latencies, not the first's
-    lat_max = max((v for rec in runs for r in rec.requests for v in (r["ttft"], r["e2e_latency"]) if v is not None),
-                  default=0.0) * scale
+    lat_max = (
+        max(
+            (v for rec in runs for r in rec.requests for v in (r["ttft"], r["e2e_latency"]) if v is not None),
+            default=0.0,
+        )
+        * scale
+    )
     columns[0][4].set_xlim(0, lat_max * 1.03 if lat_max > 0 else 1.0)
     if len(runs) > 1:
         kv_top = max(max(r.num_pages for r in runs), 1)
@@ -226,8 +273,14 @@ def render_figure(runs: list[RunRecord]):
         columns[0][3].set_ylim(0, q_top * HEADROOM + 0.5)
     fig.suptitle("minisched request lifecycle", fontsize=15, fontweight="bold", y=0.985)
     handles = _legend_handles()
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles) if len(runs) > 1 else 5, fontsize=9,
-               frameon=False, bbox_to_anchor=(0.5, 0.968))
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=len(handles) if len(runs) > 1 else 5,
+        fontsize=9,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.968),
+    )
     return fig
 
 
@@ -288,17 +341,20 @@ def _table(title: str, runs: list[RunRecord], rows: list[dict]) -> str:
         return ""
     esc = html_lib.escape
     head = "".join(f"<th>{esc(r.name)}</th>" for r in runs)
-    body = "".join(f"<tr><td>{esc(k)}</td>" + "".join(f"<td>{esc(_fmt(r.get(k)))}</td>" for r in rows) + "</tr>"
-                   for k in keys)
+    body = "".join(
+        f"<tr><td>{esc(k)}</td>" + "".join(f"<td>{esc(_fmt(r.get(k)))}</td>" for r in rows) + "</tr>" for k in keys
+    )
     return f"<h2>{esc(title)}</h2>\n<table><tr><th></th>{head}</tr>{body}</table>\n"
 
 
 def html_page(runs: list[RunRecord], png: bytes) -> str:
     img = base64.b64encode(png).decode("ascii")
     names = ", ".join(r.name for r in runs)
-    tables = (_table("Summary (from the recorded events)", runs, [derived_summary(r) for r in runs])
-              + _table("Benchmark summary", runs, [_flatten(r.summary) for r in runs])
-              + _table("Configuration", runs, [_flatten(r.config) for r in runs]))
+    tables = (
+        _table("Summary (from the recorded events)", runs, [derived_summary(r) for r in runs])
+        + _table("Benchmark summary", runs, [_flatten(r.summary) for r in runs])
+        + _table("Configuration", runs, [_flatten(r.config) for r in runs])
+    )
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>minisched report: {html_lib.escape(names)}</title>
 <style>
@@ -317,11 +373,13 @@ img {{ max-width: 100%; }}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="minisched report",
-                                description="Render the request-lifecycle report of a recorded run file.")
+    p = argparse.ArgumentParser(
+        prog="minisched report", description="Render the request-lifecycle report of a recorded run file."
+    )
     p.add_argument("run_file", help="run JSON written by the serving benchmark ({'version': 1, 'runs': [...]})")
-    p.add_argument("-o", "--output", default="report.png", help="picture to write: .png, .svg or .pdf "
-                                                                  "(default: report.png)")
+    p.add_argument(
+        "-o", "--output", default="report.png", help="picture to write: .png, .svg or .pdf (default: report.png)"
+    )
     p.add_argument("--html", default=None, help="also write a self-contained HTML page")
     p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace JSON")
     args = p.parse_args(argv)
@@ -343,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     written = [args.output] + [x for x in (args.html,) if x]
     if args.trace:
         from minisched.observe.trace import write_chrome_trace
+
         write_chrome_trace(args.trace, runs)
         written.append(args.trace)
     print("wrote " + ", ".join(written))

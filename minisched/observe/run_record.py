@@ -39,6 +39,7 @@ request between two of its chunks, decode) and marks (retract, finished, aborted
 request is each prefill/mixed step between its admission and the end of its prefill: the
 scheduler carries at most one chunked request, and it runs first in every prefill round.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,9 +85,17 @@ class RunRecord:
         return max(times, default=0.0)
 
     @classmethod
-    def from_events(cls, name: str, events: list, step_stats: list, num_pages: int, page_size: int,
-                    config: dict | None = None, summary: dict | None = None,
-                    start_time: float | None = None) -> "RunRecord":
+    def from_events(
+        cls,
+        name: str,
+        events: list,
+        step_stats: list,
+        num_pages: int,
+        page_size: int,
+        config: dict | None = None,
+        summary: dict | None = None,
+        start_time: float | None = None,
+    ) -> RunRecord:
         """From `Event`/`StepStats` objects (absolute time.monotonic() times). With
         `start_time`, what happened before it (a warm-up on the same scheduler) is dropped."""
         if start_time is not None:
@@ -94,39 +103,77 @@ class RunRecord:
             step_stats = [s for s in step_stats if s.time >= start_time]
         times = [e.time for e in events] + [s.time for s in step_stats]
         t0 = start_time if start_time is not None else min(times, default=0.0)
-        rec = cls(name, dict(config or {}), dict(summary or {}), int(num_pages), int(page_size),
-                  [_plain(e, t0) for e in events], [_plain(s, t0) for s in step_stats])
+        rec = cls(
+            name,
+            dict(config or {}),
+            dict(summary or {}),
+            int(num_pages),
+            int(page_size),
+            [_plain(e, t0) for e in events],
+            [_plain(s, t0) for s in step_stats],
+        )
         rec.requests = request_metrics(rec.events)
         return rec
 
     @classmethod
-    def from_scheduler(cls, name: str, scheduler, config: dict | None = None, summary: dict | None = None,
-                       start_time: float | None = None) -> "RunRecord":
+    def from_scheduler(
+        cls,
+        name: str,
+        scheduler,
+        config: dict | None = None,
+        summary: dict | None = None,
+        start_time: float | None = None,
+    ) -> RunRecord:
         """From a scheduler after (or during) a run; `start_time`: the run's time.monotonic()
         origin (events before it are dropped), default the first event. The scheduler's
         own config is added under config["scheduler"] unless the caller already put one there."""
         config = dict(config or {})
         config.setdefault("scheduler", dataclasses.asdict(scheduler.config))
-        return cls.from_events(name, scheduler.events, scheduler.step_stats, scheduler.config.num_pages,
-                               scheduler.config.page_size, config, summary, start_time)
+        return cls.from_events(
+            name,
+            scheduler.events,
+            scheduler.step_stats,
+            scheduler.config.num_pages,
+            scheduler.config.page_size,
+            config,
+            summary,
+            start_time,
+        )
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "config": self.config, "summary": self.summary, "num_pages": self.num_pages,
-                "page_size": self.page_size, "events": self.events, "step_stats": self.step_stats, "requests": self.requests}
+        return {
+            "name": self.name,
+            "config": self.config,
+            "summary": self.summary,
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
+            "events": self.events,
+            "step_stats": self.step_stats,
+            "requests": self.requests,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunRecord":
+    def from_dict(cls, d: dict) -> RunRecord:
         for key in ("name", "events", "step_stats"):
             if key not in d:
                 raise ValueError(f"run record lacks {key!r}")
         events = [dict(e) for e in d["events"]]
         requests = [dict(r) for r in d["requests"]] if "requests" in d else request_metrics(events)
-        return cls(str(d["name"]), dict(d.get("config", {})), dict(d.get("summary", {})), int(d.get("num_pages", 0)),
-                   int(d.get("page_size", 0)), events, [dict(s) for s in d["step_stats"]], requests)
+        return cls(
+            str(d["name"]),
+            dict(d.get("config", {})),
+            dict(d.get("summary", {})),
+            int(d.get("num_pages", 0)),
+            int(d.get("page_size", 0)),
+            events,
+            [dict(s) for s in d["step_stats"]],
+            requests,
+        )
 
 
 def save_runs(path: str | Path, runs: list[RunRecord]) -> None:
     """Write runs to one JSON file: {"version": 1, "runs": [...]}."""
+
     def dump(obj) -> str:
         return json.dumps(obj, default=_json_default)
 
@@ -134,8 +181,10 @@ def save_runs(path: str | Path, runs: list[RunRecord]) -> None:
     for run in runs:  # one event / step / request per line: greppable, diffable
         d = run.to_dict()
         head = ", ".join(f"{dump(k)}: {dump(d[k])}" for k in ("name", "config", "summary", "num_pages", "page_size"))
-        lists = ",\n ".join(f"{dump(k)}: [\n  " + ",\n  ".join(dump(x) for x in d[k]) + "]"
-                            for k in ("events", "step_stats", "requests"))
+        lists = ",\n ".join(
+            f"{dump(k)}: [\n  " + ",\n  ".join(dump(x) for x in d[k]) + "]"
+            for k in ("events", "step_stats", "requests")
+        )
         parts.append("{" + head + ",\n " + lists + "}")
     Path(path).write_text(f'{{"version": {FORMAT_VERSION}, "runs": [\n' + ",\n".join(parts) + "]}\n")
 
@@ -184,15 +233,22 @@ def request_metrics(events: list[dict]) -> list[dict]:
         last = evs[-1]
         done = last["dst"] in FINAL_STATES
         finish = last["time"] if done else None
-        out.append({
-            "rid": key, "status": last["dst"], "finish_reason": last.get("note", "") if done else "",
-            "arrival": arrival, "first_token": first, "finish": finish,
-            "prompt_tokens": last["prompt_len"], "output_tokens": last["output_len"],
-            "cached_tokens": next((e["cached_len"] for e in evs if e["dst"] == "prefilling"), 0),
-            "num_retractions": sum(1 for e in evs if e["dst"] == "retracted"),
-            "ttft": None if first is None or arrival is None else first - arrival,
-            "e2e_latency": None if finish is None or arrival is None else finish - arrival,
-        })
+        out.append(
+            {
+                "rid": key,
+                "status": last["dst"],
+                "finish_reason": last.get("note", "") if done else "",
+                "arrival": arrival,
+                "first_token": first,
+                "finish": finish,
+                "prompt_tokens": last["prompt_len"],
+                "output_tokens": last["output_len"],
+                "cached_tokens": next((e["cached_len"] for e in evs if e["dst"] == "prefilling"), 0),
+                "num_retractions": sum(1 for e in evs if e["dst"] == "retracted"),
+                "ttft": None if first is None or arrival is None else first - arrival,
+                "e2e_latency": None if finish is None or arrival is None else finish - arrival,
+            }
+        )
     return out
 
 
@@ -236,12 +292,15 @@ def lifecycle_segments(record: RunRecord) -> list[dict]:
             nonlocal cursor
             start = max(start, cursor)
             end = max(end, start)
-            slices.append((state, start, end, args))
+            slices.append((state, start, end, args))  # noqa: B023 (called within this iteration only)
             cursor = end
 
         entered, wait_state = evs[0], "waiting"
-        tail = [] if evs[-1]["dst"] in FINAL_STATES else [dict(evs[-1], src=evs[-1]["dst"], dst=None, time=run_end,
-                                                                 step=last_step)]
+        tail = (
+            []
+            if evs[-1]["dst"] in FINAL_STATES
+            else [dict(evs[-1], src=evs[-1]["dst"], dst=None, time=run_end, step=last_step)]
+        )
         for e in evs[1:] + tail:
             src, dst, t = e["src"], e["dst"], e["time"]
             if src == "waiting":
@@ -252,8 +311,12 @@ def lifecycle_segments(record: RunRecord) -> list[dict]:
                     start = entered["time"] if i == 0 else a
                     if start > cursor:  # the carried chunk skipped steps (pages short, decode due)
                         add("chunk paused", cursor, start, {})
-                    add("prefill", start, min(b, t), {"step": s["step"], "chunk": i + 1,
-                                                      "cached_len": entered["cached_len"]})
+                    add(
+                        "prefill",
+                        start,
+                        min(b, t),
+                        {"step": s["step"], "chunk": i + 1, "cached_len": entered["cached_len"]},
+                    )
                 if hi > lo and t > cursor:
                     add("chunk paused", cursor, t, {})
                 if hi == lo:  # no step ran it (a record taken mid-step)

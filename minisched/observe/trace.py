@@ -16,6 +16,7 @@ Layout (one process per run; times in microseconds from the run's start):
 
 `chrome_trace(record_or_records)` returns the dict; `write_chrome_trace(path, ...)` writes it.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,34 +40,83 @@ def _meta(pid: int, tid: int | None, name: str, value) -> dict:
 
 
 def _run_events(record: RunRecord, pid: int) -> list[dict]:
-    out = [_meta(pid, None, "process_name", f"minisched: {record.name}"),
-           _meta(pid, STEP_TID, "thread_name", "batch steps"),
-           _meta(pid, STEP_TID, "thread_sort_index", STEP_TID)]
+    out = [
+        _meta(pid, None, "process_name", f"minisched: {record.name}"),
+        _meta(pid, STEP_TID, "thread_name", "batch steps"),
+        _meta(pid, STEP_TID, "thread_sort_index", STEP_TID),
+    ]
     # -- batch steps and counters --
     for s, start, end in step_bounds(record):
-        args = {k: s[k] for k in ("step", "batch_size", "num_prefill_tokens", "num_decode_tokens",
-                                  "cache_hit_tokens", "num_retracted", "new_token_ratio") if k in s}
-        out.append({"ph": "X", "pid": pid, "tid": STEP_TID, "name": s["mode"], "cat": "step",
-                    "ts": _us(start), "dur": max(_us(end) - _us(start), 0.0), "args": args})
+        args = {
+            k: s[k]
+            for k in (
+                "step",
+                "batch_size",
+                "num_prefill_tokens",
+                "num_decode_tokens",
+                "cache_hit_tokens",
+                "num_retracted",
+                "new_token_ratio",
+            )
+            if k in s
+        }
+        out.append(
+            {
+                "ph": "X",
+                "pid": pid,
+                "tid": STEP_TID,
+                "name": s["mode"],
+                "cat": "step",
+                "ts": _us(start),
+                "dur": max(_us(end) - _us(start), 0.0),
+                "args": args,
+            }
+        )
         ts = _us(start)
         used = record.num_pages - s["free_pages"] - s["cached_pages"]
-        out.append({"ph": "C", "pid": pid, "name": "KV pages", "ts": ts,
-                    "args": {"used": used, "cached": s["cached_pages"], "free": s["free_pages"]}})
-        out.append({"ph": "C", "pid": pid, "name": "KV evictable pages", "ts": ts,
-                    "args": {"evictable": s["evictable_pages"]}})
-        out.append({"ph": "C", "pid": pid, "name": "queue", "ts": ts,
-                    "args": {"running": s["num_running"], "waiting": s["num_waiting"]}})
+        out.append(
+            {
+                "ph": "C",
+                "pid": pid,
+                "name": "KV pages",
+                "ts": ts,
+                "args": {"used": used, "cached": s["cached_pages"], "free": s["free_pages"]},
+            }
+        )
+        out.append(
+            {"ph": "C", "pid": pid, "name": "KV evictable pages", "ts": ts, "args": {"evictable": s["evictable_pages"]}}
+        )
+        out.append(
+            {
+                "ph": "C",
+                "pid": pid,
+                "name": "queue",
+                "ts": ts,
+                "args": {"running": s["num_running"], "waiting": s["num_waiting"]},
+            }
+        )
     # -- one track per request --
     for tid, seg in enumerate(lifecycle_segments(record), start=1):
         out.append(_meta(pid, tid, "thread_name", f"req {seg['key']}"))
         out.append(_meta(pid, tid, "thread_sort_index", tid))
         for state, start, end, args in seg["slices"]:
             name = f"prefill chunk {args['chunk']}" if state == "prefill" else state
-            out.append({"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": state,
-                        "ts": _us(start), "dur": max(_us(end) - _us(start), 0.0), "args": args})
+            out.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid,
+                    "name": name,
+                    "cat": state,
+                    "ts": _us(start),
+                    "dur": max(_us(end) - _us(start), 0.0),
+                    "args": args,
+                }
+            )
         for kind, t, args in seg["marks"]:
-            out.append({"ph": "i", "s": "t", "pid": pid, "tid": tid, "name": kind, "cat": kind,
-                        "ts": _us(t), "args": args})
+            out.append(
+                {"ph": "i", "s": "t", "pid": pid, "tid": tid, "name": kind, "cat": kind, "ts": _us(t), "args": args}
+            )
     return out
 
 
@@ -78,8 +128,11 @@ def chrome_trace(records: RunRecord | list[RunRecord]) -> dict:
     for pid, rec in enumerate(runs, start=1):
         events.extend(_run_events(rec, pid))
     events.sort(key=lambda e: (e["pid"], e["ph"] != "M", e.get("tid", -1), e.get("ts", 0.0)))
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"generator": "minisched.observe.trace", "runs": [r.name for r in runs]}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"generator": "minisched.observe.trace", "runs": [r.name for r in runs]},
+    }
 
 
 def write_chrome_trace(path: str | Path, records: RunRecord | list[RunRecord]) -> None:

@@ -18,13 +18,15 @@ fixed seed, outputs forced to their length (`ignore_eos`):
 
 Latencies are measured from each request's scheduled arrival (queueing included).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -53,8 +55,9 @@ def _arrivals(rng, n: int, rate: float) -> np.ndarray:
     return np.cumsum(rng.exponential(1.0 / rate, size=n)) - 0.0
 
 
-def make_workload(name: str, num_requests: int, rate: float, *, vocab: int = 49152, seed: int = 0,
-                  scale: float = 1.0) -> list[BenchRequest]:
+def make_workload(
+    name: str, num_requests: int, rate: float, *, vocab: int = 49152, seed: int = 0, scale: float = 1.0
+) -> list[BenchRequest]:
     """`scale` < 1 shrinks prompt and output lengths (for quick runs and tests)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
@@ -138,14 +141,21 @@ def summarize(run: RunResult) -> dict:
     cached = sum(r.cached_tokens for r in done)
     d = max(run.duration, 1e-9)
     return {
-        "name": run.name, "num_requests": len(run.requests), "completed": len(done), "duration_s": run.duration,
-        "input_tokens": inp, "output_tokens": out,
-        "input_tok_s": inp / d, "output_tok_s": out / d, "total_tok_s": (inp + out) / d,
+        "name": run.name,
+        "num_requests": len(run.requests),
+        "completed": len(done),
+        "duration_s": run.duration,
+        "input_tokens": inp,
+        "output_tokens": out,
+        "input_tok_s": inp / d,
+        "output_tok_s": out / d,
+        "total_tok_s": (inp + out) / d,
         "request_throughput": len(done) / d,
         "ttft_s": percentiles([r.ttft for r in done if r.ttft is not None]),
         "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
         "e2e_latency_s": percentiles([r.e2e for r in done]),
-        "cache_hit_rate": cached / inp if inp else 0.0, "cached_tokens": cached,
+        "cache_hit_rate": cached / inp if inp else 0.0,
+        "cached_tokens": cached,
         "retractions": run.retractions,
         "scheduler_overhead_share": run.scheduler_time / d,
         "forward_share": max(0.0, run.step_time - run.scheduler_time) / d,
@@ -166,8 +176,15 @@ class _TimedScheduler:
             self.forward_time += time.monotonic() - t
 
 
-def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous", *, static_batch: int = 8,
-                 progress: Optional[Callable[[dict], None]] = None, name: Optional[str] = None) -> RunResult:
+def run_workload(
+    engine,
+    workload: list[BenchRequest],
+    mode: str = "continuous",
+    *,
+    static_batch: int = 8,
+    progress: Optional[Callable[[dict], None]] = None,
+    name: Optional[str] = None,
+) -> RunResult:
     """Replay a workload against `engine` in real time (see the module docstring for the modes)."""
     if mode not in ("continuous", "static"):
         raise ValueError(f"mode must be 'continuous' or 'static', got {mode!r}")
@@ -193,8 +210,9 @@ def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous",
 
     interrupted, step_times = False, []
     try:
-        _replay(sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, len(workload),
-                step_times)
+        _replay(
+            sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, len(workload), step_times
+        )
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, abort the rest (their pages come back)
         interrupted = True
         for rid in list(reqs):
@@ -206,17 +224,28 @@ def run_workload(engine, workload: list[BenchRequest], mode: str = "continuous",
     for br in workload:
         req = results.get(br.rid)
         rel = lambda t: None if t is None else t - start  # noqa: E731
-        out.append(RequestResult(br.rid, len(br.prompt_ids), len(req.output_ids) if req else 0, br.arrival,
-                                 rel(req.first_token_time) if req else None, rel(req.finish_time) if req else None,
-                                 req.cache_hit_tokens if req else 0, req.num_retractions if req else 0,
-                                 list(req.output_ids) if req else []))
+        out.append(
+            RequestResult(
+                br.rid,
+                len(br.prompt_ids),
+                len(req.output_ids) if req else 0,
+                br.arrival,
+                rel(req.first_token_time) if req else None,
+                rel(req.finish_time) if req else None,
+                req.cache_hit_tokens if req else 0,
+                req.num_retractions if req else 0,
+                list(req.output_ids) if req else [],
+            )
+        )
     retractions = sum(s.num_retracted for s in sched.step_stats) - retract0
-    return RunResult(name or mode, out, duration, start, step_time, retractions, step_time - timed.forward_time,
-                     interrupted)
+    return RunResult(
+        name or mode, out, duration, start, step_time, retractions, step_time - timed.forward_time, interrupted
+    )
 
 
-def _replay(sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, total,
-            step_times: list) -> None:
+def _replay(
+    sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, total, step_times: list
+) -> None:
     while pending or queue or sched.has_work():
         now = time.monotonic() - start
         while pending and pending[0].arrival <= now:
@@ -236,8 +265,15 @@ def _replay(sched, timed, pending, queue, mode, static_batch, admit, results, st
             results[req.rid] = req
         step_times.append(time.monotonic() - t)
         if progress is not None:
-            progress({"elapsed": time.monotonic() - start, "done": len(results), "total": total,
-                      "running": len(sched.running), "waiting": len(sched.waiting) + len(queue) + len(pending)})
+            progress(
+                {
+                    "elapsed": time.monotonic() - start,
+                    "done": len(results),
+                    "total": total,
+                    "running": len(sched.running),
+                    "waiting": len(sched.waiting) + len(queue) + len(pending),
+                }
+            )
 
 
 def run_record(engine, result: RunResult, config: Optional[dict] = None):
@@ -246,16 +282,22 @@ def run_record(engine, result: RunResult, config: Optional[dict] = None):
     from minisched.observe.run_record import RunRecord
 
     summary = summarize(result)
-    return RunRecord.from_scheduler(result.name, engine.scheduler, config=config, summary=summary,
-                                    start_time=result.start)
+    return RunRecord.from_scheduler(
+        result.name, engine.scheduler, config=config, summary=summary, start_time=result.start
+    )
 
 
 def workload_stats(workload: list[BenchRequest]) -> dict:
     p = [len(r.prompt_ids) for r in workload]
     o = [r.max_new_tokens for r in workload]
-    return {"num_requests": len(workload), "prompt_tokens": sum(p), "output_tokens": sum(o),
-            "prompt_len": [min(p), max(p)], "output_len": [min(o), max(o)],
-            "last_arrival_s": max(r.arrival for r in workload)}
+    return {
+        "num_requests": len(workload),
+        "prompt_tokens": sum(p),
+        "output_tokens": sum(o),
+        "prompt_len": [min(p), max(p)],
+        "output_len": [min(o), max(o)],
+        "last_arrival_s": max(r.arrival for r in workload),
+    }
 
 
 def asdict(x) -> dict:

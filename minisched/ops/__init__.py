@@ -88,20 +88,41 @@ def default_scale(head_dim: int) -> float:
 
 # -- KV cache movement ---------------------------------------------------------------------------
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, backend: Backend = "native", check: bool = True) -> None:
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: Backend = "native",
+    check: bool = True,
+) -> None:
     """Write N tokens' k, v [N, Hkv, D] into one layer's caches at slot_mapping int32[N] (< 0: skip)."""
     call_op("store_kv", (k, v, k_cache, v_cache, slot_mapping), backend, check)
 
 
-def copy_kv_pages(kv_cache: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, *,
-                  backend: Backend = "native", check: bool = True) -> None:
+def copy_kv_pages(
+    kv_cache: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    *,
+    backend: Backend = "native",
+    check: bool = True,
+) -> None:
     """kv_cache[:, :, dst_pages[i]] = kv_cache[:, :, src_pages[i]] for all layers, K and V."""
     call_op("copy_kv_pages", (kv_cache, src_pages, dst_pages), backend, check)
 
 
-def gather_kv_pages(kv_cache: torch.Tensor, pages: torch.Tensor, out: Optional[torch.Tensor] = None, *,
-                    backend: Backend = "native", check: bool = True) -> torch.Tensor:
+def gather_kv_pages(
+    kv_cache: torch.Tensor,
+    pages: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    *,
+    backend: Backend = "native",
+    check: bool = True,
+) -> torch.Tensor:
     """Copy pages out of the pool into out [L, 2, n, page_size, Hkv, D] (may be pinned host memory)."""
     if out is None:
         out = kv_cache.new_empty((*kv_cache.shape[:2], pages.shape[0], *kv_cache.shape[3:]))
@@ -109,13 +130,15 @@ def gather_kv_pages(kv_cache: torch.Tensor, pages: torch.Tensor, out: Optional[t
     return out
 
 
-def scatter_kv_pages(src: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, *,
-                     backend: Backend = "native", check: bool = True) -> None:
+def scatter_kv_pages(
+    src: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, *, backend: Backend = "native", check: bool = True
+) -> None:
     """Copy src [L, 2, n, page_size, Hkv, D] back into the pool at pages int32[n]."""
     call_op("scatter_kv_pages", (src, kv_cache, pages), backend, check)
 
 
 # -- attention -----------------------------------------------------------------------------------
+
 
 def _outputs(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     out = torch.empty_like(q)
@@ -123,20 +146,47 @@ def _outputs(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, Optional[
     return out, lse
 
 
-def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, *,
-                           sm_scale: Optional[float] = None, return_lse: bool = False,
-                           backend: Backend = "native", check: bool = True):
+def paged_decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    *,
+    sm_scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: Backend = "native",
+    check: bool = True,
+):
     """One query per request, q [B, Hq, D], over its paged KV. Returns out [B, Hq, D] (and lse [B, Hq])."""
     out, lse = _outputs(q, return_lse)
     scale = default_scale(q.shape[-1]) if sm_scale is None else sm_scale
-    call_op("paged_decode_attention", (q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale, out, lse),
-            backend, check)
+    call_op(
+        "paged_decode_attention",
+        (q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale, out, lse),
+        backend,
+        check,
+    )
     return (out, lse) if return_lse else out
 
 
-def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, *,
-                            causal: bool = True, sm_scale: Optional[float] = None, return_lse: bool = False,
-                            backend: Backend = "native", check: bool = True, cuda_kernel: str = "auto"):
+def paged_prefill_attention(
+    q,
+    qo_indptr,
+    k_cache,
+    v_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    *,
+    causal: bool = True,
+    sm_scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: Backend = "native",
+    check: bool = True,
+    cuda_kernel: str = "auto",
+):
     """Ragged queries q [Nq, Hq, D] (request b: rows qo_indptr[b]:qo_indptr[b+1], the LAST positions
     of its KV; causal is bottom-right aligned). Returns out [Nq, Hq, D] (and lse [Nq, Hq]).
 
@@ -146,22 +196,49 @@ def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indice
     kernel = checks.prefill_cuda_kernel(q, cuda_kernel, backend)
     out, lse = _outputs(q, return_lse)
     scale = default_scale(q.shape[-1]) if sm_scale is None else sm_scale
-    call_op("paged_prefill_attention",
-            (q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, scale, out, lse, kernel),
-            backend, check)
+    call_op(
+        "paged_prefill_attention",
+        (q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, scale, out, lse, kernel),
+        backend,
+        check,
+    )
     return (out, lse) if return_lse else out
 
 
-def shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices,
-                            prefix_kv_last_page_len, *, sm_scale: Optional[float] = None,
-                            backend: Backend = "native", check: bool = True):
+def shared_prefix_attention(
+    q,
+    group_indptr,
+    k_cache,
+    v_cache,
+    prefix_kv_indptr,
+    prefix_kv_indices,
+    prefix_kv_last_page_len,
+    *,
+    sm_scale: Optional[float] = None,
+    backend: Backend = "native",
+    check: bool = True,
+):
     """Rows group_indptr[g]:group_indptr[g+1] of q [N, Hq, D] attend to group g's shared prefix, read once
     per group (non-causal). Returns (out [N, Hq, D], lse [N, Hq]) for merge_attention_states."""
     out, lse = _outputs(q, True)
     scale = default_scale(q.shape[-1]) if sm_scale is None else sm_scale
-    call_op("shared_prefix_attention",
-            (q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len,
-             scale, out, lse), backend, check)
+    call_op(
+        "shared_prefix_attention",
+        (
+            q,
+            group_indptr,
+            k_cache,
+            v_cache,
+            prefix_kv_indptr,
+            prefix_kv_indices,
+            prefix_kv_last_page_len,
+            scale,
+            out,
+            lse,
+        ),
+        backend,
+        check,
+    )
     return out, lse
 
 
@@ -173,21 +250,34 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b, *, backend: Backend = "native
     return v_out, lse_out
 
 
-def cascade_decode_attention(q, group_indptr, k_cache, v_cache, prefix_table, suffix_table, *,
-                             sm_scale: Optional[float] = None, backend: Backend = "native", check: bool = True):
+def cascade_decode_attention(
+    q,
+    group_indptr,
+    k_cache,
+    v_cache,
+    prefix_table,
+    suffix_table,
+    *,
+    sm_scale: Optional[float] = None,
+    backend: Backend = "native",
+    check: bool = True,
+):
     """Decode with prefix sharing: shared prefix once per group + each request's own suffix, merged.
 
     prefix_table: (indptr, indices, last_page_len) with one entry per group;
     suffix_table: the same with one entry per request (q row)."""
-    o_p, lse_p = shared_prefix_attention(q, group_indptr, k_cache, v_cache, *prefix_table, sm_scale=sm_scale,
-                                         backend=backend, check=check)
-    o_s, lse_s = paged_decode_attention(q, k_cache, v_cache, *suffix_table, sm_scale=sm_scale, return_lse=True,
-                                        backend=backend, check=check)
+    o_p, lse_p = shared_prefix_attention(
+        q, group_indptr, k_cache, v_cache, *prefix_table, sm_scale=sm_scale, backend=backend, check=check
+    )
+    o_s, lse_s = paged_decode_attention(
+        q, k_cache, v_cache, *suffix_table, sm_scale=sm_scale, return_lse=True, backend=backend, check=check
+    )
     out, _ = merge_attention_states(o_p, lse_p, o_s, lse_s, backend=backend)
     return out
 
 
 # -- weight-only int8 ----------------------------------------------------------------------------
+
 
 def quantize_int8(w: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 for w [N, K]: one float32 scale per group of `group_size` input channels
@@ -202,8 +292,14 @@ def quantize_int8(w: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, 
     return w_q.contiguous(), scales.contiguous()
 
 
-def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, *, backend: Backend = "native",
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    backend: Backend = "native",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """x [M, K] @ (w_q [N, K] int8 dequantized with scales [N, K // G]).T -> [M, N] (float32)."""
     if out is None:
         out = x.new_empty((x.shape[0], w_q.shape[0]))
@@ -213,6 +309,7 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, *, bac
 
 # -- packed float32 linear -----------------------------------------------------------------------
 
+
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
     """An [N, K] weight in packed_linear's layout: panels of 16 output columns, [ceil(N / 16), K, 16]
     (zero past N). Done once, when the model is loaded."""
@@ -221,8 +318,9 @@ def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
     return reference.pack_linear_weight(w.detach())
 
 
-def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, *, backend: Backend = "native",
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, w_packed: torch.Tensor, n: int, *, backend: Backend = "native", out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """x [M, K] @ w.T -> [M, n] for w packed by pack_linear_weight (n = the weight's N)."""
     if out is None:
         out = x.new_empty((x.shape[0], n))
@@ -230,8 +328,15 @@ def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, *, backend: B
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, delta: Optional[torch.Tensor] = None,
-             backend: Backend = "native", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    delta: Optional[torch.Tensor] = None,
+    backend: Backend = "native",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """RMSNorm of x [M, D] (float32) times weight [D]; with `delta` [M, D], first x += delta in place
     (the residual add, fused). Returns out [M, D]."""
     if out is None:

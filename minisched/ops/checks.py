@@ -70,8 +70,12 @@ def check_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> N
     check_dim(op, "k_cache", k_cache, 4)
     check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
     if v_cache.shape != k_cache.shape:
-        _fail(ValueError, op, f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)} "
-              "(num_pages, page_size, Hkv, D must match)")
+        _fail(
+            ValueError,
+            op,
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)} "
+            "(num_pages, page_size, Hkv, D must match)",
+        )
     check_device(op, "v_cache", v_cache, k_cache.device)
     check_contiguous(op, "k_cache", k_cache)
     check_contiguous(op, "v_cache", v_cache)
@@ -87,8 +91,18 @@ def check_range(op: str, name: str, t: torch.Tensor, lo: int, hi: int) -> None:
         _fail(IndexError, op, f"{name} value {bad} out of range [{lo}, {hi})")
 
 
-def check_page_table(op: str, prefix: str, indptr, indices, last, batch: int, num_pages: int, page_size: int,
-                     device: torch.device, values: bool) -> None:
+def check_page_table(
+    op: str,
+    prefix: str,
+    indptr,
+    indices,
+    last,
+    batch: int,
+    num_pages: int,
+    page_size: int,
+    device: torch.device,
+    values: bool,
+) -> None:
     """CSR page table of `batch` requests over a pool of num_pages pages of page_size tokens."""
     check_index(op, f"{prefix}kv_indptr", indptr, device)
     check_index(op, f"{prefix}kv_indices", indices, device)
@@ -99,8 +113,12 @@ def check_page_table(op: str, prefix: str, indptr, indices, last, batch: int, nu
         return
     ip = indptr.cpu()
     if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) != indices.shape[0]:
-        _fail(ValueError, op, f"{prefix}kv_indptr must start at 0, be non-decreasing and end at "
-              f"len(kv_indices)={indices.shape[0]}; got {ip.tolist()[:8]}...")
+        _fail(
+            ValueError,
+            op,
+            f"{prefix}kv_indptr must start at 0, be non-decreasing and end at "
+            f"len(kv_indices)={indices.shape[0]}; got {ip.tolist()[:8]}...",
+        )
     if last.numel() and (int(last.min()) < 1 or int(last.max()) > page_size):
         _fail(ValueError, op, f"{prefix}kv_last_page_len must be in 1..page_size={page_size}")
     check_range(op, f"{prefix}kv_indices", indices, 0, num_pages)
@@ -139,6 +157,7 @@ def check_lse(op: str, lse, q: torch.Tensor) -> None:
 
 
 # -- one function per op: the same argument list as the op ------------------------------------
+
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, *, values: bool = True) -> None:
     op = "store_kv"
@@ -210,22 +229,47 @@ def scatter_kv_pages(src, kv_cache, pages, *, values: bool = True) -> None:
         check_range(op, "pages", pages, 0, kv_cache.shape[2])
 
 
-def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, out, lse=None,
-                           *, values: bool = True) -> None:
+def paged_decode_attention(
+    q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, out, lse=None, *, values: bool = True
+) -> None:
     op = "paged_decode_attention"
     check_cache_pair(op, k_cache, v_cache)
     check_query(op, q, k_cache, out)
     check_lse(op, lse, q)
-    check_page_table(op, "", kv_indptr, kv_indices, kv_last_page_len, q.shape[0], k_cache.shape[0],
-                     k_cache.shape[1], q.device, values)
+    check_page_table(
+        op,
+        "",
+        kv_indptr,
+        kv_indices,
+        kv_last_page_len,
+        q.shape[0],
+        k_cache.shape[0],
+        k_cache.shape[1],
+        q.device,
+        values,
+    )
 
 
 # paged_prefill_attention's `kernel` schema argument (CUDA only): the Python wrapper's cuda_kernel names
 PREFILL_KERNELS = {"auto": 0, "mma": 1, "wgmma": 2}
 
 
-def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal,
-                            sm_scale, out, lse=None, kernel: int = 0, *, values: bool = True) -> None:
+def paged_prefill_attention(
+    q,
+    qo_indptr,
+    k_cache,
+    v_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    causal,
+    sm_scale,
+    out,
+    lse=None,
+    kernel: int = 0,
+    *,
+    values: bool = True,
+) -> None:
     op = "paged_prefill_attention"
     if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel not in PREFILL_KERNELS.values():
         _fail(ValueError, op, f"kernel must be 0 (auto), 1 (mma.sync) or 2 (wgmma), got {kernel!r}")
@@ -236,8 +280,9 @@ def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indice
     batch = qo_indptr.shape[0] - 1
     if batch < 0:
         _fail(ValueError, op, "qo_indptr must have shape [B+1] (got an empty tensor)")
-    check_page_table(op, "", kv_indptr, kv_indices, kv_last_page_len, batch, k_cache.shape[0], k_cache.shape[1],
-                     q.device, values)
+    check_page_table(
+        op, "", kv_indptr, kv_indices, kv_last_page_len, batch, k_cache.shape[0], k_cache.shape[1], q.device, values
+    )
     if values:
         _check_qo(op, "qo_indptr", qo_indptr, q.shape[0])
         qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).cpu().long()
@@ -258,8 +303,12 @@ def prefill_cuda_kernel(q: torch.Tensor, cuda_kernel: str, backend: str) -> int:
     if cuda_kernel == "auto":
         return 0
     if backend != "native" or q.device.type != "cuda":
-        _fail(ValueError, op, f"cuda_kernel={cuda_kernel!r} selects a kernel of the native CUDA backend; got "
-              f"backend={backend!r} with q on {q.device}")
+        _fail(
+            ValueError,
+            op,
+            f"cuda_kernel={cuda_kernel!r} selects a kernel of the native CUDA backend; got "
+            f"backend={backend!r} with q on {q.device}",
+        )
     if cuda_kernel == "wgmma":
         cap = torch.cuda.get_device_capability(q.device)
         if cap != (9, 0):
@@ -277,8 +326,20 @@ def _check_qo(op: str, name: str, indptr, n: int) -> None:
         _fail(ValueError, op, f"{name} must start at 0, be non-decreasing and end at {n}; got {ip.tolist()[:8]}...")
 
 
-def shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices,
-                            prefix_kv_last_page_len, sm_scale, out, lse, *, values: bool = True) -> None:
+def shared_prefix_attention(
+    q,
+    group_indptr,
+    k_cache,
+    v_cache,
+    prefix_kv_indptr,
+    prefix_kv_indices,
+    prefix_kv_last_page_len,
+    sm_scale,
+    out,
+    lse,
+    *,
+    values: bool = True,
+) -> None:
     op = "shared_prefix_attention"
     check_cache_pair(op, k_cache, v_cache)
     check_query(op, q, k_cache, out)
@@ -289,8 +350,18 @@ def shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr,
     groups = group_indptr.shape[0] - 1
     if groups < 0:
         _fail(ValueError, op, "group_indptr must have shape [G+1] (got an empty tensor)")
-    check_page_table(op, "prefix_", prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len, groups,
-                     k_cache.shape[0], k_cache.shape[1], q.device, values)
+    check_page_table(
+        op,
+        "prefix_",
+        prefix_kv_indptr,
+        prefix_kv_indices,
+        prefix_kv_last_page_len,
+        groups,
+        k_cache.shape[0],
+        k_cache.shape[1],
+        q.device,
+        values,
+    )
     if values:
         _check_qo(op, "group_indptr", group_indptr, q.shape[0])
 
@@ -305,8 +376,14 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b, v_out, lse_out) -> None:
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b), ("lse_out", lse_out)):
         check_dtype(op, name, t, (torch.float32,))
         check_shape(op, name, t, v_a.shape[:2])
-    for name, t in (("v_a", v_a), ("lse_a", lse_a), ("v_b", v_b), ("lse_b", lse_b), ("v_out", v_out),
-                    ("lse_out", lse_out)):
+    for name, t in (
+        ("v_a", v_a),
+        ("lse_a", lse_a),
+        ("v_b", v_b),
+        ("lse_b", lse_b),
+        ("v_out", v_out),
+        ("lse_out", lse_out),
+    ):
         check_device(op, name, t, v_a.device)
         check_contiguous(op, name, t)
 
@@ -325,8 +402,12 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: t
     if k_x != k:
         _fail(ValueError, op, f"x has shape {tuple(x.shape)}, expected ({m}, {k}) to match w_q {tuple(w_q.shape)}")
     if scales.shape[0] != n or groups < 1 or k % groups or (k // groups) % 32:
-        _fail(ValueError, op, f"scales has shape {tuple(scales.shape)}; expected ({n}, K / group_size) with a "
-                              f"group_size that divides K={k} and is a multiple of 32")
+        _fail(
+            ValueError,
+            op,
+            f"scales has shape {tuple(scales.shape)}; expected ({n}, K / group_size) with a "
+            f"group_size that divides K={k} and is a multiple of 32",
+        )
     check_shape(op, "out", out, (m, n))
     check_same_dtype(op, "out", out, "x", x)
     if x.stride(1) != 1:
@@ -351,9 +432,13 @@ def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) ->
     (m, k), n = x.shape, out.shape[1]
     panels = cdiv(n, 16)
     if tuple(w_packed.shape) != (panels, k, 16):
-        _fail(ValueError, op, f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k}, 16) for x "
-                              f"{tuple(x.shape)} and out {tuple(out.shape)} (pack the [N, K] weight with "
-                              f"minisched.ops.pack_linear_weight)")
+        _fail(
+            ValueError,
+            op,
+            f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k}, 16) for x "
+            f"{tuple(x.shape)} and out {tuple(out.shape)} (pack the [N, K] weight with "
+            f"minisched.ops.pack_linear_weight)",
+        )
     check_shape(op, "out", out, (m, n))
     if x.stride(1) != 1 and k > 1:
         _fail(ValueError, op, "x must have contiguous rows (stride(1) == 1)")

@@ -16,7 +16,6 @@ import torch
 from minisched.base.values import cdiv
 
 
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -97,7 +96,17 @@ def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
 
 
 def paged_prefill_attention(
-    q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, out, lse=None,
+    q,
+    qo_indptr,
+    k_cache,
+    v_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    causal,
+    sm_scale,
+    out,
+    lse=None,
     kernel=0,
 ):
     """Ragged queries q [Nq, Hq, D]; request b's queries are the last qo_len_b positions of its KV.
@@ -119,8 +128,17 @@ def shared_prefix_attention(
 ):
     """Rows group_indptr[g]:group_indptr[g+1] of q attend (non-causally) to group g's prefix."""
     paged_prefill_attention(
-        q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len,
-        False, sm_scale, out, lse,
+        q,
+        group_indptr,
+        k_cache,
+        v_cache,
+        prefix_kv_indptr,
+        prefix_kv_indices,
+        prefix_kv_last_page_len,
+        False,
+        sm_scale,
+        out,
+        lse,
     )
 
 

@@ -6,6 +6,7 @@ csrc/cpu/<family>.cpp, a CUDA kernel in csrc/cuda/<family>.cu (if `cuda`), a Tri
 the input checks `checks.<name>` (with a `values=` switch if `reads_indices`), and its tests in
 tests/ops/test_<family>.py. docs/architecture.md ("Adding an op") lists the steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,18 +21,21 @@ class OpSpec:
     cuda: bool = True  # has a CUDA kernel (the CPU-only ops serve the CPU's own bottlenecks)
 
 
-OPS: dict[str, OpSpec] = {s.name: s for s in (
-    OpSpec("store_kv", "store_kv"),
-    OpSpec("copy_kv_pages", "kv_pages"),
-    OpSpec("gather_kv_pages", "kv_pages"),
-    OpSpec("scatter_kv_pages", "kv_pages"),
-    OpSpec("paged_decode_attention", "paged_decode_attention"),
-    OpSpec("paged_prefill_attention", "paged_prefill_attention"),
-    OpSpec("shared_prefix_attention", "shared_prefix_attention"),
-    OpSpec("merge_attention_states", "merge_attention_states", reads_indices=False),
-    # CPU only: weight-only int8 for bandwidth-bound decode, the packed float32 matmul for small-batch
-    # projections, the fused RMSNorm for per-op overhead (GPUs have cuBLAS and torch's fused norm).
-    OpSpec("int8_linear", "int8_linear", reads_indices=False, triton=False, cuda=False),
-    OpSpec("packed_linear", "packed_linear", reads_indices=False, triton=False, cuda=False),
-    OpSpec("rms_norm", "rms_norm", reads_indices=False, triton=False, cuda=False),
-)}
+OPS: dict[str, OpSpec] = {
+    s.name: s
+    for s in (
+        OpSpec("store_kv", "store_kv"),
+        OpSpec("copy_kv_pages", "kv_pages"),
+        OpSpec("gather_kv_pages", "kv_pages"),
+        OpSpec("scatter_kv_pages", "kv_pages"),
+        OpSpec("paged_decode_attention", "paged_decode_attention"),
+        OpSpec("paged_prefill_attention", "paged_prefill_attention"),
+        OpSpec("shared_prefix_attention", "shared_prefix_attention"),
+        OpSpec("merge_attention_states", "merge_attention_states", reads_indices=False),
+        # CPU only: weight-only int8 for bandwidth-bound decode, the packed float32 matmul for small-batch
+        # projections, the fused RMSNorm for per-op overhead (GPUs have cuBLAS and torch's fused norm).
+        OpSpec("int8_linear", "int8_linear", reads_indices=False, triton=False, cuda=False),
+        OpSpec("packed_linear", "packed_linear", reads_indices=False, triton=False, cuda=False),
+        OpSpec("rms_norm", "rms_norm", reads_indices=False, triton=False, cuda=False),
+    )
+}

@@ -15,10 +15,30 @@ sends them. The pieces, lowest first:
         engine = session.engine(page_size=16)
         print(engine.generate(["Hello"])[0].text)
 """
+
 from minisched.parallel.group import CommStats, TPError, TPGroup
-from minisched.parallel.launch import (DEFAULT_STARTUP_TIMEOUT, DEFAULT_TIMEOUT, ModelSource, TPSession,
-                                   run_torchrun_worker, torchrun_env)
+from minisched.parallel.launch import (
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    ModelSource,
+    TPSession,
+    run_torchrun_worker,
+    torchrun_env,
+)
 from minisched.parallel.shard import ShardPlan, TPShard, check_tp, shard_model
 
-__all__ = ["CommStats", "DEFAULT_STARTUP_TIMEOUT", "DEFAULT_TIMEOUT", "ModelSource", "ShardPlan", "TPError",
-           "TPGroup", "TPSession", "TPShard", "check_tp", "run_torchrun_worker", "shard_model", "torchrun_env"]
+__all__ = [
+    "CommStats",
+    "DEFAULT_STARTUP_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "ModelSource",
+    "ShardPlan",
+    "TPError",
+    "TPGroup",
+    "TPSession",
+    "TPShard",
+    "check_tp",
+    "run_torchrun_worker",
+    "shard_model",
+    "torchrun_env",
+]

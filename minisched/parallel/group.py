@@ -9,6 +9,7 @@ error raises from the collective -- nothing here waits without a bound.
 Every collective of the step group counts its calls, bytes and (on the CPU, where gloo
 collectives are synchronous) seconds in `stats`: the benchmark reads them.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -65,15 +66,17 @@ class TPGroup:
     """Collectives for one rank. `lock` serializes whole exchanges (a step, a heartbeat) on rank 0,
     where two threads may talk to the group; the ranks then see them in the same order."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, *, store: dist.Store, timeout: float,
-                 startup_timeout: float):
+    def __init__(
+        self, rank: int, world: int, device: torch.device, *, store: dist.Store, timeout: float, startup_timeout: float
+    ):
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.timeout = timeout
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
-                                timeout=seconds(startup_timeout))
+        dist.init_process_group(
+            self.backend, store=store, rank=rank, world_size=world, timeout=seconds(startup_timeout)
+        )
         # every rank creates the step group, in the same order: it is itself a collective
         self.group = dist.new_group(list(range(world)), timeout=seconds(timeout), backend=self.backend)
         self.stats = CommStats()

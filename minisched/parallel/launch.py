@@ -23,6 +23,7 @@ Failures while running, all bounded:
 After a failure the session kills the other workers and every later step raises the same
 `TPError`: the Engine turns it into errors of the affected requests, the CLI prints them.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,12 +36,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from minisched.model.llama import LlamaModel
 from minisched.parallel import protocol
 from minisched.parallel.group import TPError, TPGroup, seconds
 from minisched.parallel.runner import TPModelRunner, report_worker_error, worker_loop
 from minisched.parallel.shard import check_tp, shard_model
 from minisched.parallel.source import ModelSource
-from minisched.model.llama import LlamaModel
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for the slowest rank
 DEFAULT_STARTUP_TIMEOUT = 600.0  # seconds the ranks may take to start and load their weights
@@ -48,13 +49,19 @@ DEFAULT_STARTUP_TIMEOUT = 600.0  # seconds the ranks may take to start and load 
 
 # -- the environment: torchrun or not ------------------------------------------------------------------
 
+
 def torchrun_env() -> Optional[dict]:
     """rank, world, local_rank, addr, port when this process was started by torchrun, else None."""
     env = os.environ
     if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None
-    return dict(rank=int(env["RANK"]), world=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", "0")),
-                addr=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]))
+    return dict(
+        rank=int(env["RANK"]),
+        world=int(env["WORLD_SIZE"]),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        addr=env["MASTER_ADDR"],
+        port=int(env["MASTER_PORT"]),
+    )
 
 
 def rank_device(device, local_rank: int) -> torch.device:
@@ -89,8 +96,19 @@ def describe_exit(code: Optional[int]) -> str:
 
 # -- the workers ---------------------------------------------------------------------------------------
 
-def worker_main(rank: int, world: int, addr: str, port: int, source: ModelSource, device: str, timeout: float,
-                startup_timeout: float, num_threads: int, spawned: bool = True) -> None:
+
+def worker_main(
+    rank: int,
+    world: int,
+    addr: str,
+    port: int,
+    source: ModelSource,
+    device: str,
+    timeout: float,
+    startup_timeout: float,
+    num_threads: int,
+    spawned: bool = True,
+) -> None:
     """A rank > 0, from spawn or torchrun: connect, load the shard, serve rank 0 until STOP."""
     if spawned:  # Ctrl-C in the terminal reaches the whole process group: rank 0 decides what happens
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -98,8 +116,14 @@ def worker_main(rank: int, world: int, addr: str, port: int, source: ModelSource
     base = _store(addr, port, world, master=False, timeout=startup_timeout)
     store = dist.PrefixStore("minisched", base)
     store.set(f"hello/{rank}", "1")
-    group = TPGroup(rank, world, device, store=dist.PrefixStore("minisched/pg", base), timeout=timeout,
-                    startup_timeout=startup_timeout)
+    group = TPGroup(
+        rank,
+        world,
+        device,
+        store=dist.PrefixStore("minisched/pg", base),
+        timeout=timeout,
+        startup_timeout=startup_timeout,
+    )
     try:
         model = shard_model(source.load(), group, device=device)
     except Exception as exc:  # noqa: BLE001 -- reported to rank 0, which names it
@@ -115,25 +139,48 @@ def worker_main(rank: int, world: int, addr: str, port: int, source: ModelSource
     group.close()
 
 
-def run_torchrun_worker(source: ModelSource, device: str = "cpu", *, timeout: float = DEFAULT_TIMEOUT,
-                        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT, num_threads: Optional[int] = None) -> int:
+def run_torchrun_worker(
+    source: ModelSource,
+    device: str = "cpu",
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    num_threads: Optional[int] = None,
+) -> int:
     """The ranks > 0 of a torchrun launch: the same command line, but no engine."""
     env = torchrun_env()
     if env is None or env["rank"] == 0:
         raise RuntimeError("run_torchrun_worker is for the ranks > 0 of a torchrun launch")
-    worker_main(env["rank"], env["world"], env["addr"], env["port"], source,
-                str(rank_device(device, env["local_rank"])), timeout, startup_timeout,
-                num_threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", env["world"]))), spawned=False)
+    worker_main(
+        env["rank"],
+        env["world"],
+        env["addr"],
+        env["port"],
+        source,
+        str(rank_device(device, env["local_rank"])),
+        timeout,
+        startup_timeout,
+        num_threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", env["world"]))),
+        spawned=False,
+    )
     return 0
 
 
 # -- rank 0 --------------------------------------------------------------------------------------------
 
+
 class TPSession:
     """Rank 0's handle on the group: the workers, its own shard, heartbeats and failure detection."""
 
-    def __init__(self, world: int, source: ModelSource, device: torch.device, timeout: float,
-                 startup_timeout: float, num_threads: int):
+    def __init__(
+        self,
+        world: int,
+        source: ModelSource,
+        device: torch.device,
+        timeout: float,
+        startup_timeout: float,
+        num_threads: int,
+    ):
         self.world, self.source, self.device = world, source, device
         self.timeout, self.startup_timeout, self.num_threads = timeout, startup_timeout, num_threads
         self.procs: list = []  # spawned workers (one node); empty under torchrun
@@ -150,8 +197,16 @@ class TPSession:
         self._monitor: Optional[threading.Thread] = None
 
     @classmethod
-    def start(cls, world: int, source: ModelSource, *, device="cpu", timeout: float = DEFAULT_TIMEOUT,
-              startup_timeout: float = DEFAULT_STARTUP_TIMEOUT, num_threads: Optional[int] = None) -> "TPSession":
+    def start(
+        cls,
+        world: int,
+        source: ModelSource,
+        *,
+        device="cpu",
+        timeout: float = DEFAULT_TIMEOUT,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        num_threads: Optional[int] = None,
+    ) -> TPSession:
         """Validate, start (or join) the workers, load this rank's shard; returns when every rank is ready."""
         check_tp(source.model_config(), world)
         if world < 2:
@@ -167,10 +222,13 @@ class TPSession:
         if local.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but no CUDA device is available")
         if env is None and local.type == "cuda" and local.index + world > torch.cuda.device_count():
-            raise ValueError(f"--tp {world} on {device} needs GPUs {local.index}..{local.index + world - 1} (one per "
-                             f"rank; NCCL cannot share one), but this machine has {torch.cuda.device_count()}")
-        threads = num_threads or default_threads(world if env is None else
-                                                 int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            raise ValueError(
+                f"--tp {world} on {device} needs GPUs {local.index}..{local.index + world - 1} (one per "
+                f"rank; NCCL cannot share one), but this machine has {torch.cuda.device_count()}"
+            )
+        threads = num_threads or default_threads(
+            world if env is None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        )
         self = cls(world, source, local, timeout, startup_timeout, threads)  # noqa: PLW0642 -- the new session
         torch.set_num_threads(threads)
         try:
@@ -178,9 +236,22 @@ class TPSession:
                 base = _store("127.0.0.1", 0, world, master=True, timeout=startup_timeout)
                 ctx = torch.multiprocessing.get_context("spawn")
                 for r in range(1, world):
-                    p = ctx.Process(target=worker_main, name=f"minisched-tp{r}", daemon=True,
-                                    args=(r, world, "127.0.0.1", base.port, source, str(rank_device(device, r)),
-                                          timeout, startup_timeout, threads))
+                    p = ctx.Process(
+                        target=worker_main,
+                        name=f"minisched-tp{r}",
+                        daemon=True,
+                        args=(
+                            r,
+                            world,
+                            "127.0.0.1",
+                            base.port,
+                            source,
+                            str(rank_device(device, r)),
+                            timeout,
+                            startup_timeout,
+                            threads,
+                        ),
+                    )
                     p.start()
                     self.procs.append(p)
             else:
@@ -188,8 +259,14 @@ class TPSession:
                 base = _store(env["addr"], env["port"], world, master=master, timeout=startup_timeout)
             self.store = dist.PrefixStore("minisched", base)
             self._await("hello")
-            self.group = TPGroup(0, world, local, store=dist.PrefixStore("minisched/pg", base), timeout=timeout,
-                                 startup_timeout=startup_timeout)
+            self.group = TPGroup(
+                0,
+                world,
+                local,
+                store=dist.PrefixStore("minisched/pg", base),
+                timeout=timeout,
+                startup_timeout=startup_timeout,
+            )
             self.model = shard_model(source.load(), self.group, device=local)
             self._await("ready")
             self.group.startup_barrier()  # the workers wait here for rank 0, then for steps (bounded by heartbeats)
@@ -208,8 +285,10 @@ class TPSession:
         while pending:
             for r in sorted(pending):
                 if self.store.check([f"error/{r}"]):
-                    raise TPError(f"tensor-parallel rank {r} failed to start: "
-                                  f"{self.store.get(f'error/{r}').decode(errors='replace')}")
+                    raise TPError(
+                        f"tensor-parallel rank {r} failed to start: "
+                        f"{self.store.get(f'error/{r}').decode(errors='replace')}"
+                    )
                 if self.store.check([f"{stage}/{r}"]):
                     pending.discard(r)
             dead = self._dead_worker()
@@ -230,8 +309,12 @@ class TPSession:
         fixed = {"model": self.source.name, "device": str(self.device), "tp": self.world}
         if config.num_threads is None:  # fixed: the ranks share the node's cores
             fixed["num_threads"] = self.num_threads
-        return Engine(self.model, config=config.with_options(**fixed), tokenizer=tokenizer or self.source.tokenizer(),
-                      runner_factory=self.make_runner)
+        return Engine(
+            self.model,
+            config=config.with_options(**fixed),
+            tokenizer=tokenizer or self.source.tokenizer(),
+            runner_factory=self.make_runner,
+        )
 
     def make_runner(self, *args, **kwargs) -> TPModelRunner:
         """ModelRunner's arguments -> rank 0's runner; the workers set up a KV pool like its own."""
@@ -242,8 +325,14 @@ class TPSession:
         from minisched import ops
 
         cache = runner.kv_cache  # [L, 2, num_pages, page_size, Hkv, D]
-        h = protocol.header(protocol.SETUP, cache.shape[2], runner.page_size, ops.BACKENDS.index(runner.backend),
-                            int(runner.check), device=self.device)
+        h = protocol.header(
+            protocol.SETUP,
+            cache.shape[2],
+            runner.page_size,
+            ops.BACKENDS.index(runner.backend),
+            int(runner.check),
+            device=self.device,
+        )
         with self.group.lock:
             self._usable(None)
             self._send(lambda: self.group.broadcast(h))
@@ -299,8 +388,10 @@ class TPSession:
         if dead is not None:
             why = dead
         elif exc is not None and "timed out" in str(exc).lower():
-            why = (f"a collective did not complete within {self.timeout:g} s (a rank hangs or is overloaded; "
-                   f"--tp-timeout sets the limit): {str(exc).splitlines()[0]}")
+            why = (
+                f"a collective did not complete within {self.timeout:g} s (a rank hangs or is overloaded; "
+                f"--tp-timeout sets the limit): {str(exc).splitlines()[0]}"
+            )
         else:
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if exc is not None and str(exc) else ''}"
         self.failure = f"tensor parallelism failed: {why}"
@@ -365,7 +456,7 @@ class TPSession:
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=1)
 
-    def __enter__(self) -> "TPSession":
+    def __enter__(self) -> TPSession:
         return self
 
     def __exit__(self, *exc) -> None:

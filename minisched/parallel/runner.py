@@ -7,6 +7,7 @@ a sharded model and a KV pool, nothing else: no requests, no page bookkeeping. T
 same forward on what they receive; the collectives inside it keep the ranks in step, and the
 logits end up on rank 0.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,10 +16,10 @@ from typing import Optional
 import torch
 
 from minisched import ops
-from minisched.parallel import protocol
-from minisched.parallel.group import TPGroup
 from minisched.engine.runner import ModelRunner
 from minisched.model.llama import ForwardMeta, LlamaModel
+from minisched.parallel import protocol
+from minisched.parallel.group import TPGroup
 
 
 class TPModelRunner(ModelRunner):
@@ -67,5 +68,8 @@ def worker_loop(group: TPGroup, model: LlamaModel) -> None:
 
 
 def report_worker_error(rank: int, exc: BaseException) -> None:
-    print(f"minisched: tensor-parallel rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-          file=sys.stderr, flush=True)
+    print(
+        f"minisched: tensor-parallel rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        file=sys.stderr,
+        flush=True,
+    )

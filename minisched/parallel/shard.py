@@ -19,6 +19,7 @@ The norms are replicated; activations between the blocks are replicated on every
 all-reduce leaves the same bytes everywhere). `shard_model` slices a full model and sets its
 `tp` hook (`TPShard`), which `LlamaModel.forward` calls at those four points.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -39,8 +40,10 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     if cfg.num_heads % tp:
         raise ValueError(f"--tp {tp} must divide the model's {cfg.num_heads} query heads")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        raise ValueError(f"--tp {tp} must divide the model's {cfg.num_kv_heads} KV heads or be a multiple of "
-                         f"them (then each KV head is replicated)")
+        raise ValueError(
+            f"--tp {tp} must divide the model's {cfg.num_kv_heads} KV heads or be a multiple of "
+            f"them (then each KV head is replicated)"
+        )
     if cfg.intermediate_size % tp:
         raise ValueError(f"--tp {tp} must divide the model's MLP size {cfg.intermediate_size}")
 
@@ -62,7 +65,7 @@ class ShardPlan:
         return self.vocab[1] - self.vocab[0]
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
+    def of(cls, cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
         check_tp(cfg, world)
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for {world} ranks")
@@ -73,15 +76,25 @@ class ShardPlan:
         else:  # replicated: the KV head of this rank's query group (its heads lie in one group)
             k = rank * cfg.num_kv_heads // world
             kv = (k, k + 1)
-        return cls(rank, world, (rank * hq, (rank + 1) * hq), kv, (rank * ffn, (rank + 1) * ffn),
-                   (rank * rows, (rank + 1) * rows), cfg.vocab_size)
+        return cls(
+            rank,
+            world,
+            (rank * hq, (rank + 1) * hq),
+            kv,
+            (rank * ffn, (rank + 1) * ffn),
+            (rank * rows, (rank + 1) * rows),
+            cfg.vocab_size,
+        )
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The shapes this rank computes. `vocab_size` stays the model's: it is the vocabulary the
         model speaks (prompt validation, sampling); the embedding holds `vocab_rows` of it."""
-        return replace(cfg, num_heads=self.q_heads[1] - self.q_heads[0],
-                       num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
-                       intermediate_size=self.ffn[1] - self.ffn[0])
+        return replace(
+            cfg,
+            num_heads=self.q_heads[1] - self.q_heads[0],
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.ffn[1] - self.ffn[0],
+        )
 
 
 class TPShard:
@@ -104,7 +117,7 @@ class TPShard:
         parts = self.group.gather(logits.contiguous())
         if parts is None:
             return None
-        return torch.cat(parts, dim=-1)[:, :self.plan.vocab_size]
+        return torch.cat(parts, dim=-1)[:, : self.plan.vocab_size]
 
 
 @torch.no_grad()
@@ -122,8 +135,8 @@ def shard_model(model: LlamaModel, group, *, device=None) -> LlamaModel:
 
     def vocab_rows(w: torch.Tensor) -> torch.Tensor:
         rows = torch.zeros(plan.vocab_rows, w.shape[1], dtype=w.dtype, device=w.device)
-        part = w[v0:min(v1, cfg.vocab_size)]
-        rows[:part.shape[0]] = part
+        part = w[v0 : min(v1, cfg.vocab_size)]
+        rows[: part.shape[0]] = part
         return rows
 
     out.embed.copy_(vocab_rows(model.embed))
@@ -133,11 +146,17 @@ def shard_model(model: LlamaModel, group, *, device=None) -> LlamaModel:
     for src, dst in zip(model.layers, out.layers):
         dst.ln1.copy_(src.ln1)
         dst.ln2.copy_(src.ln2)
-        dst.qkv.copy_(torch.cat([src.qkv[q0 * d:q1 * d],
-                                 src.qkv[q_size + k0 * d:q_size + k1 * d],
-                                 src.qkv[q_size + kv_size + k0 * d:q_size + kv_size + k1 * d]]))
-        dst.o.copy_(src.o[:, q0 * d:q1 * d])
-        dst.gate_up.copy_(torch.cat([src.gate_up[f0:f1], src.gate_up[inter + f0:inter + f1]]))
+        dst.qkv.copy_(
+            torch.cat(
+                [
+                    src.qkv[q0 * d : q1 * d],
+                    src.qkv[q_size + k0 * d : q_size + k1 * d],
+                    src.qkv[q_size + kv_size + k0 * d : q_size + kv_size + k1 * d],
+                ]
+            )
+        )
+        dst.o.copy_(src.o[:, q0 * d : q1 * d])
+        dst.gate_up.copy_(torch.cat([src.gate_up[f0:f1], src.gate_up[inter + f0 : inter + f1]]))
         dst.down.copy_(src.down[:, f0:f1])
     out.tp = TPShard(group, plan)
     return out

@@ -1,4 +1,5 @@
 """What every rank of a tensor-parallel engine loads: a model spec, or a config and a seed (tests)."""
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,9 @@ class ModelSource:
         try:
             return LlamaModel.from_state_dict(cfg, state, dtype=self.dtype)
         except (KeyError, RuntimeError, ValueError) as exc:
-            raise weights.ModelLoadError(f"cannot load the model {self.name}: its weights do not fit its config "
-                                         f"({type(exc).__name__}: {exc})") from None
+            raise weights.ModelLoadError(
+                f"cannot load the model {self.name}: its weights do not fit its config ({type(exc).__name__}: {exc})"
+            ) from None
 
     def tokenizer(self):
         from minisched.model.tokenizer import MiniTokenizer, load_tokenizer

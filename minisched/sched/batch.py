@@ -12,6 +12,7 @@ chunks that do not finish their prompt; their sampled token is ignored.
 Helpers read the requests' current state: call them before `process_batch_result`.
 All arrays are numpy int32 (bool for the mask). No torch.
 """
+
 from __future__ import annotations
 
 import enum
@@ -62,9 +63,9 @@ class Batch:
             if e == 1:
                 out.append(r.token_at(p))
             elif p + e <= len(r.prompt_ids):
-                out.extend(r.prompt_ids[p:p + e])
+                out.extend(r.prompt_ids[p : p + e])
             else:
-                out.extend(r.fill_ids[p:p + e])
+                out.extend(r.fill_ids[p : p + e])
         return np.asarray(out, dtype=np.int32)
 
     def positions(self) -> np.ndarray:
@@ -91,7 +92,7 @@ class Batch:
                 parts.append(np.asarray(single, dtype=np.int64))
                 single = []
             first = p // ps
-            pages = np.asarray(r.page_ids[first:(p + e - 1) // ps + 1], dtype=np.int64)
+            pages = np.asarray(r.page_ids[first : (p + e - 1) // ps + 1], dtype=np.int64)
             pos = np.arange(p, p + e, dtype=np.int64)
             parts.append(pages[pos // ps - first] * ps + pos % ps)
         parts.append(np.asarray(single, dtype=np.int64))

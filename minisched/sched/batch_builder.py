@@ -13,6 +13,7 @@
 It reads and changes the scheduler's queues through the `Queues` protocol below (the
 Scheduler implements it). Pure Python.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,9 +71,18 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
     if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
         defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
     mixed = len(sched.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
-    adder = PrefillAdder(sched.pool, sched.tree, sched.new_token_ratio, cfg.max_prefill_tokens, cfg.chunk_size,
-                         cfg.max_running_requests - len(sched.running), sched.running,
-                         cfg.clip_max_new_tokens_estimation, mixed, defer)
+    adder = PrefillAdder(
+        sched.pool,
+        sched.tree,
+        sched.new_token_ratio,
+        cfg.max_prefill_tokens,
+        cfg.chunk_size,
+        cfg.max_running_requests - len(sched.running),
+        sched.running,
+        cfg.clip_max_new_tokens_estimation,
+        mixed,
+        defer,
+    )
     carried, sched.chunked_req = sched.chunked_req, None
     if carried is not None and not adder.add_chunked_req(carried):
         sched.chunked_req = carried  # its pages do not fit yet: decode first
@@ -81,8 +91,9 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
         ready = [r for r in sched.policy.order(sched.waiting) if r.after is None or r.after.is_finished]
         admitted = adder.add_waiting(ready)
         if admitted:
-            sched.waiting = take_admitted(sched.waiting, admitted,
-                                          aging=sched.policy.active(len(sched.waiting)) != "fcfs")
+            sched.waiting = take_admitted(
+                sched.waiting, admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs"
+            )
             now = time.monotonic()
             for req in admitted:
                 if req.first_scheduled_time is None:
@@ -91,8 +102,10 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
     sched.chunked_req = adder.new_chunked_req
     if not adder.can_run:
         return None, adder.cache_hit_tokens
-    return (Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size),
-            adder.cache_hit_tokens)
+    return (
+        Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size),
+        adder.cache_hit_tokens,
+    )
 
 
 def mix(sched: Queues, batch: Batch) -> Batch:
@@ -101,8 +114,15 @@ def mix(sched: Queues, batch: Batch) -> Batch:
     if not decode_fits(sched) or not sched.pool.alloc_for_decode(running):
         return batch
     n = len(running)
-    return Batch(ForwardMode.MIXED, batch.reqs + running, batch.prefix_lens + [r.kv_len for r in running],
-                 batch.extend_lens + [1] * n, batch.page_size, batch.sampled + [True] * n, n)
+    return Batch(
+        ForwardMode.MIXED,
+        batch.reqs + running,
+        batch.prefix_lens + [r.kv_len for r in running],
+        batch.extend_lens + [1] * n,
+        batch.page_size,
+        batch.sampled + [True] * n,
+        n,
+    )
 
 
 def decode_batch(sched: Queues, n_retracted: int) -> Batch:

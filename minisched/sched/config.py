@@ -23,6 +23,7 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
   FinishReason.ERROR so callers never spin.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,18 +59,31 @@ class SchedulerConfig:
             if not ok:
                 raise ValueError(f"SchedulerConfig: {msg}")
 
-        for name in ("page_size", "max_prefill_tokens", "max_running_requests",
-                     "new_token_ratio_decay_steps", "clip_max_new_tokens_estimation", "retract_decode_steps",
-                     "lpm_fallback_len", "aging_rounds", "max_stalled_steps"):
+        for name in (
+            "page_size",
+            "max_prefill_tokens",
+            "max_running_requests",
+            "new_token_ratio_decay_steps",
+            "clip_max_new_tokens_estimation",
+            "retract_decode_steps",
+            "lpm_fallback_len",
+            "aging_rounds",
+            "max_stalled_steps",
+        ):
             need(is_int(getattr(self, name)) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
         # None: sized by the engine from the device and the model (engine/config.py); a Scheduler needs both
-        need(self.num_pages is None or (is_int(self.num_pages) and self.num_pages >= 1),
-             "num_pages must be an int >= 1")
-        need(self.max_context_len is None or (is_int(self.max_context_len) and self.max_context_len >= 2),
-             "max_context_len must be >= 2")
+        need(
+            self.num_pages is None or (is_int(self.num_pages) and self.num_pages >= 1), "num_pages must be an int >= 1"
+        )
+        need(
+            self.max_context_len is None or (is_int(self.max_context_len) and self.max_context_len >= 2),
+            "max_context_len must be >= 2",
+        )
         for name in ("chunk_size", "max_prefill_rounds_between_decodes", "in_batch_prefix_defer_tokens"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
-        need(0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,
-             "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+        need(
+            0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,
+            "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1",
+        )

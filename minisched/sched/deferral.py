@@ -11,6 +11,7 @@ admitted to the batch being built. A request is deferred when a key in it covers
 (almost) no cached prefix; measuring the uncached overlap also catches a long shared
 continuation of a short cached one. Pure Python.
 """
+
 from __future__ import annotations
 
 from minisched.sched.radix_cache import RadixCache

@@ -4,6 +4,7 @@
 an optional note such as the finish reason). `StepStats`: one per scheduled batch.
 Together they are the source for metrics, the lifecycle picture and traces.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ keeps one batch launched while the next is built. Both go through the same three
 
 This class only keeps that bookkeeping; the Scheduler changes request state. Pure Python.
 """
+
 from __future__ import annotations
 
 from minisched.sched.batch import Batch

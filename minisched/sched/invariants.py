@@ -9,6 +9,7 @@
 
 Pure Python; raises AssertionError.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -37,10 +38,15 @@ def check_scheduler(sched: SchedulerState) -> None:
     assert flight.built is None, "check_invariants called with a batch built but not launched"
     assert not flight.aborted, "aborts pending with no batch built"
     tree, cfg = sched.tree, sched.config
-    queues = [(sched.waiting, ReqStatus.WAITING), (sched.running, ReqStatus.RUNNING),
-              ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING), (flight.limbo, None)]
-    assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, sched.reqs.values())), \
+    queues = [
+        (sched.waiting, ReqStatus.WAITING),
+        (sched.running, ReqStatus.RUNNING),
+        ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING),
+        (flight.limbo, None),
+    ]
+    assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, sched.reqs.values())), (
         "live requests != waiting + running + chunked + limbo"
+    )
     futures = flight.future_ids()
     locks: dict[int, int] = {}
     held: list[int] = []
@@ -54,11 +60,11 @@ def check_scheduler(sched: SchedulerState) -> None:
                 assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
                 r.check(cfg.page_size, cfg.max_context_len)
             if r.last_node is not None:
-                assert tree.path_pages(r.last_node) == r.page_ids[:r.n_cached_pages], f"{r.rid}: prefix != tree"
+                assert tree.path_pages(r.last_node) == r.page_ids[: r.n_cached_pages], f"{r.rid}: prefix != tree"
                 node = r.last_node
                 while node is not tree.root:
                     locks[id(node)] = locks.get(id(node), 0) + 1
                     node = node.parent
-            held.extend(r.page_ids[r.n_cached_pages:])
+            held.extend(r.page_ids[r.n_cached_pages :])
     tree.check(locks)
     sched.pool.check_partition(tree.all_pages(), held)

@@ -13,9 +13,10 @@ engine. A request's page table is `Req.page_ids` (page i holds its tokens
 
 Pure Python + numpy; no torch.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from minisched.base.values import cdiv
 from minisched.sched.req import Req
@@ -61,8 +62,9 @@ class KVPool:
     def check_partition(self, cached: list[int], held: list[int]) -> None:
         """free + cached + held pages == total, every page owned exactly once."""
         free = self._free
-        assert len(free) + len(cached) + len(held) == self.num_pages, \
+        assert len(free) + len(cached) + len(held) == self.num_pages, (
             f"free {len(free)} + cached {len(cached)} + held {len(held)} != total {self.num_pages}"
+        )
         assert sorted(free + cached + held) == list(range(self.num_pages)), "a page is owned twice or lost"
         assert all(self._is_free[p] for p in free), "free-list flags out of sync"
 
@@ -96,4 +98,3 @@ class KVPool:
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         ps, pages = self.page_size, req.page_ids
         return [pages[i // ps] * ps + i % ps for i in range(start, end)]
-

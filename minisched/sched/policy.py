@@ -15,6 +15,7 @@ cache-hot ones: it is overtaken at most `aging_rounds` times. Counting overtakes
 than elapsed steps keeps LPM intact while a full decode batch makes everyone wait.
 Sorts are stable, so ties keep queue order.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

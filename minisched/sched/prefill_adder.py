@@ -21,13 +21,14 @@ batch is skipped (DEFERRED) and runs next round with a cache hit.
 Each admitted request gets its radix prefix (locked) and its new pages here, evicting
 the cache when the free list is short, so what was admitted can run.
 """
+
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from minisched.sched.deferral import InBatchPrefixes
 from minisched.base.values import cdiv
+from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.kv_pool import KVPool
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import Req
@@ -132,7 +133,7 @@ class PrefillAdder:
         limit = req.seq_len - 1 if req.logits_from is None else min(req.seq_len - 1, req.logits_from)
         pages, node = self.tree.match_prefix(key, limit)
         prefix = len(pages) * self.pool.page_size
-        if self.defer is not None and self.defer.should_defer(key[:req.seq_len - 1], prefix):
+        if self.defer is not None and self.defer.should_defer(key[: req.seq_len - 1], prefix):
             return AddResult.DEFERRED
         n, truncated = self._chunk_len(req.seq_len - prefix)
         if self.can_run and n > self.rem_input_tokens:
@@ -152,7 +153,9 @@ class PrefillAdder:
             self.tree.dec_lock_ref(node)
             req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
             return AddResult.NO_TOKEN
-        req.cache_hit_tokens = min(prefix, req.prompt_len)  # prompt tokens only (a retracted request also hits its own output)
+        req.cache_hit_tokens = min(
+            prefix, req.prompt_len
+        )  # prompt tokens only (a retracted request also hits its own output)
         self.cache_hit_tokens += prefix
         self._admit(req, prefix, n, truncated)
         return AddResult.OTHER if truncated else AddResult.CONTINUE

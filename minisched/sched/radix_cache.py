@@ -15,6 +15,7 @@ so only full pages are ever shared and no copy-on-write is needed.
   request, moving its size between `evictable_pages` and `protected_pages`.
 - `RadixCache(page_size, disable=True)`: matches nothing, stores nothing.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 class TreeNode:
     key: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
-    parent: "TreeNode | None" = None
+    parent: TreeNode | None = None
     children: dict = field(default_factory=dict)  # first page of the child's key (tuple) -> node
     lock_ref: int = 0
     last_access: int = 0
@@ -51,8 +52,11 @@ class RadixCache:
     def _push(self, node: TreeNode) -> None:
         heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
         if len(self._heap) > 2 * self.total_pages + 1024:  # drop stale entries now and then
-            self._heap = [(nd.last_access, next(self._seq), nd) for nd in self._iter_nodes()
-                          if not nd.children and nd.lock_ref == 0]
+            self._heap = [
+                (nd.last_access, next(self._seq), nd)
+                for nd in self._iter_nodes()
+                if not nd.children and nd.lock_ref == 0
+            ]
             heapq.heapify(self._heap)
 
     @property
@@ -61,22 +65,27 @@ class RadixCache:
 
     # -- helpers --------------------------------------------------------------
     def _page_key(self, key: list[int], i: int = 0) -> tuple:
-        return tuple(key[i:i + self.page_size])
+        return tuple(key[i : i + self.page_size])
 
     def _match_len(self, a: list[int], b: list[int], start: int, end: int) -> int:
         """Page-aligned length of the common prefix of a and b[start:end]."""
         ps, n, i = self.page_size, min(len(a), end - start), 0
-        if n == len(a) and b[start:start + n] == a:
+        if n == len(a) and b[start : start + n] == a:
             return n - n % ps
-        while i < n and a[i:i + ps] == b[start + i:start + i + ps]:
+        while i < n and a[i : i + ps] == b[start + i : start + i + ps]:
             i += ps
         return min(i, n - n % ps)
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Split `node` after its first n tokens; returns the new upper node."""
         npg = n // self.page_size
-        upper = TreeNode(key=node.key[:n], pages=node.pages[:npg], parent=node.parent,
-                         lock_ref=node.lock_ref, last_access=node.last_access)
+        upper = TreeNode(
+            key=node.key[:n],
+            pages=node.pages[:npg],
+            parent=node.parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
         upper.children[self._page_key(node.key, n)] = node
         node.parent.children[self._page_key(node.key)] = upper
         node.key, node.pages, node.parent = node.key[n:], node.pages[npg:], upper
@@ -116,7 +125,7 @@ class RadixCache:
         while pos < n:
             child = node.children.get(self._page_key(key, pos))
             if child is None:
-                new = TreeNode(key=key[pos:], pages=list(pages[pos // ps:n // ps]), parent=node, last_access=t)
+                new = TreeNode(key=key[pos:], pages=list(pages[pos // ps : n // ps]), parent=node, last_access=t)
                 node.children[self._page_key(key, pos)] = new
                 self.evictable_pages += len(new.pages)
                 self._push(new)
@@ -176,8 +185,8 @@ class RadixCache:
             pool.free(req.page_ids)
         else:
             n_full = req.kv_len // self.page_size
-            already = self.insert(req.fill_ids[:n_full * self.page_size], req.page_ids[:n_full])
-            pool.free(req.page_ids[req.n_cached_pages:already // self.page_size])
+            already = self.insert(req.fill_ids[: n_full * self.page_size], req.page_ids[:n_full])
+            pool.free(req.page_ids[req.n_cached_pages : already // self.page_size])
             pool.free(req.page_ids[n_full:])
             if req.last_node is not None:
                 self.dec_lock_ref(req.last_node)
@@ -192,9 +201,9 @@ class RadixCache:
         n_full = (req.kv_len if kv_len is None else kv_len) // ps
         if self.disable or n_full <= req.n_cached_pages:
             return
-        key = req.fill_ids[:n_full * ps]
+        key = req.fill_ids[: n_full * ps]
         already = self.insert(key, req.page_ids[:n_full])
-        pool.free(req.page_ids[req.n_cached_pages:already // ps])
+        pool.free(req.page_ids[req.n_cached_pages : already // ps])
         pages, node = self.match_prefix(key)
         req.page_ids[:n_full] = pages
         self.inc_lock_ref(node)
@@ -225,16 +234,22 @@ class RadixCache:
         when given; raises AssertionError."""
         ps, ev, pr = self.page_size, 0, 0
         for nd in self._iter_nodes():
-            assert nd.key and len(nd.key) == len(nd.pages) * ps, f"node key/pages mismatch {len(nd.key)} vs {len(nd.pages)}"
+            assert nd.key and len(nd.key) == len(nd.pages) * ps, (
+                f"node key/pages mismatch {len(nd.key)} vs {len(nd.pages)}"
+            )
             assert nd.parent.children.get(self._page_key(nd.key)) is nd, "child indexed under the wrong key"
             assert nd.lock_ref >= 0, "negative lock_ref"
             if expected_locks is not None:
-                assert nd.lock_ref == expected_locks.get(id(nd), 0), \
+                assert nd.lock_ref == expected_locks.get(id(nd), 0), (
                     f"lock_ref {nd.lock_ref} != {expected_locks.get(id(nd), 0)} live requests locking the node"
-            assert nd.lock_ref >= max((c.lock_ref for c in nd.children.values()), default=0), "child locked more than parent"
+                )
+            assert nd.lock_ref >= max((c.lock_ref for c in nd.children.values()), default=0), (
+                "child locked more than parent"
+            )
             if nd.lock_ref:
                 pr += len(nd.pages)
             else:
                 ev += len(nd.pages)
-        assert (ev, pr) == (self.evictable_pages, self.protected_pages), \
+        assert (ev, pr) == (self.evictable_pages, self.protected_pages), (
             f"size accounting: counted evictable/protected {ev}/{pr}, recorded {self.evictable_pages}/{self.protected_pages}"
+        )

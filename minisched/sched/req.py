@@ -21,12 +21,14 @@ Pure Python: nothing here imports torch. Token bookkeeping (all in tokens):
   `seq_len` and `fill_ids`, so the next step is scheduled as if they were known. Readers
   of the output (streams, stop checks) see only `output_ids`.
 """
+
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from minisched.base.values import cdiv, is_int
 from minisched.sched.sampling_params import Grammar, InvalidRequest, SamplingParams  # noqa: F401 (re-exported)
@@ -87,7 +89,11 @@ class Req:
         sp = self.sampling
         if sp.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
-        if sp.prompt_logprobs is not None and self.prompt_logprobs is None and sp.prompt_logprob_start < self.prompt_len:
+        if (
+            sp.prompt_logprobs is not None
+            and self.prompt_logprobs is None
+            and sp.prompt_logprob_start < self.prompt_len
+        ):
             self.prompt_logprobs = [None] if sp.prompt_logprob_start == 0 else []
 
     @property
@@ -123,16 +129,20 @@ class Req:
     def check(self, page_size: int, max_context_len: int) -> None:
         """State/token-count consistency of a live request; raises AssertionError."""
         n_out = len(self.output_ids) + len(self.pending_ids)
-        assert n_out <= self.max_new_tokens and self.seq_len <= max_context_len, \
+        assert n_out <= self.max_new_tokens and self.seq_len <= max_context_len, (
             f"{self.rid}: too many tokens ({len(self.output_ids)} out, {self.seq_len} total)"
-        assert len(self.page_ids) == cdiv(self.kv_len, page_size), \
+        )
+        assert len(self.page_ids) == cdiv(self.kv_len, page_size), (
             f"{self.rid}: {len(self.page_ids)} pages for kv_len {self.kv_len}"
+        )
         if self.status is ReqStatus.WAITING:
             assert self.kv_len == 0 and self.last_node is None, f"{self.rid}: waiting request holds KV"
         elif self.status is ReqStatus.RUNNING:
             assert self.kv_len == self.seq_len - 1, f"{self.rid}: running, kv_len {self.kv_len}, seq_len {self.seq_len}"
         else:
-            assert 0 < self.kv_len < self.seq_len, f"{self.rid}: prefilling, kv_len {self.kv_len}, seq_len {self.seq_len}"
+            assert 0 < self.kv_len < self.seq_len, (
+                f"{self.rid}: prefilling, kv_len {self.kv_len}, seq_len {self.seq_len}"
+            )
         assert self.n_cached_pages <= self.kv_len // page_size, f"{self.rid}: shares a partly filled page"
         assert self.last_node is not None or self.n_cached_pages == 0, f"{self.rid}: shared pages without a lock"
 
@@ -144,8 +154,9 @@ class Req:
         return self.output_ids[pos - n] if pos - n < m else self.pending_ids[pos - n - m]
 
 
-def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, max_context_len: int,
-                pool_tokens: int) -> Req:
+def new_request(
+    rid: str, prompt_ids, sampling: SamplingParams | dict | None, max_context_len: int, pool_tokens: int
+) -> Req:
     """Validate a new request; raises InvalidRequest (a ValueError) naming the problem.
 
     `max_new_tokens` is clipped (SGLang clips on arrival too) so that the request fits both
@@ -166,11 +177,14 @@ def new_request(rid: str, prompt_ids, sampling: SamplingParams | dict | None, ma
         raise InvalidRequest(f"request {rid!r}: prompt ids must be non-negative ints")
     prompt = [int(t) for t in prompt]
     if len(prompt) >= max_context_len:
-        raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room to generate "
-                             f"within max_context_len={max_context_len}")
+        raise InvalidRequest(
+            f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room to generate "
+            f"within max_context_len={max_context_len}"
+        )
     if len(prompt) > pool_tokens:
-        raise InvalidRequest(f"request {rid!r}: prompt of {len(prompt)} tokens exceeds the whole KV pool "
-                             f"({pool_tokens} tokens)")
+        raise InvalidRequest(
+            f"request {rid!r}: prompt of {len(prompt)} tokens exceeds the whole KV pool ({pool_tokens} tokens)"
+        )
     max_new = min(sampling.max_new_tokens, max_context_len - len(prompt), pool_tokens + 1 - len(prompt))
     return Req(rid=rid, prompt_ids=prompt, sampling=sampling, max_new_tokens=max_new)
 

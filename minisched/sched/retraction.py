@@ -15,9 +15,10 @@ step is made room for.
 
 Pure functions over requests and the pool; no scheduler state.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from minisched.base.values import cdiv
 from minisched.sched.kv_pool import KVPool
@@ -43,6 +44,8 @@ def stall_reason(req: Req, pool: KVPool, tree: RadixCache, steps: int) -> tuple[
     ends with LENGTH; any other with ERROR and this message."""
     if cdiv(req.seq_len, pool.page_size) > pool.num_pages:
         return FinishReason.LENGTH, None
-    return FinishReason.ERROR, (f"scheduler stalled: no batch could be formed for {steps} steps with nothing "
-                                f"running ({pool.num_free} free + {tree.evictable_pages} evictable of "
-                                f"{pool.num_pages} pages)")
+    return FinishReason.ERROR, (
+        f"scheduler stalled: no batch could be formed for {steps} steps with nothing "
+        f"running ({pool.num_free} free + {tree.evictable_pages} evictable of "
+        f"{pool.num_pages} pages)"
+    )

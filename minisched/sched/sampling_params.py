@@ -23,6 +23,7 @@ The fields SGLang and vLLM accept, with their meanings:
 
 Pure Python: nothing here imports torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,8 +83,7 @@ class SamplingParams:
         def setf(name, value) -> None:
             object.__setattr__(self, name, value)
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not is_real(v):
                 raise bad(f"{name} must be a finite number, got {v!r}")
@@ -113,12 +113,18 @@ class SamplingParams:
                 raise bad(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
         if not is_int(self.prompt_logprob_start) or self.prompt_logprob_start < 0:
             raise bad(f"prompt_logprob_start must be an int >= 0, got {self.prompt_logprob_start!r}")
-        for name in ("top_k", "seed", "max_new_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                     "prompt_logprob_start"):
+        for name in (
+            "top_k",
+            "seed",
+            "max_new_tokens",
+            "min_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "prompt_logprob_start",
+        ):
             if getattr(self, name) is not None:
                 setf(name, int(getattr(self, name)))  # numpy ints -> int
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
-                is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         setf("stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -134,8 +140,7 @@ class SamplingParams:
         except (TypeError, ValueError):
             raise bad(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}") from None
         if len(pairs) != len(tuple(bias)) or any(not -100 <= b <= 100 for _, b in pairs):
-            raise bad(f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], "
-                      f"got {self.logit_bias!r}")
+            raise bad(f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
         setf("logit_bias", pairs)
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise bad(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
@@ -148,5 +153,10 @@ class SamplingParams:
     @property
     def needs_processing(self) -> bool:
         """Anything beyond temperature / top-k / top-p that changes the logits before sampling."""
-        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0
-                or self.grammar is not None)
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.min_p > 0
+            or self.grammar is not None
+        )

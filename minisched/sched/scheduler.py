@@ -58,10 +58,12 @@ KV: after each prefill chunk a request's full pages are shared through the radix
 it finishes, aborts or is retracted, its full pages stay in the cache (evictable) and the rest
 are freed. `sched.reqs` maps rid -> live Req.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from minisched.sched import batch_builder
 from minisched.sched.batch import Batch, ForwardMode
@@ -72,8 +74,7 @@ from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool
 from minisched.sched.policy import SchedulePolicy
 from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import (FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason,
-                                  new_request)
+from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason, new_request
 from minisched.sched.retraction import pick_victim, reestimate_ratio, stall_reason
 from minisched.sched.step_output import StepOutput
 
@@ -110,8 +111,9 @@ class Scheduler:
         self._num_arrivals = 0
 
     # -- requests -------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
-                    after: Req | None = None) -> Req:
+    def add_request(
+        self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *, after: Req | None = None
+    ) -> Req:
         """`after`: a request this one waits for (n > 1: the prefill of the shared prompt)."""
         cfg = self.config
         if isinstance(rid, str) and rid in self.reqs:
@@ -241,10 +243,12 @@ class Scheduler:
     def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
         first_decode = batch.batch_size - batch.num_decode
         checker, max_ctx, aborted = self.stop_checker, self.config.max_context_len, self.in_flight.aborted
-        tokens, lps, prompt_lps = (out.tokens, out.logprobs, out.prompt_logprobs) if isinstance(out, StepOutput) \
-            else (out, None, None)
-        for b, (req, p, e, sampled, fid, tok) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
-                                                             batch.sampled, batch.future_ids, tokens)):
+        tokens, lps, prompt_lps = (
+            (out.tokens, out.logprobs, out.prompt_logprobs) if isinstance(out, StepOutput) else (out, None, None)
+        )
+        for b, (req, p, e, sampled, fid, tok) in enumerate(
+            zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled, batch.future_ids, tokens)
+        ):
             if req.status not in LIVE:
                 continue  # released while launched (abort, or finished by an earlier resolve): dropped
             valid = p + e
@@ -269,8 +273,12 @@ class Scheduler:
                 req.output_logprobs.append(lps[b] if lps is not None else None)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if (len(req.output_ids) >= req.max_new_tokens or valid + 1 >= max_ctx or checker is not None
-                    or tok in req.sampling.stop_token_ids):
+            if (
+                len(req.output_ids) >= req.max_new_tokens
+                or valid + 1 >= max_ctx
+                or checker is not None
+                or tok in req.sampling.stop_token_ids
+            ):
                 reason = finish_reason(req, max_ctx, checker)
                 if reason is not None:
                     self.end(req, valid, ReqStatus.FINISHED, reason)
@@ -380,9 +388,20 @@ class Scheduler:
     def record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:
         # output_len counts placeholders: a prompt completes (-> RUNNING) at launch, which the plain
         # step does right after the forward sampled its first token.
-        self.events.append(Event(time.monotonic(), self.step_count, req.rid, src, dst, req.prompt_len,
-                                 len(req.output_ids) + len(req.pending_ids), req.kv_len, req.cache_hit_tokens,
-                                 note))
+        self.events.append(
+            Event(
+                time.monotonic(),
+                self.step_count,
+                req.rid,
+                src,
+                dst,
+                req.prompt_len,
+                len(req.output_ids) + len(req.pending_ids),
+                req.kv_len,
+                req.cache_hit_tokens,
+                note,
+            )
+        )
 
     def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
         self.record(req, req.status, dst, note)
@@ -391,11 +410,25 @@ class Scheduler:
     def _record_step(self, batch: Batch, n_retracted: int, hits: int) -> None:
         pool, tree = self.pool, self.tree
         decode = batch.num_decode
-        self.step_stats.append(StepStats(
-            self.step_count, time.monotonic(), batch.mode.value, batch.batch_size, batch.num_tokens - decode, decode,
-            len(self.running), len(self.waiting), pool.num_free, tree.total_pages, tree.evictable_pages,
-            1 - (pool.num_free + tree.evictable_pages) / pool.num_pages, hits, n_retracted,
-            self.new_token_ratio))
+        self.step_stats.append(
+            StepStats(
+                self.step_count,
+                time.monotonic(),
+                batch.mode.value,
+                batch.batch_size,
+                batch.num_tokens - decode,
+                decode,
+                len(self.running),
+                len(self.waiting),
+                pool.num_free,
+                tree.total_pages,
+                tree.evictable_pages,
+                1 - (pool.num_free + tree.evictable_pages) / pool.num_pages,
+                hits,
+                n_retracted,
+                self.new_token_ratio,
+            )
+        )
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the pool, the radix cache and the queues agree

@@ -1,5 +1,6 @@
 """What one forward step hands back to the scheduler: a token per row and the log-probabilities
 the rows asked for (`SamplingParams.logprobs` / `prompt_logprobs`). Pure Python."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

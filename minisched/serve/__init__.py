@@ -8,6 +8,7 @@ thread), state (the HTTP side's per-request state, admission, drain), detokenize
 text with stop strings held back), metrics (Prometheus), app (FastAPI routes), server
 (uvicorn with a graceful drain).
 """
+
 from minisched.serve.app import create_app
 from minisched.serve.engine_loop import EngineLoop
 from minisched.serve.server import make_server, run

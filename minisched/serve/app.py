@@ -14,6 +14,7 @@ goes to the log, never to the client). With an API key, every /v1 route needs
 `Authorization: Bearer <key>`; /health and /metrics stay open (as in vLLM: probes and
 scrapers; they show load, never request content -- bind to loopback or firewall them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minisched.serve import protocol as p
 from minisched.model.detokenize import IncrementalDetokenizer
+from minisched.serve import protocol as p
 from minisched.serve.engine_loop import EngineLoop
 from minisched.serve.loop import ServingLoop
 from minisched.serve.metrics import CONTENT_TYPE
@@ -38,8 +39,14 @@ from minisched.serve.state import DEFAULT_COMPLETION_TOKENS, OPENAI_FINISH, Requ
 log = logging.getLogger("minisched.serve")
 
 
-def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_queued_requests: int = 512,
-               engine_loop: Optional[ServingLoop] = None) -> FastAPI:
+def create_app(
+    engine,
+    *,
+    model_name: str,
+    api_key: Optional[str] = None,
+    max_queued_requests: int = 512,
+    engine_loop: Optional[ServingLoop] = None,
+) -> FastAPI:
     loop: ServingLoop = engine_loop or EngineLoop(engine)
     state = ServerState(engine, loop, model_name=model_name, api_key=api_key, max_queued_requests=max_queued_requests)
     for collector in loop.collectors():  # --dp: per-replica gauges
@@ -90,8 +97,13 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
     async def completions(body: p.CompletionRequest, request: Request):
         _check_common(state, body)
         ids = _completion_prompt(state, body.prompt)
-        prepared = state.prepare(ids, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_COMPLETION_TOKENS,
-                                 **_sampling(body), param="prompt")
+        prepared = state.prepare(
+            ids,
+            max_tokens=body.max_tokens,
+            default_max_tokens=DEFAULT_COMPLETION_TOKENS,
+            **_sampling(body),
+            param="prompt",
+        )
         detok = IncrementalDetokenizer(state.tokenizer, prepared.sampling.stop)
         handle = state.admit(prepared, "cmpl")  # from here on the request is in the engine
         if body.stream:
@@ -100,8 +112,9 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
         if final_ids is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         detok.finish(handle.final.finish_reason, final_ids)
-        choice = p.CompletionChoice(text=detok.text, finish_reason=_finish(handle),
-                                    token_ids=final_ids if body.return_token_ids else None)
+        choice = p.CompletionChoice(
+            text=detok.text, finish_reason=_finish(handle), token_ids=final_ids if body.return_token_ids else None
+        )
         resp = p.CompletionResponse(id=handle.rid, model=state.model_name, choices=[choice], usage=_usage(handle))
         return JSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": handle.rid})
 
@@ -112,8 +125,9 @@ def create_app(engine, *, model_name: str, api_key: Optional[str] = None, max_qu
             ids = state.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         except Exception as exc:  # the template's raise_exception (ValueError) or a jinja2 TemplateError
             raise p.APIError(400, f"messages: {exc}", param="messages") from exc
-        prepared = state.prepare(ids, max_tokens=body.max_new_tokens(), default_max_tokens=None,
-                                 **_sampling(body), param="messages")
+        prepared = state.prepare(
+            ids, max_tokens=body.max_new_tokens(), default_max_tokens=None, **_sampling(body), param="messages"
+        )
         detok = IncrementalDetokenizer(state.tokenizer, prepared.sampling.stop)
         handle = state.admit(prepared, "chatcmpl")
         if body.stream:
@@ -142,15 +156,25 @@ def _check_common(state: ServerState, body) -> None:
 
 
 def _sampling(body) -> dict:
-    return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                stop=body.stop_list(), ignore_eos=body.ignore_eos)
+    return dict(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+    )
 
 
 def _completion_prompt(state: ServerState, prompt) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise p.APIError(400, f"batched prompts ({len(prompt)}) are not supported; send one request per prompt",
-                             param="prompt", code="unsupported_parameter")
+            raise p.APIError(
+                400,
+                f"batched prompts ({len(prompt)}) are not supported; send one request per prompt",
+                param="prompt",
+                code="unsupported_parameter",
+            )
         prompt = prompt[0]
     return state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
@@ -206,8 +230,11 @@ class _EngineStream(StreamingResponse):
     is released in the engine unless it already finished."""
 
     def __init__(self, content, handle: RequestHandle):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": handle.rid})
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": handle.rid},
+        )
         self.handle = handle
 
     async def __call__(self, scope, receive, send) -> None:
@@ -249,8 +276,7 @@ async def _completion_chunks(state: ServerState, body: p.CompletionRequest, hand
 
 
 async def _chat_chunks(state: ServerState, body: p.ChatCompletionRequest, handle: RequestHandle, detok):
-    head = {"id": handle.rid, "object": "chat.completion.chunk", "created": handle.created,
-            "model": state.model_name}
+    head = {"id": handle.rid, "object": "chat.completion.chunk", "created": handle.created, "model": state.model_name}
 
     def chunk(delta: dict, reason: Optional[str] = None) -> str:
         return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
@@ -323,8 +349,11 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(p.APIError(exc.status_code, str(exc.detail), type=kind).body(),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            p.APIError(exc.status_code, str(exc.detail), type=kind).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -344,8 +373,9 @@ class BearerAuth:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.key):
-                err = p.APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                                 code="invalid_api_key")
+                err = p.APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+                )
                 resp = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, send)
         await self.app(scope, receive, send)

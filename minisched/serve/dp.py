@@ -15,6 +15,7 @@ instant is routed again. The server stays up while one replica lives: `/health` 
 With `pin_cpus` and at least one core per replica, replica i is pinned to its own share of
 the cores, so the replicas' thread pools do not fight over them.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,7 +24,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Stats, Update
@@ -43,12 +45,19 @@ def split_cpus(n: int) -> list[Optional[list[int]]]:
     if len(cores) < n:
         return [None] * n
     k = len(cores) // n
-    return [cores[i * k:(i + 1) * k] for i in range(n)]
+    return [cores[i * k : (i + 1) * k] for i in range(n)]
 
 
 class DataParallelLoop:
-    def __init__(self, factories: Sequence[Callable[[], Any]], router: RouterConfig = RouterConfig(), *,
-                 pin_cpus: bool = True, start_timeout: float = 600.0, check_invariants: bool = False):
+    def __init__(
+        self,
+        factories: Sequence[Callable[[], Any]],
+        router: RouterConfig = RouterConfig(),
+        *,
+        pin_cpus: bool = True,
+        start_timeout: float = 600.0,
+        check_invariants: bool = False,
+    ):
         if len(factories) < 1:
             raise ValueError("data parallelism needs at least one replica")
         self.factories, self.router_config = list(factories), router
@@ -60,15 +69,16 @@ class DataParallelLoop:
         self._started = False
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> "DataParallelLoop":
+    def start(self) -> DataParallelLoop:
         """Spawn every replica and wait until all are ready; one that fails stops them all."""
         if self._started:
             return self
         self._started = True
         cpus = split_cpus(len(self.factories)) if self.pin_cpus else [None] * len(self.factories)
-        self.replicas = [ReplicaClient(i, f, on_death=self._replica_died, cpus=cpus[i],
-                                       check_invariants=self.check_invariants)
-                         for i, f in enumerate(self.factories)]
+        self.replicas = [
+            ReplicaClient(i, f, on_death=self._replica_died, cpus=cpus[i], check_invariants=self.check_invariants)
+            for i, f in enumerate(self.factories)
+        ]
         deadline = time.monotonic() + self.start_timeout
         try:
             infos = [r.wait_ready(max(0.0, deadline - time.monotonic())) for r in self.replicas]
@@ -79,8 +89,12 @@ class DataParallelLoop:
         self.info = infos[0]
         sc = self.info.sched_config
         # The router's tree per replica holds about what that replica's KV pool can.
-        self.router = Router(self.router_config, len(self.replicas), chunk=sc.page_size,
-                             max_tree_tokens=max(sc.page_size, sc.num_pages * sc.page_size))
+        self.router = Router(
+            self.router_config,
+            len(self.replicas),
+            chunk=sc.page_size,
+            max_tree_tokens=max(sc.page_size, sc.num_pages * sc.page_size),
+        )
         return self
 
     def is_alive(self) -> bool:
@@ -126,8 +140,12 @@ class DataParallelLoop:
         with self._lock:
             if self.router is not None and self.router.alive[index]:
                 self.router.remove(index)
-                log.error("engine replica %d removed from routing; %d of %d left", index,
-                          len(self.router.live()), len(self.replicas))
+                log.error(
+                    "engine replica %d removed from routing; %d of %d left",
+                    index,
+                    len(self.router.live()),
+                    len(self.replicas),
+                )
 
     # -- admin and observation ------------------------------------------------------------------
     def set_policy(self, config: RouterConfig) -> None:
@@ -157,14 +175,25 @@ class DataParallelLoop:
 
     def health(self) -> LoopHealth:
         alive = sum(r.alive for r in self.replicas)
-        return LoopHealth(alive=self.is_alive(), replicas=[self.replica_status(r) for r in self.replicas],
-                          degraded=0 < alive < len(self.replicas))
+        return LoopHealth(
+            alive=self.is_alive(),
+            replicas=[self.replica_status(r) for r in self.replicas],
+            degraded=0 < alive < len(self.replicas),
+        )
 
     def replica_status(self, r: ReplicaClient) -> dict:
-        out = {"index": r.index, "alive": r.alive, "pid": r.process.pid, "in_flight": r.in_flight,
-               "routed": self.router.routed[r.index] if self.router else 0, "finished": r.requests,
-               "failed": r.failed, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-               "cache_hit_rate": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0}
+        out = {
+            "index": r.index,
+            "alive": r.alive,
+            "pid": r.process.pid,
+            "in_flight": r.in_flight,
+            "routed": self.router.routed[r.index] if self.router else 0,
+            "finished": r.requests,
+            "failed": r.failed,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "cache_hit_rate": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
+        }
         if not r.alive and r.error:
             out["error"] = r.error
         return out
@@ -180,11 +209,11 @@ class ReplicaCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         rows = [self.pool.replica_status(r) for r in self.pool.replicas]
-        for name, doc, key in (("minisched_dp_replica_up", "1 while the replica process serves", "alive"),
-                               ("minisched_dp_replica_requests_in_flight", "requests routed there, not finished",
-                                "in_flight"),
-                               ("minisched_dp_replica_cache_hit_rate", "cached prompt tokens / prompt tokens",
-                                "cache_hit_rate")):
+        for name, doc, key in (
+            ("minisched_dp_replica_up", "1 while the replica process serves", "alive"),
+            ("minisched_dp_replica_requests_in_flight", "requests routed there, not finished", "in_flight"),
+            ("minisched_dp_replica_cache_hit_rate", "cached prompt tokens / prompt tokens", "cache_hit_rate"),
+        ):
             g = GaugeMetricFamily(name, doc, labels=["replica"])
             for row in rows:
                 g.add_metric([str(row["index"])], float(row[key]))

@@ -24,6 +24,7 @@ comes back from `engine.step()`, so the abort itself publishes its finish.
 `static_batch=N` (benchmarks only) runs the seed's static-batching baseline: new requests
 wait here until the engine is idle, then up to N of them start together.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,7 +34,8 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
 from minisched.serve.loop import LoopHealth, publish
@@ -44,8 +46,9 @@ HISTORY_LIMIT = 4096  # scheduler events / step stats kept (the server runs for 
 
 
 class EngineLoop:
-    def __init__(self, engine, *, check_invariants: bool = False, static_batch: Optional[int] = None,
-                 keep_history: bool = False):
+    def __init__(
+        self, engine, *, check_invariants: bool = False, static_batch: Optional[int] = None, keep_history: bool = False
+    ):
         self.engine = engine
         self.check = check_invariants
         self.static_batch = static_batch
@@ -63,7 +66,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="minisched-engine", daemon=True)
 
     # -- any thread -----------------------------------------------------------------------------
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -234,16 +237,21 @@ class EngineLoop:
 
     def _update_stats(self) -> None:
         sched = self.engine.scheduler
-        new = sched.step_stats[self._stats_seen:]
+        new = sched.step_stats[self._stats_seen :]
         self._retractions += sum(s.num_retracted for s in new)
         self._stats_seen = len(sched.step_stats)
         if not self.keep_history and self._stats_seen > HISTORY_LIMIT:
             del sched.step_stats[:], sched.events[:], self.engine.step_times[:]
             self._stats_seen = 0
         tree = sched.tree
-        self.stats = Stats(steps=self.stats.steps + 1, running=len(sched.running),
-                           waiting=len(sched.waiting) + (sched.chunked_req is not None) + len(self._held),
-                           pages_total=sched.config.num_pages, pages_free=sched.pool.num_free,
-                           pages_cached=tree.total_pages, pages_evictable=tree.evictable_pages,
-                           retractions=self._retractions, step_errors=self._step_errors)
-
+        self.stats = Stats(
+            steps=self.stats.steps + 1,
+            running=len(sched.running),
+            waiting=len(sched.waiting) + (sched.chunked_req is not None) + len(self._held),
+            pages_total=sched.config.num_pages,
+            pages_free=sched.pool.num_free,
+            pages_cached=tree.total_pages,
+            pages_evictable=tree.evictable_pages,
+            retractions=self._retractions,
+            step_errors=self._step_errors,
+        )

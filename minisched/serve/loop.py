@@ -5,14 +5,16 @@ All methods may be called from any thread; `submit`'s sink receives its updates 
 own event loop (`publish`). `health()` is read by /health; `collectors()` adds Prometheus
 collectors of the loop's own (the per-replica gauges) to /metrics.
 """
+
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from minisched.serve.messages import Sink, Stats, Update
 
@@ -33,7 +35,7 @@ class LoopHealth:
 class ServingLoop(Protocol):
     stats: Stats
 
-    def start(self) -> "ServingLoop": ...
+    def start(self) -> ServingLoop: ...
 
     def is_alive(self) -> bool: ...
 
@@ -70,4 +72,3 @@ def deliver_all(batch: list[tuple[Sink, Update]]) -> None:
             sink.deliver(upd)
         except Exception:  # one broken sink must not starve the others
             log.error("sink error:\n%s", traceback.format_exc())
-

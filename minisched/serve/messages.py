@@ -1,5 +1,6 @@
 """The messages between the engine and the HTTP side: per-request `Update`s, the `Sink` that
 receives them, and the engine `Stats` snapshot behind /metrics."""
+
 from __future__ import annotations
 
 import asyncio

@@ -11,9 +11,10 @@ Two sources, neither of which touches the engine from the HTTP side:
 
 `minisched_cache_hit_rate` is cached prompt tokens / prompt tokens over the server's life.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -32,43 +33,64 @@ class _EngineCollector:
     def collect(self):
         s = self.stats()
         for name, doc, value in (
-                ("minisched_num_requests_running", "requests in the decode batch", s.running),
-                ("minisched_num_requests_waiting", "requests waiting for prefill", s.waiting),
-                ("minisched_kv_pages_total", "pages in the KV pool", s.pages_total),
-                ("minisched_kv_pages_used", "KV pages allocated (requests + cache)", s.pages_total - s.pages_free),
-                ("minisched_kv_pages_cached", "KV pages held by the radix cache", s.pages_cached),
-                ("minisched_kv_pages_evictable", "radix-cache pages no live request locks", s.pages_evictable),
-                ("minisched_kv_pages_free", "free KV pages", s.pages_free),
-                ("minisched_cache_hit_rate", "cached prompt tokens / prompt tokens", self.hit_rate())):
+            ("minisched_num_requests_running", "requests in the decode batch", s.running),
+            ("minisched_num_requests_waiting", "requests waiting for prefill", s.waiting),
+            ("minisched_kv_pages_total", "pages in the KV pool", s.pages_total),
+            ("minisched_kv_pages_used", "KV pages allocated (requests + cache)", s.pages_total - s.pages_free),
+            ("minisched_kv_pages_cached", "KV pages held by the radix cache", s.pages_cached),
+            ("minisched_kv_pages_evictable", "radix-cache pages no live request locks", s.pages_evictable),
+            ("minisched_kv_pages_free", "free KV pages", s.pages_free),
+            ("minisched_cache_hit_rate", "cached prompt tokens / prompt tokens", self.hit_rate()),
+        ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("minisched_retractions", "requests retracted under KV pressure", value=s.retractions)
         yield CounterMetricFamily("minisched_engine_steps", "engine steps", value=s.steps)
-        yield CounterMetricFamily("minisched_engine_loop_errors", "failed steps and loop errors survived",
-                                  value=s.step_errors)
+        yield CounterMetricFamily(
+            "minisched_engine_loop_errors", "failed steps and loop errors survived", value=s.step_errors
+        )
 
 
 class ServerMetrics:
     def __init__(self, stats: Callable[[], Stats]):
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("minisched_time_to_first_token_seconds", "arrival to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.tpot = Histogram("minisched_time_per_output_token_seconds", "mean time per token after the first",
-                              registry=r, buckets=TPOT_BUCKETS)
-        self.e2e = Histogram("minisched_e2e_request_latency_seconds", "arrival to last token", registry=r,
-                             buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "minisched_time_to_first_token_seconds", "arrival to first token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "minisched_time_per_output_token_seconds",
+            "mean time per token after the first",
+            registry=r,
+            buckets=TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "minisched_e2e_request_latency_seconds", "arrival to last token", registry=r, buckets=LATENCY_BUCKETS
+        )
         self.prompt_tokens = Counter("minisched_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("minisched_cached_prompt_tokens", "prompt tokens served from the radix cache",
-                                     registry=r)
+        self.cached_tokens = Counter(
+            "minisched_cached_prompt_tokens", "prompt tokens served from the radix cache", registry=r
+        )
         self.generation_tokens = Counter("minisched_generation_tokens", "generated tokens", registry=r)
-        self.finished = Counter("minisched_requests_finished", "finished requests by OpenAI finish reason",
-                                ["finish_reason"], registry=r)
-        self.rejected = Counter("minisched_requests_rejected", "requests refused before the engine",
-                                ["reason"], registry=r)
+        self.finished = Counter(
+            "minisched_requests_finished", "finished requests by OpenAI finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "minisched_requests_rejected", "requests refused before the engine", ["reason"], registry=r
+        )
         self._prompt, self._cached = 0, 0
         r.register(_EngineCollector(stats, lambda: self._cached / self._prompt if self._prompt else 0.0))
 
-    def request_done(self, *, finish_reason: str, prompt_tokens: int, cached_tokens: int, output_tokens: int,
-                     ttft: float | None, e2e: float, first_token_at: float | None, done_at: float) -> None:
+    def request_done(
+        self,
+        *,
+        finish_reason: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+        ttft: float | None,
+        e2e: float,
+        first_token_at: float | None,
+        done_at: float,
+    ) -> None:
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)

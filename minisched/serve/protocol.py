@@ -9,6 +9,7 @@ at their neutral value and are a 400 otherwise: `n` > 1, `logprobs`, `echo`, `be
 non-zero penalties, a non-empty `logit_bias`, `tools`, a non-text `response_format`.
 `user`, `metadata` and `store` are accepted and ignored.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,10 +71,12 @@ class _GenerationFields(_Body):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first valid OpenAI field set to what this server cannot do."""
-        checks = [("n", self.n != 1, "n > 1 is not supported; send n separate requests"),
-                  ("presence_penalty", self.presence_penalty != 0, "presence_penalty is not supported (only 0)"),
-                  ("frequency_penalty", self.frequency_penalty != 0, "frequency_penalty is not supported (only 0)"),
-                  ("logit_bias", bool(self.logit_bias), "logit_bias is not supported")]
+        checks = [
+            ("n", self.n != 1, "n > 1 is not supported; send n separate requests"),
+            ("presence_penalty", self.presence_penalty != 0, "presence_penalty is not supported (only 0)"),
+            ("frequency_penalty", self.frequency_penalty != 0, "frequency_penalty is not supported (only 0)"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+        ]
         checks += self._unsupported_extra()
         return next(((param, msg) for param, bad, msg in checks if bad), None)
 
@@ -90,10 +93,12 @@ class CompletionRequest(_GenerationFields):
     return_token_ids: bool = False
 
     def _unsupported_extra(self) -> list[tuple[str, bool, str]]:
-        return [("echo", self.echo, "echo is not supported"),
-                ("best_of", self.best_of != 1, "best_of > 1 is not supported"),
-                ("logprobs", bool(self.logprobs), "logprobs are not supported"),
-                ("suffix", bool(self.suffix), "suffix is not supported")]
+        return [
+            ("echo", self.echo, "echo is not supported"),
+            ("best_of", self.best_of != 1, "best_of > 1 is not supported"),
+            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+            ("suffix", bool(self.suffix), "suffix is not supported"),
+        ]
 
 
 class TextPart(_Body):
@@ -124,9 +129,11 @@ class ChatCompletionRequest(_GenerationFields):
     tool_choice: Optional[Any] = None
 
     def _unsupported_extra(self) -> list[tuple[str, bool, str]]:
-        return [("logprobs", self.logprobs or bool(self.top_logprobs), "logprobs are not supported"),
-                ("tools", bool(self.tools), "tools are not supported"),
-                ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool_choice is not supported")]
+        return [
+            ("logprobs", self.logprobs or bool(self.top_logprobs), "logprobs are not supported"),
+            ("tools", bool(self.tools), "tools are not supported"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool_choice is not supported"),
+        ]
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -145,9 +152,12 @@ class Usage(BaseModel):
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
 
 
 class CompletionChoice(BaseModel):
@@ -237,8 +247,15 @@ class ErrorResponse(BaseModel):
 class APIError(Exception):
     """Raised by the handlers; answered with OpenAI's error body (`app.py`)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
-                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+    ):
         super().__init__(message)
         self.status, self.headers = status, headers
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)

@@ -23,6 +23,7 @@ The replica in turn exits when the server's end closes (the server died), and ig
 SIGINT and SIGTERM: Ctrl-C in a terminal (or `timeout`, or `kill -- -PGID`) signals the whole
 process group, and the server must drain its requests before it stops the replicas.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -33,8 +34,9 @@ import os
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from minisched.serve.engine_loop import EngineLoop
 from minisched.serve.loop import publish
@@ -92,8 +94,9 @@ class _RemoteSink:
         raise AssertionError("a remote sink is delivered in the server process")
 
 
-def _replica_main(index: int, factory: Callable[[], Any], conn, cpus: Optional[list[int]],
-                  check_invariants: bool) -> None:
+def _replica_main(
+    index: int, factory: Callable[[], Any], conn, cpus: Optional[list[int]], check_invariants: bool
+) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # group-wide signals are the server's: it drains, then stops us
         signal.signal(sig, signal.SIG_IGN)
     if cpus:  # before the engine: its default thread count is the cores this process may use
@@ -144,13 +147,24 @@ def _outcome(fut: concurrent.futures.Future) -> tuple[bool, Any]:
 class ReplicaClient:
     """The server process's handle on one replica. submit/abort/call from any thread."""
 
-    def __init__(self, index: int, factory: Callable[[], Any], *, on_death: Optional[Callable[[int], None]] = None,
-                 cpus: Optional[list[int]] = None, check_invariants: bool = False):
+    def __init__(
+        self,
+        index: int,
+        factory: Callable[[], Any],
+        *,
+        on_death: Optional[Callable[[int], None]] = None,
+        cpus: Optional[list[int]] = None,
+        check_invariants: bool = False,
+    ):
         ctx = multiprocessing.get_context("spawn")
         self.index, self.on_death = index, on_death
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_replica_main, args=(index, factory, child, cpus, check_invariants),
-                                   name=f"minisched-replica-{index}", daemon=True)
+        self.process = ctx.Process(
+            target=_replica_main,
+            args=(index, factory, child, cpus, check_invariants),
+            name=f"minisched-replica-{index}",
+            daemon=True,
+        )
         self.process.start()
         child.close()  # only the replica holds its end now, so its death is EOF here
         self.info: Optional[EngineInfo] = None
@@ -294,8 +308,11 @@ class ReplicaClient:
         expected = self._stopping or not was_alive
         if not expected:
             log.error("%s; %d request(s) in flight there failed", self.error, len(pending))
-        upd = (lambda: Update([], "abort")) if self._stopping else (
-            lambda: Update([], "error", self.error, "server_error"))
+        upd = (
+            (lambda: Update([], "abort"))
+            if self._stopping
+            else (lambda: Update([], "error", self.error, "server_error"))
+        )
         publish([(sink, upd()) for sink, _ in pending.values()])
         for fut in calls.values():
             fut.set_exception(RuntimeError(self.error))

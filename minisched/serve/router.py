@@ -22,12 +22,14 @@ used leaves go first, as in the engine's cache.
 
 `round-robin` ignores prompts and load: the baseline for the benchmark.
 """
+
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 POLICIES = ("cache-aware", "round-robin")
 
@@ -58,7 +60,7 @@ class RouterConfig:
 class _Node:
     __slots__ = ("children", "parent", "key", "last_used")
 
-    def __init__(self, parent: Optional["_Node"], key: tuple, last_used: int):
+    def __init__(self, parent: Optional[_Node], key: tuple, last_used: int):
         self.children: dict[tuple, _Node] = {}
         self.parent, self.key, self.last_used = parent, key, last_used
 
@@ -80,7 +82,7 @@ class PrefixTree:
 
     def _chunks(self, ids: Sequence[int]):
         c = self.chunk
-        return (tuple(ids[i:i + c]) for i in range(0, len(ids) - c + 1, c))
+        return (tuple(ids[i : i + c]) for i in range(0, len(ids) - c + 1, c))
 
     def match(self, ids: Sequence[int]) -> int:
         """Tokens of the longest prefix of `ids` in the tree (a multiple of the chunk)."""

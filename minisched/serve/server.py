@@ -7,6 +7,7 @@ on open connections with 503, lets the requests in flight finish for `grace_peri
 then aborts the rest (their streams end with finish_reason "abort"), stops the engine thread
 and returns -- the process exits 0. A second signal skips the wait.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,10 +47,12 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(app, host: str = "127.0.0.1", port: int = 30000, grace_period: float = 30.0,
-                log_level: str = "info") -> DrainingServer:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                            access_log=False, lifespan="on")
+def make_server(
+    app, host: str = "127.0.0.1", port: int = 30000, grace_period: float = 30.0, log_level: str = "info"
+) -> DrainingServer:
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10, access_log=False, lifespan="on"
+    )
     return DrainingServer(config, grace_period)
 
 

@@ -9,6 +9,7 @@ than `max_queued_requests` requests queued -> 429 with Retry-After. A request co
 queued from its admission until its first token (or its end); one that already streams
 does not. Each admitted request is in `live` until its finish arrives from the engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,9 @@ import itertools
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 from minisched.sched.req import InvalidRequest, SamplingParams
 from minisched.serve.loop import ServingLoop
@@ -25,8 +27,14 @@ from minisched.serve.messages import Update
 from minisched.serve.metrics import ServerMetrics
 from minisched.serve.protocol import APIError
 
-OPENAI_FINISH = {"stop_token": "stop", "stop_str": "stop", "max_new_tokens": "length", "length": "length",
-                 "abort": "abort", "error": "error"}
+OPENAI_FINISH = {
+    "stop_token": "stop",
+    "stop_str": "stop",
+    "max_new_tokens": "length",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 
 
@@ -39,7 +47,7 @@ class Prepared:
 class RequestHandle:
     """One request on the HTTP side: the queue its engine updates land in, and its timings."""
 
-    def __init__(self, state: "ServerState", rid: str, prompt_len: int):
+    def __init__(self, state: ServerState, rid: str, prompt_len: int):
         self.state, self.rid, self.prompt_len = state, rid, prompt_len
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
@@ -87,8 +95,15 @@ class RequestHandle:
 
 
 class ServerState:
-    def __init__(self, engine, engine_loop: ServingLoop, *, model_name: str, api_key: Optional[str] = None,
-                 max_queued_requests: int = 512):
+    def __init__(
+        self,
+        engine,
+        engine_loop: ServingLoop,
+        *,
+        model_name: str,
+        api_key: Optional[str] = None,
+        max_queued_requests: int = 512,
+    ):
         if max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
         self.engine_loop = engine_loop
@@ -111,12 +126,27 @@ class ServerState:
     # -- admission ------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
 
-    def prepare(self, prompt_ids: list[int], *, max_tokens: Optional[int], default_max_tokens: Optional[int],
-                temperature: Optional[float], top_p: Optional[float], top_k: Optional[int], seed: Optional[int],
-                stop: tuple[str, ...], ignore_eos: bool, param: str) -> Prepared:
+    def prepare(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: Optional[int],
+        default_max_tokens: Optional[int],
+        temperature: Optional[float],
+        top_p: Optional[float],
+        top_k: Optional[int],
+        seed: Optional[int],
+        stop: tuple[str, ...],
+        ignore_eos: bool,
+        param: str,
+    ) -> Prepared:
         """Check a tokenized prompt and build its SamplingParams; APIError(400) names the problem."""
         n = len(prompt_ids)
         if n == 0:
@@ -126,15 +156,24 @@ class ServerState:
             raise APIError(400, f"token id {bad} is out of range (vocabulary of {self.vocab_size})", param=param)
         room = min(self.max_context_len, self.pool_tokens + 1) - n
         if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self.max_context_len} tokens; the prompt "
-                                f"has {n} tokens and leaves no room to generate.", param=param,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context_len} tokens; the prompt "
+                f"has {n} tokens and leaves no room to generate.",
+                param=param,
+                code="context_length_exceeded",
+            )
         want = max_tokens if max_tokens is not None else (default_max_tokens or room)
         try:
             sampling = SamplingParams(
-                temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
-                top_k=-1 if top_k is None else top_k, seed=seed, max_new_tokens=min(want, room), stop=stop,
-                ignore_eos=ignore_eos)
+                temperature=1.0 if temperature is None else temperature,
+                top_p=1.0 if top_p is None else top_p,
+                top_k=-1 if top_k is None else top_k,
+                seed=seed,
+                max_new_tokens=min(want, room),
+                stop=stop,
+                ignore_eos=ignore_eos,
+            )
         except (InvalidRequest, ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from exc
         return Prepared(prompt_ids, sampling)
@@ -146,8 +185,13 @@ class ServerState:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
         if self.queued >= self.max_queued_requests:
             self.metrics.rejected.labels("queue_full").inc()
-            raise APIError(429, f"too many queued requests ({self.queued}); retry later", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(self.retry_after())})
+            raise APIError(
+                429,
+                f"too many queued requests ({self.queued}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after())},
+            )
         rid = f"{kind}-{self._prefix}{next(self._ids):x}"
         handle = RequestHandle(self, rid, len(prepared.prompt_ids))
         self.live[rid] = handle
@@ -166,10 +210,16 @@ class ServerState:
         ttft = None if handle.first_token_at is None else handle.first_token_at - handle.arrival
         self._e2e_sum += now - handle.arrival
         self._e2e_count += 1
-        self.metrics.request_done(finish_reason=OPENAI_FINISH.get(upd.finish_reason, upd.finish_reason),
-                                  prompt_tokens=handle.prompt_len, cached_tokens=upd.cached_tokens,
-                                  output_tokens=handle.num_tokens, ttft=ttft, e2e=now - handle.arrival,
-                                  first_token_at=handle.first_token_at, done_at=now)
+        self.metrics.request_done(
+            finish_reason=OPENAI_FINISH.get(upd.finish_reason, upd.finish_reason),
+            prompt_tokens=handle.prompt_len,
+            cached_tokens=upd.cached_tokens,
+            output_tokens=handle.num_tokens,
+            ttft=ttft,
+            e2e=now - handle.arrival,
+            first_token_at=handle.first_token_at,
+            done_at=now,
+        )
 
     # -- shutdown -------------------------------------------------------------------------------
     async def drain(self, grace: float) -> int:

@@ -18,9 +18,18 @@ from torch.library import triton_op, wrap_triton
 
 @triton.jit
 def _copy_pages_kernel(
-    src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr,
-    stride_src_plane, stride_src_page, stride_dst_plane, stride_dst_page,
-    PAGE_ELEMS: tl.constexpr, SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    src_pages_ptr,
+    dst_pages_ptr,
+    stride_src_plane,
+    stride_src_page,
+    stride_dst_plane,
+    stride_dst_page,
+    PAGE_ELEMS: tl.constexpr,
+    SRC_INDEXED: tl.constexpr,
+    DST_INDEXED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0)
     plane = tl.program_id(1).to(tl.int64)  # layer * 2 + (0: K, 1: V)
@@ -48,11 +57,17 @@ def _launch(src, dst, src_pages, dst_pages, n):
         return
     grid = (n, planes, triton.cdiv(page_elems, block))
     wrap_triton(_copy_pages_kernel)[grid](
-        src, dst,
+        src,
+        dst,
         src_pages if src_pages is not None else src,  # dummy pointer when not indexed
         dst_pages if dst_pages is not None else dst,
-        src.stride(1), src.stride(2), dst.stride(1), dst.stride(2),
-        PAGE_ELEMS=page_elems, SRC_INDEXED=src_pages is not None, DST_INDEXED=dst_pages is not None,
+        src.stride(1),
+        src.stride(2),
+        dst.stride(1),
+        dst.stride(2),
+        PAGE_ELEMS=page_elems,
+        SRC_INDEXED=src_pages is not None,
+        DST_INDEXED=dst_pages is not None,
         BLOCK=block,
     )
 

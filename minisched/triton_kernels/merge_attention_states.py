@@ -12,10 +12,19 @@ from torch.library import triton_op, wrap_triton
 
 @triton.jit
 def _merge_kernel(
-    va_ptr, la_ptr, vb_ptr, lb_ptr, vo_ptr, lo_ptr,
+    va_ptr,
+    la_ptr,
+    vb_ptr,
+    lb_ptr,
+    vo_ptr,
+    lo_ptr,
     num_heads,
-    stride_vn, stride_vh, stride_ln,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_vn,
+    stride_vh,
+    stride_ln,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -40,8 +49,14 @@ def _merge_kernel(
 
 
 @triton_op("minisched_triton::merge_attention_states", mutates_args={"v_out", "lse_out"})
-def _merge_attention_states_op(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_b: torch.Tensor,
-                               v_out: torch.Tensor, lse_out: torch.Tensor) -> None:
+def _merge_attention_states_op(
+    v_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    v_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    v_out: torch.Tensor,
+    lse_out: torch.Tensor,
+) -> None:
     n, h, d = v_a.shape
     if n == 0 or h == 0:
         return
@@ -53,9 +68,19 @@ def _merge_attention_states_op(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torc
     block_h = max(1, min(triton.next_power_of_2(h), 2048 // block_d))
     grid = (n, triton.cdiv(h, block_h))
     wrap_triton(_merge_kernel)[grid](
-        v_a, lse_a, v_b, lse_b, v_out, lse_out,
-        h, v_a.stride(0), v_a.stride(1), lse_a.stride(0),
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        v_a,
+        lse_a,
+        v_b,
+        lse_b,
+        v_out,
+        lse_out,
+        h,
+        v_a.stride(0),
+        v_a.stride(1),
+        lse_a.stride(0),
+        HEAD_DIM=d,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )
 
 

@@ -40,15 +40,34 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,
-    o_ptr, lse_ptr,
-    qk_scale, page_size, num_splits,
-    stride_qb, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, stride_ls,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_last_ptr,
+    o_ptr,
+    lse_ptr,
+    qk_scale,
+    page_size,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,8 +84,11 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     gmask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None],
+        other=0.0,
+    )
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -103,12 +125,22 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_plb", "stride_plh"])
 def _reduce_splits_kernel(  # also merges paged_prefill_attention's split-KV partials
-    po_ptr, plse_ptr, o_ptr, lse_ptr,
+    po_ptr,
+    plse_ptr,
+    o_ptr,
+    lse_ptr,
     num_splits,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    stride_ob, stride_oh, stride_lb,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_LSE: tl.constexpr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -119,8 +151,11 @@ def _reduce_splits_kernel(  # also merges paged_prefill_attention's split-KV par
     m = tl.max(lse_s, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, o = 0, lse = -inf
     w = tl.exp(lse_s - m)
-    po = tl.load(po_ptr + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
-                 mask=smask[:, None], other=0.0)
+    po = tl.load(
+        po_ptr + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+        mask=smask[:, None],
+        other=0.0,
+    )
     total = tl.sum(w, axis=0)
     o = tl.sum(po * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
@@ -140,19 +175,38 @@ def reduce_splits(part_o, part_lse, out, lse) -> None:
     has_lse = lse is not None
     lse_t = lse if has_lse else out  # dummy pointer when lse is not wanted
     wrap_triton(_reduce_splits_kernel)[(n, h)](
-        part_o, part_lse, out, lse_t, splits,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-        SPLITS_PAD=MAX_SPLITS, HEAD_DIM=d, HAS_LSE=has_lse,
+        part_o,
+        part_lse,
+        out,
+        lse_t,
+        splits,
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse_t.stride(0) if has_lse else 0,
+        SPLITS_PAD=MAX_SPLITS,
+        HEAD_DIM=d,
+        HAS_LSE=has_lse,
         num_warps=4,
     )
 
 
 @triton_op("minisched_triton::paged_decode_attention", mutates_args={"out", "lse"})
-def _paged_decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-                               sm_scale: float, out: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
+def _paged_decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor] = None,
+) -> None:
     batch, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_cache.shape
     if batch == 0 or hq == 0:
@@ -164,35 +218,80 @@ def _paged_decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_n = 64
     splits = _num_splits(batch, hkv, kv_indices.shape[0] * page_size, block_n)
     has_lse = lse is not None
-    common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=block_n,
-                  IEEE_DOT=q.dtype == torch.float32, num_warps=4, num_stages=DECODE_STAGES)
+    common = dict(
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK_N=block_n,
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=DECODE_STAGES,
+    )
     grid = (batch, hkv, splits)
     qk_scale = sm_scale * LOG2E
     if splits == 1:
         lse_t = lse if has_lse else out  # dummy pointer when lse is not wanted
         wrap_triton(_decode_split_kernel)[grid](
-            q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, out, lse_t,
-            qk_scale, page_size, 1,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            out.stride(0), out.stride(1), 0,
-            lse_t.stride(0) if has_lse else 0, lse_t.stride(1) if has_lse else 0, 0,
-            HAS_LSE=has_lse, **common,
+            q,
+            k_cache,
+            v_cache,
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            out,
+            lse_t,
+            qk_scale,
+            page_size,
+            1,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            out.stride(0),
+            out.stride(1),
+            0,
+            lse_t.stride(0) if has_lse else 0,
+            lse_t.stride(1) if has_lse else 0,
+            0,
+            HAS_LSE=has_lse,
+            **common,
         )
         return
     part_o = torch.empty((batch, hq, splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, hq, splits), dtype=torch.float32, device=q.device)
     wrap_triton(_decode_split_kernel)[grid](
-        q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, part_o, part_lse,
-        qk_scale, page_size, splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        HAS_LSE=True, **common,
+        q,
+        k_cache,
+        v_cache,
+        kv_indptr,
+        kv_indices,
+        kv_last_page_len,
+        part_o,
+        part_lse,
+        qk_scale,
+        page_size,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(2),
+        HAS_LSE=True,
+        **common,
     )
     reduce_splits(part_o, part_lse, out, lse)
 
 
-def paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, out,
-                           lse=None) -> None:
-    torch.ops.minisched_triton.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
-                                                      kv_last_page_len, sm_scale, out, lse)
+def paged_decode_attention(
+    q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, out, lse=None
+) -> None:
+    torch.ops.minisched_triton.paged_decode_attention(
+        q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, out, lse
+    )

@@ -31,16 +31,39 @@ from .paged_decode_attention import LOG2E, _dot, reduce_splits
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_ln", "stride_lh"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_ptr,
-    tile_req_ptr, tile_first_ptr,
-    o_ptr, lse_ptr,
-    num_reqs, qk_scale, page_size, num_splits,
-    stride_qn, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_on, stride_oh, stride_os,
-    stride_ln, stride_lh, stride_ls,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_last_ptr,
+    tile_req_ptr,
+    tile_first_ptr,
+    o_ptr,
+    lse_ptr,
+    num_reqs,
+    qk_scale,
+    page_size,
+    num_splits,
+    stride_qn,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_on,
+    stride_oh,
+    stride_os,
+    stride_ln,
+    stride_lh,
+    stride_ls,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -136,29 +159,62 @@ def _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_
     tile_req = torch.searchsorted(tile_last, tile_ids, right=True, out_int32=True)
     splits = _num_splits(triton.cdiv(nq * group, block_m) * hkv, kv_indices.shape[0] * page_size, block_n)
     has_lse = lse is not None
-    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
-                  IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps, num_stages=PREFILL_STAGES)
+    common = dict(
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=bool(causal),
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=PREFILL_STAGES,
+    )
     args = (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, tile_req, tile_first)
-    scalars = (batch, sm_scale * LOG2E, page_size, splits,
-               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    scalars = (
+        batch,
+        sm_scale * LOG2E,
+        page_size,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+    )
     grid = (max_tiles, hkv, splits)
     if splits == 1:
         lse_t = lse if has_lse else out  # dummy pointer when lse is not wanted
         wrap_triton(_prefill_kernel)[grid](
-            *args, out, lse_t, *scalars,
-            out.stride(0), out.stride(1), 0,
-            lse_t.stride(0) if has_lse else 0, lse_t.stride(1) if has_lse else 0, 0,
-            HAS_LSE=has_lse, **common,
+            *args,
+            out,
+            lse_t,
+            *scalars,
+            out.stride(0),
+            out.stride(1),
+            0,
+            lse_t.stride(0) if has_lse else 0,
+            lse_t.stride(1) if has_lse else 0,
+            0,
+            HAS_LSE=has_lse,
+            **common,
         )
         return
     # -- split-KV: fp32 partials [Nq, Hq, splits, D] / [Nq, Hq, splits], then merged by LSE --
     part_o = torch.empty((nq, hq, splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((nq, hq, splits), dtype=torch.float32, device=q.device)
     wrap_triton(_prefill_kernel)[grid](
-        *args, part_o, part_lse, *scalars,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        HAS_LSE=True, **common,
+        *args,
+        part_o,
+        part_lse,
+        *scalars,
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(2),
+        HAS_LSE=True,
+        **common,
     )
     reduce_splits(part_o, part_lse, out, lse)
 
@@ -180,15 +236,37 @@ def _num_splits(programs: int, max_kv_len: int, block_n: int) -> int:
 
 
 @triton_op("minisched_triton::paged_prefill_attention", mutates_args={"out", "lse"})
-def _paged_prefill_attention_op(q: torch.Tensor, qo_indptr: torch.Tensor, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                                kv_last_page_len: torch.Tensor, causal: bool, sm_scale: float, out: torch.Tensor,
-                                lse: Optional[torch.Tensor] = None) -> None:
+def _paged_prefill_attention_op(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor] = None,
+) -> None:
     _launch(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, out, lse)
 
 
-def paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal,
-                            sm_scale, out, lse=None, kernel: int = 0) -> None:
+def paged_prefill_attention(
+    q,
+    qo_indptr,
+    k_cache,
+    v_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    causal,
+    sm_scale,
+    out,
+    lse=None,
+    kernel: int = 0,
+) -> None:
     """`kernel` picks a CUDA kernel of the native backend (the op schema's last argument); ignored here."""
-    torch.ops.minisched_triton.paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices,
-                                                       kv_last_page_len, causal, sm_scale, out, lse)
+    torch.ops.minisched_triton.paged_prefill_attention(
+        q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, causal, sm_scale, out, lse
+    )

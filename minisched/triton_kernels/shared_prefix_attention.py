@@ -14,16 +14,45 @@ from .paged_prefill_attention import _launch
 
 
 @triton_op("minisched_triton::shared_prefix_attention", mutates_args={"out", "lse"})
-def _shared_prefix_attention_op(q: torch.Tensor, group_indptr: torch.Tensor, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor, prefix_kv_indptr: torch.Tensor,
-                                prefix_kv_indices: torch.Tensor, prefix_kv_last_page_len: torch.Tensor,
-                                sm_scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    _launch(q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len,
-            False, sm_scale, out, lse)
+def _shared_prefix_attention_op(
+    q: torch.Tensor,
+    group_indptr: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_kv_indptr: torch.Tensor,
+    prefix_kv_indices: torch.Tensor,
+    prefix_kv_last_page_len: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    _launch(
+        q,
+        group_indptr,
+        k_cache,
+        v_cache,
+        prefix_kv_indptr,
+        prefix_kv_indices,
+        prefix_kv_last_page_len,
+        False,
+        sm_scale,
+        out,
+        lse,
+    )
 
 
-def shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices,
-                            prefix_kv_last_page_len, sm_scale, out, lse) -> None:
-    torch.ops.minisched_triton.shared_prefix_attention(q, group_indptr, k_cache, v_cache, prefix_kv_indptr,
-                                                       prefix_kv_indices, prefix_kv_last_page_len, sm_scale,
-                                                       out, lse)
+def shared_prefix_attention(
+    q, group_indptr, k_cache, v_cache, prefix_kv_indptr, prefix_kv_indices, prefix_kv_last_page_len, sm_scale, out, lse
+) -> None:
+    torch.ops.minisched_triton.shared_prefix_attention(
+        q,
+        group_indptr,
+        k_cache,
+        v_cache,
+        prefix_kv_indptr,
+        prefix_kv_indices,
+        prefix_kv_last_page_len,
+        sm_scale,
+        out,
+        lse,
+    )

@@ -12,12 +12,25 @@ from torch.library import triton_op, wrap_triton
 
 @triton.jit(do_not_specialize=["num_tokens"])  # N is the batch in decode: no recompiles
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_tokens, num_heads,
-    stride_kn, stride_kh, stride_kd,
-    stride_vn, stride_vh, stride_vd,
-    stride_cslot, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_tokens,
+    num_heads,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_cslot,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # -- a [BLOCK_T tokens, BLOCK_H heads, BLOCK_D] tile; tokens with slot < 0 are masked off --
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -36,8 +49,9 @@ def _store_kv_kernel(
 
 
 @triton_op("minisched_triton::store_kv", mutates_args={"k_cache", "v_cache"})
-def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+def _store_kv_op(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     n, hkv, d = k.shape
     if n * hkv * d == 0:
         return
@@ -48,12 +62,25 @@ def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_t = max(1, 2048 // (block_h * block_d))  # never from n: one compiled variant for every batch
     grid = (triton.cdiv(n, block_t), triton.cdiv(hkv, block_h))
     wrap_triton(_store_kv_kernel)[grid](
-        k, v, k_cache, v_cache, slot_mapping,
-        n, hkv,
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        n,
+        hkv,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HEAD_DIM=d,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )
 
 

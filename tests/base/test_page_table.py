@@ -24,20 +24,21 @@ def test_csr_describes_each_request(lens, page_size, data):
     pool = np.random.default_rng(0).permutation(sum(counts) + sum(extra) + 1).tolist()
     lists, pos = [], 0
     for c, e in zip(counts, extra):
-        lists.append(pool[pos:pos + c + e])
+        lists.append(pool[pos : pos + c + e])
         pos += c + e
     indptr, indices, last = build_csr(lists, lens, page_size)
     assert indptr.dtype == indices.dtype == last.dtype == np.int32
     assert indptr[0] == 0 and indptr[-1] == len(indices) and (np.diff(indptr) >= 1).all()
     assert kv_lens_from_csr(indptr, last, page_size).tolist() == lens
     for b, pages in enumerate(lists):
-        assert indices[indptr[b]:indptr[b + 1]].tolist() == pages[:counts[b]]
+        assert indices[indptr[b] : indptr[b + 1]].tolist() == pages[: counts[b]]
 
 
 @given(n=st.integers(1, 300), page_size=st.sampled_from([1, 16]), data=st.data())
 def test_slots_are_unique_and_inside_own_pages(n, page_size, data):
-    pages = data.draw(st.lists(st.integers(0, 999), min_size=cdiv(n, page_size),
-                               max_size=cdiv(n, page_size), unique=True))
+    pages = data.draw(
+        st.lists(st.integers(0, 999), min_size=cdiv(n, page_size), max_size=cdiv(n, page_size), unique=True)
+    )
     start = data.draw(st.integers(0, n - 1))
     slots = slots_of(pages, start, n, page_size)
     assert len(set(slots.tolist())) == n - start

@@ -5,11 +5,14 @@ padded batch run through the real model on the torch and C++ backends gives the 
 same logits and writes the same K/V, and the padding rows touch only the scratch page. On a GPU
 (skipped here): capture and replay against eager decoding, token for token.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from helpers.engines import prompts  # noqa: E402
+from helpers.engines import reference as _reference
 from minisched import ops
 from minisched.engine import Engine
 from minisched.engine.cuda_graph import CudaGraphRunner, buckets_for, pad_decode, pick_bucket
@@ -20,14 +23,15 @@ from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.batch import ForwardMode
 from minisched.sched.req import SamplingParams
 
-from helpers.engines import prompts, reference as _reference  # noqa: E402
-
 
 def reference(model, prompt, n=8):
     return _reference(model, prompt, n)
 
-BACKENDS = [pytest.param("torch"),
-            pytest.param("native", marks=pytest.mark.skipif(not ops.native_available(), reason="extension not built"))]
+
+BACKENDS = [
+    pytest.param("torch"),
+    pytest.param("native", marks=pytest.mark.skipif(not ops.native_available(), reason="extension not built")),
+]
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -50,8 +54,13 @@ def test_buckets():
 
 def decode_step(model: LlamaModel, backend: str, page_size: int, lengths):
     """A live decode batch of the tiny model: (engine, batch, input ids, meta)."""
-    engine = Engine(model, tokenizer=MiniTokenizer.byte_level(model.cfg.vocab_size), backend=backend,
-                    page_size=page_size, num_pages=256 // page_size)
+    engine = Engine(
+        model,
+        tokenizer=MiniTokenizer.byte_level(model.cfg.vocab_size),
+        backend=backend,
+        page_size=page_size,
+        num_pages=256 // page_size,
+    )
     for p in prompts(lengths, seed=11):
         engine.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine.step()  # the prefill
@@ -101,8 +110,9 @@ def test_cuda_graph_argument_checks(tiny):
         Engine(tiny, tokenizer=tok, cuda_graph="on")
     assert Engine(tiny, tokenizer=tok).cuda_graph is False  # the CPU default
     with pytest.raises(ValueError, match="CUDA device"):
-        CudaGraphRunner(tiny, torch.zeros(1, 2, 3, 4, 1, 64), 4, max_batch=4, max_context_len=64, scratch_page=2,
-                        backend="native")
+        CudaGraphRunner(
+            tiny, torch.zeros(1, 2, 3, 4, 1, 64), 4, max_batch=4, max_context_len=64, scratch_page=2, backend="native"
+        )
 
 
 @GPU
@@ -116,8 +126,16 @@ def test_graph_replay_matches_eager_on_gpu(backend):
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     outs = {}
     for graph in (False, True):
-        engine = Engine(model, tokenizer=MiniTokenizer.byte_level(cfg.vocab_size), device="cuda", backend=backend,
-                        page_size=16, num_pages=64, max_running_requests=8, cuda_graph=graph)
+        engine = Engine(
+            model,
+            tokenizer=MiniTokenizer.byte_level(cfg.vocab_size),
+            device="cuda",
+            backend=backend,
+            page_size=16,
+            num_pages=64,
+            max_running_requests=8,
+            cuda_graph=graph,
+        )
         outs[graph] = {n: [o.token_ids for o in engine.generate(ps[:n], sp)] for n in (3, 4, 5, 8)}
         if graph:
             assert engine.runner.cuda_graphs.num_replays > 0

@@ -5,25 +5,24 @@ radix-cache prefix hits, cascade decode on/off, retraction under a tiny pool, ba
 streaming, stop strings, seeded sampling and abort. Tests that are not about the backend
 use the default ("auto": native when built, else the torch reference).
 """
+
 from __future__ import annotations
 
 import pytest
-import torch
 
+from helpers.engines import byte_engine, prompts, tiny_model
+from helpers.engines import reference as _reference
 from minisched import ops
-from minisched.model import weights
-from minisched.model.config import preset
 from minisched.engine import Engine
-from minisched.model.llama import LlamaModel, dense_forward
-from minisched.model.tokenizer import MiniTokenizer
+from minisched.model.llama import LlamaModel
 from minisched.sched.req import InvalidRequest, SamplingParams
-
-from helpers.engines import byte_engine, prompts, reference as _reference, tiny_model
 
 NEW = 8
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-BACKENDS = [pytest.param("torch"),
-            pytest.param("native", marks=pytest.mark.skipif(not ops.native_available(), reason="extension not built"))]
+BACKENDS = [
+    pytest.param("torch"),
+    pytest.param("native", marks=pytest.mark.skipif(not ops.native_available(), reason="extension not built")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +79,9 @@ def test_mixed_chunks_and_lpm(tiny):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_keeps_output(tiny, page_size):
-    engine = make_engine(tiny, page_size=page_size, num_pages=48 // page_size,
-                    init_new_token_ratio=0.01, min_new_token_ratio=0.0)
+    engine = make_engine(
+        tiny, page_size=page_size, num_pages=48 // page_size, init_new_token_ratio=0.01, min_new_token_ratio=0.0
+    )
     ps = prompts([5, 17, 1, 10], seed=4)
     outs = check_greedy(tiny, engine, ps, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert sum(o.num_retractions for o in outs) >= 1
@@ -135,12 +135,12 @@ def test_stop_tokens_and_strings(tiny):
     want = reference(tiny, p)
     engine = make_engine(tiny)
     out = engine.generate([p], SamplingParams(max_new_tokens=NEW, stop_token_ids=(want[2],), ignore_eos=False))[0]
-    assert out.token_ids == want[:want.index(want[2]) + 1] and out.finish_reason == "stop_token"
+    assert out.token_ids == want[: want.index(want[2]) + 1] and out.finish_reason == "stop_token"
     full = engine.tokenizer.decode(want)
     stop = engine.tokenizer.decode(want[3:5])
     if stop and full.find(stop) > 0:
         out = engine.generate([p], SamplingParams(max_new_tokens=NEW, stop=(stop,), ignore_eos=True))[0]
-        assert out.finish_reason == "stop_str" and out.text == full[:full.find(stop)]
+        assert out.finish_reason == "stop_str" and out.text == full[: full.find(stop)]
 
 
 def test_seeded_sampling_is_reproducible(tiny):

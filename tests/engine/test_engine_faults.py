@@ -4,6 +4,7 @@ requests have ended with an error, their pages are back (pool whole once the rad
 is evicted), and the next `generate` gives the right greedy tokens.
 
 Every engine test here runs twice, with overlap scheduling off and on (`make_engine`)."""
+
 from __future__ import annotations
 
 import gc
@@ -13,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.engines import assert_pool_whole, byte_engine, reference, tiny_model
 from minisched import Engine, SamplingParams
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.req import InvalidRequest
-
-from helpers.engines import assert_pool_whole, byte_engine, reference, tiny_model
 
 NEW = 6
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -81,6 +81,7 @@ def test_exception_in_step_fails_the_batch_and_keeps_the_engine(tiny, monkeypatc
         fail_on_call(monkeypatch, engine.runner, "model", Boom("model exploded"), on_call)
     elif where == "sampling":
         import minisched.engine.runner as runner_mod
+
         fail_on_call(monkeypatch, runner_mod, "sample", Boom("sampling exploded"), on_call)
     else:
         fail_on_call(monkeypatch, engine.scheduler, "stop_checker", Boom("checker exploded"), on_call)
@@ -154,11 +155,20 @@ def test_interrupted_generate_aborts_its_own_requests_only(tiny, make_engine):
     assert_pool_whole(engine)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(temperature=math.nan), "temperature"), (dict(temperature=math.inf), "temperature"),
-    (dict(top_p=math.nan), "top_p"), (dict(max_new_tokens=True), "max_new_tokens"), (dict(top_k=True), "top_k"),
-    (dict(seed=2**64), "seed"), (dict(seed=-1), "seed"), (dict(seed=True), "seed"), (dict(ignore_eos=1), "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(temperature=math.nan), "temperature"),
+        (dict(temperature=math.inf), "temperature"),
+        (dict(top_p=math.nan), "top_p"),
+        (dict(max_new_tokens=True), "max_new_tokens"),
+        (dict(top_k=True), "top_k"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=True), "seed"),
+        (dict(ignore_eos=1), "ignore_eos"),
+    ],
+)
 def test_bad_sampling_params_are_rejected(kw, match):
     with pytest.raises(InvalidRequest, match=match):
         SamplingParams(**kw)
@@ -180,8 +190,9 @@ def test_engine_argument_checks(tiny, make_engine):
 def test_numpy_and_torch_token_prompts(tiny, make_engine):
     engine = make_engine(tiny)
     p = PROMPTS[0]
-    outs = engine.generate([np.array(p, dtype=np.int64), torch.tensor(p, dtype=torch.int32),
-                            [np.int32(t) for t in p], p], GREEDY)
+    outs = engine.generate(
+        [np.array(p, dtype=np.int64), torch.tensor(p, dtype=torch.int32), [np.int32(t) for t in p], p], GREEDY
+    )
     assert all(o.error is None for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) == 1
     bad = engine.generate([np.array([[1, 2]]), np.array([1.5, 2.0]), [5, 6, 10**6]], GREEDY)

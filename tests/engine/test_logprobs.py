@@ -1,15 +1,15 @@
 """Output and prompt logprobs, n > 1 choices and penalties through the engine (tiny random model), against a
 dense full-recompute reference: the same numbers with chunked prefill, a warm radix cache, overlap on/off."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from helpers.engines import byte_engine, prompts, reference, tiny_model
 from minisched.model.llama import dense_forward
 from minisched.model.sampling import RowHistory, process_logits
 from minisched.sched.req import SamplingParams
-
-from helpers.engines import byte_engine, prompts, reference, tiny_model
 
 NEW = 6
 
@@ -73,7 +73,8 @@ def test_prefill_only_with_prompt_logprobs(tiny):
     lp = dense_logprobs(tiny, p)
     assert out.token_ids == [] and out.finish_reason == "length"
     assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(
-        [float(lp[i - 1, p[i]]) for i in range(1, len(p))], abs=1e-4)
+        [float(lp[i - 1, p[i]]) for i in range(1, len(p))], abs=1e-4
+    )
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -95,8 +96,10 @@ def test_n_choices_derive_their_seeds(tiny):
     p = prompts([8], seed=4)[0]
     hot = SamplingParams(temperature=50.0, seed=11, max_new_tokens=NEW, ignore_eos=True)
     outs = engine.generate([p], hot, n=3)
-    singles = [engine.generate([p], SamplingParams(temperature=50.0, seed=11 + j, max_new_tokens=NEW,
-                                                   ignore_eos=True))[0] for j in range(3)]
+    singles = [
+        engine.generate([p], SamplingParams(temperature=50.0, seed=11 + j, max_new_tokens=NEW, ignore_eos=True))[0]
+        for j in range(3)
+    ]
     assert [o.token_ids for o in outs] == [s.token_ids for s in singles]
     assert len({tuple(o.token_ids) for o in outs}) > 1
 
@@ -105,8 +108,16 @@ def test_n_choices_derive_their_seeds(tiny):
 def test_penalties_match_the_reference_loop(tiny, overlap):
     """Greedy with every penalty: each step's history holds the token the previous step sampled, which
     under overlap is still a placeholder when the step is prepared."""
-    sp = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.7,
-                        presence_penalty=0.4, logit_bias={7: 3.0}, min_tokens=3, stop_token_ids=(9,))
+    sp = SamplingParams(
+        max_new_tokens=8,
+        ignore_eos=True,
+        repetition_penalty=1.5,
+        frequency_penalty=0.7,
+        presence_penalty=0.4,
+        logit_bias={7: 3.0},
+        min_tokens=3,
+        stop_token_ids=(9,),
+    )
     engine = byte_engine(tiny, overlap=overlap, page_size=4)
     ps = prompts([6, 13], seed=7)
     outs = engine.generate(ps, sp)
@@ -115,8 +126,8 @@ def test_penalties_match_the_reference_loop(tiny, overlap):
         while len(ids) - len(p) < sp.max_new_tokens:
             with torch.no_grad():
                 last = dense_forward(tiny, torch.tensor(ids))[-1:]
-            x = process_logits(last, [sp], [RowHistory(p, ids[len(p):])], None)
+            x = process_logits(last, [sp], [RowHistory(p, ids[len(p) :])], None)
             ids.append(int(x.argmax()))
             if ids[-1] == 9:
                 break
-        assert o.token_ids == ids[len(p):]
+        assert o.token_ids == ids[len(p) :]

@@ -6,15 +6,17 @@ max_new_tokens, chunked prefill with radix hits, retraction under a tiny pool, a
 checks the scheduler's invariants and that no page leaked. The fault tests
 (test_engine_faults.py) run with overlap off and on themselves.
 """
+
 from __future__ import annotations
 
 import pytest
+
+from helpers.engines import prompts, tiny_model
+from helpers.engines import reference as _reference
 from minisched.engine import Engine
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.req import SamplingParams
-
-from helpers.engines import prompts, reference as _reference, tiny_model
 
 NEW = 8
 
@@ -59,15 +61,23 @@ def both(model, ps, sampling, **kw):
 @pytest.mark.parametrize("page_size, chunk_size", [(1, None), (4, 7), (16, 512)])
 def test_greedy_same_as_without_overlap_and_as_dense(tiny, page_size, chunk_size):
     ps = prompts([1, 5, 16, 17, 40])
-    _, _, outs = both(tiny, ps, SamplingParams(max_new_tokens=8, ignore_eos=True), page_size=page_size,
-                      chunk_size=chunk_size, check=True)
+    _, _, outs = both(
+        tiny,
+        ps,
+        SamplingParams(max_new_tokens=8, ignore_eos=True),
+        page_size=page_size,
+        chunk_size=chunk_size,
+        check=True,
+    )
     assert [o[0] for o in outs] == [reference(tiny, p) for p in ps]
 
 
 def test_seeded_sampling_mixed_lengths(tiny):
     ps = prompts([5, 8, 13, 2], seed=8)
-    sp = [SamplingParams(temperature=30.0, top_k=50, top_p=0.9, seed=100 + i, max_new_tokens=n, ignore_eos=True)
-          for i, n in enumerate([1, 4, 9, 6])]
+    sp = [
+        SamplingParams(temperature=30.0, top_k=50, top_p=0.9, seed=100 + i, max_new_tokens=n, ignore_eos=True)
+        for i, n in enumerate([1, 4, 9, 6])
+    ]
     both(tiny, ps, sp, page_size=4)
 
 
@@ -77,14 +87,16 @@ def test_stop_tokens_strings_and_limits(tiny):
     refs = [reference(tiny, p, 8) for p in ps]
     tok = MiniTokenizer.byte_level(tiny.cfg.vocab_size)
     stop_str = tok.decode(refs[1][3:5]) or "zz"
-    sp = [SamplingParams(max_new_tokens=8, stop_token_ids=(refs[0][2],)),  # stop token at the third token
-          SamplingParams(max_new_tokens=8, stop=(stop_str,), ignore_eos=True),
-          SamplingParams(max_new_tokens=1, ignore_eos=True),
-          SamplingParams(max_new_tokens=0),  # prefill only
-          SamplingParams(max_new_tokens=8, stop_token_ids=(refs[4][0],))]  # stops at its first token
+    sp = [
+        SamplingParams(max_new_tokens=8, stop_token_ids=(refs[0][2],)),  # stop token at the third token
+        SamplingParams(max_new_tokens=8, stop=(stop_str,), ignore_eos=True),
+        SamplingParams(max_new_tokens=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=0),  # prefill only
+        SamplingParams(max_new_tokens=8, stop_token_ids=(refs[4][0],)),
+    ]  # stops at its first token
     plain, over, outs = both(tiny, ps, sp, page_size=4, max_context_len=36)
     reasons = [o[1] for o in outs]
-    assert reasons[0] == "stop_token" and outs[0][0] == refs[0][:refs[0].index(refs[0][2]) + 1]
+    assert reasons[0] == "stop_token" and outs[0][0] == refs[0][: refs[0].index(refs[0][2]) + 1]
     assert reasons[2] == "max_new_tokens" and len(outs[2][0]) == 1
     assert reasons[3] == "length" and outs[3][0] == []
     assert reasons[4] == "stop_token" and len(outs[4][0]) == 1
@@ -95,16 +107,24 @@ def test_chunked_prefill_radix_hits_and_mixed(tiny):
     system = prompts([37], seed=1)[0]
     ps = [system + p for p in prompts([3, 9, 20, 1, 14], seed=2)]
     for mixed in (False, True):
-        plain, over, _ = both(tiny, ps, SamplingParams(max_new_tokens=6, ignore_eos=True), page_size=4,
-                              chunk_size=16, enable_mixed_chunk=mixed, policy="lpm")
+        plain, over, _ = both(
+            tiny,
+            ps,
+            SamplingParams(max_new_tokens=6, ignore_eos=True),
+            page_size=4,
+            chunk_size=16,
+            enable_mixed_chunk=mixed,
+            policy="lpm",
+        )
         assert sum(s.cache_hit_tokens for s in over.scheduler.step_stats) > 0
 
 
 def test_retraction_under_kv_pressure(tiny):
     ps = prompts([5, 17, 1, 10, 3], seed=4)
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    plain, over, outs = both(tiny, ps, sp, page_size=2, num_pages=24, init_new_token_ratio=0.01,
-                             min_new_token_ratio=0.0)
+    plain, over, outs = both(
+        tiny, ps, sp, page_size=2, num_pages=24, init_new_token_ratio=0.01, min_new_token_ratio=0.0
+    )
     assert [o[0] for o in outs] == [reference(tiny, p, 12) for p in ps]
     assert sum(s.num_retracted for s in over.scheduler.step_stats) >= 1
 
@@ -125,7 +145,7 @@ def test_abort_while_a_step_is_launched(tiny, when):
         engine.scheduler.check_invariants()
     assert sorted(r.rid for r in done) == sorted([reqs[0].rid, reqs[2].rid])
     assert reqs[1].finish_reason.value == "abort" and not reqs[1].pending_ids
-    assert reqs[1].output_ids == reference(tiny, ps[1], 10)[:len(reqs[1].output_ids)]
+    assert reqs[1].output_ids == reference(tiny, ps[1], 10)[: len(reqs[1].output_ids)]
     for r, p in ((reqs[0], ps[0]), (reqs[2], ps[2])):
         assert r.output_ids == reference(tiny, p, 10)
     assert_clean(engine)

@@ -1,5 +1,6 @@
 """CPU thread choice: the ThreadTuner's decisions on made-up timings, the num_threads
 option, and that thread counts do not change greedy output."""
+
 from __future__ import annotations
 
 import time
@@ -33,22 +34,22 @@ def feed(tuner, tokens, seconds, steps):
 def test_tuner_switches_when_the_probe_is_faster_and_backs_off_when_not():
     t = ThreadTuner(4, interval=0.0, probe_steps=3, cost_factor=0.0)
     assert t.current == 4 and torch.get_num_threads() == 4
-    feed(t, 8, 1.0, 3)                      # history at 4 threads; the next step starts a probe at 2
+    feed(t, 8, 1.0, 3)  # history at 4 threads; the next step starts a probe at 2
     t.before_step(8)
     assert t.probe is not None and t.probe[0] == 2 and torch.get_num_threads() == 2
     t.after_step(8, 0.5)
-    feed(t, 8, 0.5, 2)                      # the probe was 2x faster: keep 2
+    feed(t, 8, 0.5, 2)  # the probe was 2x faster: keep 2
     assert t.current == 2 and t.switches == 1 and torch.get_num_threads() == 2
-    t.before_step(8)                        # next probe goes the other way: 4
+    t.before_step(8)  # next probe goes the other way: 4
     assert t.probe[0] == 4
-    t.after_step(8, 2.0)                    # 4x slower: the probe ends at once; stay at 2, probe less often
+    t.after_step(8, 2.0)  # 4x slower: the probe ends at once; stay at 2, probe less often
     assert t.probe is None and t.current == 2 and t.backoff == 2 and torch.get_num_threads() == 2
 
 
 def test_tuner_probes_only_steady_steps():
     t = ThreadTuner(2, interval=0.0, probe_steps=3)
     feed(t, 8, 1.0, 3)
-    t.before_step(512)                      # a prefill after decode steps: no probe on it
+    t.before_step(512)  # a prefill after decode steps: no probe on it
     assert t.probe is None
     t.after_step(512, 9.0)
 
@@ -63,14 +64,14 @@ def test_long_probes_are_rare(monkeypatch):
     feed(t, 512, 1.0, 3)
     t.before_step(512)
     assert t.probe is not None
-    t.after_step(512, 1.3)                  # 1 thread, slower but not clearly: the probe goes on
+    t.after_step(512, 1.3)  # 1 thread, slower but not clearly: the probe goes on
     assert t.probe is not None
     t.after_step(512, 1.3)
-    t.after_step(512, 1.4)                  # 4 s of probing
+    t.after_step(512, 1.4)  # 4 s of probing
     assert t.probe is None and t.current == 2
     assert t.next_probe == pytest.approx(100.0 + 3.0 + 20 * 4.0)
     t.before_step(512)
-    assert t.probe is None                  # not 3-6 s later
+    assert t.probe is None  # not 3-6 s later
 
 
 def test_a_clearly_losing_probe_ends_after_one_step():
@@ -78,7 +79,7 @@ def test_a_clearly_losing_probe_ends_after_one_step():
     feed(t, 512, 1.0, 3)
     t.before_step(512)
     assert t.probe is not None and torch.get_num_threads() == 1
-    t.after_step(512, 2.0)                  # 2x slower
+    t.after_step(512, 2.0)  # 2x slower
     assert t.probe is None and t.current == 2 and torch.get_num_threads() == 2 and t.backoff == 2
 
 

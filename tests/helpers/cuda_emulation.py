@@ -15,8 +15,8 @@ import torch
 from helpers.paged_kv import make_paged_kv, without_pages
 from minisched.ops import reference
 
-
 # -- the block-level index math (tile_map_kernel, locate_tile) -------------------------------------------
+
 
 def tile_map(qo_indptr, num_qo, group, rows_tile):
     """tile_map_kernel: tile_offsets[b] = sum of ceil(qo_len * group / rows_tile) over earlier requests;
@@ -136,6 +136,7 @@ def quad_reduce(x, op):
 
 # -- a prefill case ---------------------------------------------------------------------------------------
 
+
 def prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty=()):
     """A random float64 prefill case (requests in `empty` lose their pages) and the reference's answer:
     (q, qo_indptr, kv, scale, ref_out, ref_lse): the input of the prefill and wgmma emulations."""
@@ -145,7 +146,7 @@ def prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty=()
         kv = without_pages(kv, set(empty))
     qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
     q = torch.randn((int(qo_indptr[-1]), hq, d), generator=gen, dtype=torch.float64)
-    scale = d ** -0.5
+    scale = d**-0.5
     ref_out, ref_lse = torch.full_like(q, np.nan), torch.full(q.shape[:2], np.nan, dtype=torch.float64)
     reference.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, ref_out, ref_lse)
     return q, qo_indptr, kv, scale, ref_out.numpy(), ref_lse.numpy()

@@ -1,4 +1,5 @@
 """A tiny random-weights Llama, byte-level engines on it, and its greedy reference (dense recompute)."""
+
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ from minisched.model.llama import LlamaModel, dense_forward
 from minisched.model.tokenizer import MiniTokenizer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(seed: int = 0) -> LlamaModel:
     """The `tiny` preset with random weights (shared: tests must not change its weights)."""
     cfg, state = weights.dummy_weights(preset("tiny"), seed=seed)
@@ -34,7 +35,7 @@ def reference(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
         ids = list(prompt)
         for _ in range(n):
             ids.append(int(dense_forward(model, torch.tensor(ids))[-1].argmax()))
-        _REF_CACHE[key] = ids[len(prompt):]
+        _REF_CACHE[key] = ids[len(prompt) :]
     return _REF_CACHE[key]
 
 

@@ -6,6 +6,7 @@ through `batch.page_table()` and checks it against the request's tokens. Its "gr
 next token is a hash of the history it read, so any page-table, sharing or eviction bug
 either trips an assertion or changes the outputs.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -53,7 +54,7 @@ class FakeRunner:
         assert ((last >= 1) & (last <= ps)).all()
         out = []
         for b, req in enumerate(batch.reqs):
-            pages = indices[indptr[b]:indptr[b + 1]].astype(np.int64)
+            pages = indices[indptr[b] : indptr[b + 1]].astype(np.int64)
             kv_len = (len(pages) - 1) * ps + int(last[b])
             assert kv_len == batch.prefix_lens[b] + batch.extend_lens[b]
             kv_slots = (pages[:, None] * ps + np.arange(ps)).ravel()[:kv_len]
@@ -84,11 +85,16 @@ def run(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, check: bo
 def check_lifecycles(events: list[Event]) -> None:
     """Every request's event chain is a legal path ending at most once in a final state."""
     legal = {
-        (None, ReqStatus.WAITING), (ReqStatus.WAITING, ReqStatus.PREFILLING),
-        (ReqStatus.PREFILLING, ReqStatus.RUNNING), (ReqStatus.PREFILLING, ReqStatus.FINISHED),
-        (ReqStatus.RUNNING, ReqStatus.FINISHED), (ReqStatus.RUNNING, ReqStatus.RETRACTED),
-        (ReqStatus.PREFILLING, ReqStatus.RETRACTED), (ReqStatus.RETRACTED, ReqStatus.WAITING),
-        (ReqStatus.WAITING, ReqStatus.ABORTED), (ReqStatus.PREFILLING, ReqStatus.ABORTED),
+        (None, ReqStatus.WAITING),
+        (ReqStatus.WAITING, ReqStatus.PREFILLING),
+        (ReqStatus.PREFILLING, ReqStatus.RUNNING),
+        (ReqStatus.PREFILLING, ReqStatus.FINISHED),
+        (ReqStatus.RUNNING, ReqStatus.FINISHED),
+        (ReqStatus.RUNNING, ReqStatus.RETRACTED),
+        (ReqStatus.PREFILLING, ReqStatus.RETRACTED),
+        (ReqStatus.RETRACTED, ReqStatus.WAITING),
+        (ReqStatus.WAITING, ReqStatus.ABORTED),
+        (ReqStatus.PREFILLING, ReqStatus.ABORTED),
         (ReqStatus.RUNNING, ReqStatus.ABORTED),
         (ReqStatus.WAITING, ReqStatus.FINISHED),  # failed by the stall guard
     }

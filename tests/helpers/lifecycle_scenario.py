@@ -8,6 +8,7 @@ look like a real run.
 
 `PYTHONPATH=tests python -m helpers.lifecycle_scenario` rewrites docs/example_run.json and docs/lifecycle.png.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,8 +16,8 @@ import time
 from pathlib import Path
 
 from helpers.fake_runner import FakeRunner, check_lifecycles
-from minisched.sched.req import SamplingParams
 from minisched.observe.run_record import RunRecord
+from minisched.sched.req import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50
@@ -37,8 +38,15 @@ class TimedRunner(FakeRunner):
 
 
 def scenario_config(**overrides) -> SchedulerConfig:
-    kw = dict(page_size=4, num_pages=20, chunk_size=8, max_prefill_tokens=16, max_context_len=256,
-              init_new_token_ratio=0.1, min_new_token_ratio=0.05)
+    kw = dict(
+        page_size=4,
+        num_pages=20,
+        chunk_size=8,
+        max_prefill_tokens=16,
+        max_context_len=256,
+        init_new_token_ratio=0.1,
+        min_new_token_ratio=0.05,
+    )
     kw.update(overrides)
     return SchedulerConfig(**kw)
 
@@ -57,8 +65,9 @@ ARRIVALS = [
 ABORTS = {8: "r4", 10: "r7"}  # step -> rid: r4 while running, r7 while waiting
 
 
-def record_scenario(name: str = "scenario", base: float = 0.0005, per_token: float = 0.00005,
-                    **overrides) -> tuple[RunRecord, Scheduler]:
+def record_scenario(
+    name: str = "scenario", base: float = 0.0005, per_token: float = 0.00005, **overrides
+) -> tuple[RunRecord, Scheduler]:
     cfg = scenario_config(**overrides)
     sched = Scheduler(cfg)
     runner = TimedRunner(cfg.num_pages, cfg.page_size, base, per_token)

@@ -1,4 +1,5 @@
 """The model tests' shared pieces: the backends a forward runs on here, and a paged forward over a ragged batch."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +20,7 @@ def paged_logits(model, seqs, cached, page_size, backend):
     pages, at = [], 0
     for s in seqs:
         n = -(-len(s) // page_size)
-        pages.append(perm[at:at + n])
+        pages.append(perm[at : at + n])
         at += n
 
     def run(batch, starts, ends):
@@ -27,11 +28,13 @@ def paged_logits(model, seqs, cached, page_size, backend):
         qo = np.concatenate([[0], np.cumsum([e - a for a, e in zip(starts, ends)])]).astype(np.int32)
         meta = ForwardMeta(
             positions=torch.cat([torch.arange(a, e) for a, e in zip(starts, ends)]),
-            out_slots=torch.from_numpy(np.concatenate([slots_of(pages[b], a, e, page_size)
-                                                       for b, a, e in zip(batch, starts, ends)])),
+            out_slots=torch.from_numpy(
+                np.concatenate([slots_of(pages[b], a, e, page_size) for b, a, e in zip(batch, starts, ends)])
+            ),
             qo_indptr=torch.from_numpy(qo),
             page_table=tuple(torch.from_numpy(a) for a in build_csr([pages[b] for b in batch], ends, page_size)),
-            logits_indices=torch.arange(int(qo[-1])))
+            logits_indices=torch.arange(int(qo[-1])),
+        )
         return model(ids, meta, kv, backend=backend)
 
     first = [b for b, c in enumerate(cached) if c > 0]

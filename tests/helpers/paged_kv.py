@@ -33,7 +33,7 @@ def make_paged_kv(kv_lens, page_size, hkv, head_dim, dtype, device, *, gen, spar
     perm = torch.randperm(num_pages, generator=gen).tolist()
     page_lists, pos = [], 0
     for c in need:
-        page_lists.append(perm[pos:pos + c])
+        page_lists.append(perm[pos : pos + c])
         pos += c
     indptr, indices, last = build_csr(page_lists, kv_lens, page_size)
     shape = (num_pages, page_size, hkv, head_dim)
@@ -49,12 +49,18 @@ def make_paged_kv(kv_lens, page_size, hkv, head_dim, dtype, device, *, gen, spar
 def without_pages(kv, empty) -> PagedKV:
     """The same caches with requests `empty` given no pages: an empty KV range (kv_len 0; last_page_len kept)."""
     ip, idx = kv.kv_indptr.cpu().tolist(), kv.kv_indices.cpu()
-    lists = [[] if b in empty else idx[ip[b]:ip[b + 1]].tolist() for b in range(len(ip) - 1)]
-    indptr = torch.tensor([0] + [sum(map(len, lists[:b + 1])) for b in range(len(lists))], dtype=torch.int32)
+    lists = [[] if b in empty else idx[ip[b] : ip[b + 1]].tolist() for b in range(len(ip) - 1)]
+    indptr = torch.tensor([0] + [sum(map(len, lists[: b + 1])) for b in range(len(lists))], dtype=torch.int32)
     indices = torch.tensor([p for pages in lists for p in pages], dtype=torch.int32)
     dev = kv.kv_indptr.device
-    return PagedKV(kv.k_cache, kv.v_cache, indptr.to(dev), indices.to(dev), kv.kv_last_page_len,
-                   [0 if b in empty else n for b, n in enumerate(kv.kv_lens)])
+    return PagedKV(
+        kv.k_cache,
+        kv.v_cache,
+        indptr.to(dev),
+        indices.to(dev),
+        kv.kv_last_page_len,
+        [0 if b in empty else n for b, n in enumerate(kv.kv_lens)],
+    )
 
 
 # Shapes shared by the attention tests: (page_size, head_dim, q heads, kv heads) covering

@@ -1,5 +1,6 @@
 """The scheduler's hypothesis state machine: tests/sched/test_scheduler_stateful.py runs it (its docstring says
 what is checked), tests/sched/test_scheduler_overlap.py drives it in overlap mode."""
+
 from __future__ import annotations
 
 from hypothesis import strategies as st
@@ -15,20 +16,38 @@ DOC = [(5 * j + j * j) % VOCAB for j in range(120)]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 4, 16]), pool_tokens=st.integers(16, 768),
-                chunk=st.sampled_from([None, 8, 16, 48]), policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof"]),
-                radix=st.booleans(), mixed=st.booleans(), guard=st.sampled_from([None, 1, 3]),
-                max_running=st.integers(1, 8), max_prefill=st.sampled_from([16, 64, 512]),
-                ratio=st.sampled_from([0.7, 0.2, 0.05]), defer=st.sampled_from([None, 4, 32]))
-    def setup(self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio,
-              defer):
-        self.cfg = SchedulerConfig(page_size=page_size, num_pages=max(1, pool_tokens // page_size), max_context_len=96,
-                                   chunk_size=chunk, max_prefill_tokens=max_prefill, max_running_requests=max_running,
-                                   policy=policy, enable_radix_cache=radix, enable_mixed_chunk=mixed,
-                                   max_prefill_rounds_between_decodes=guard, aging_rounds=3,
-                                   init_new_token_ratio=ratio, min_new_token_ratio=min(ratio, 0.05),
-                                   new_token_ratio_decay_steps=10, in_batch_prefix_defer_tokens=defer,
-                                   clip_max_new_tokens_estimation=64)
+    @initialize(
+        page_size=st.sampled_from([1, 4, 16]),
+        pool_tokens=st.integers(16, 768),
+        chunk=st.sampled_from([None, 8, 16, 48]),
+        policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof"]),
+        radix=st.booleans(),
+        mixed=st.booleans(),
+        guard=st.sampled_from([None, 1, 3]),
+        max_running=st.integers(1, 8),
+        max_prefill=st.sampled_from([16, 64, 512]),
+        ratio=st.sampled_from([0.7, 0.2, 0.05]),
+        defer=st.sampled_from([None, 4, 32]),
+    )
+    def setup(self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio, defer):
+        self.cfg = SchedulerConfig(
+            page_size=page_size,
+            num_pages=max(1, pool_tokens // page_size),
+            max_context_len=96,
+            chunk_size=chunk,
+            max_prefill_tokens=max_prefill,
+            max_running_requests=max_running,
+            policy=policy,
+            enable_radix_cache=radix,
+            enable_mixed_chunk=mixed,
+            max_prefill_rounds_between_decodes=guard,
+            aging_rounds=3,
+            init_new_token_ratio=ratio,
+            min_new_token_ratio=min(ratio, 0.05),
+            new_token_ratio_decay_steps=10,
+            in_batch_prefix_defer_tokens=defer,
+            clip_max_new_tokens_estimation=64,
+        )
         self.sched = Scheduler(self.cfg)
         self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
         self.added: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -40,14 +59,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert r.rid not in self.ended, f"{r.rid} ended twice"
             self.ended[r.rid] = r
 
-    @rule(base=st.integers(0, 2), shared=st.integers(0, 48), own=st.integers(0, 40),
-          max_new=st.one_of(st.integers(0, 30), st.just(100_000)), stop=st.booleans(), copies=st.integers(1, 4))
+    @rule(
+        base=st.integers(0, 2),
+        shared=st.integers(0, 48),
+        own=st.integers(0, 40),
+        max_new=st.one_of(st.integers(0, 30), st.just(100_000)),
+        stop=st.booleans(),
+        copies=st.integers(1, 4),
+    )
     def add(self, base, shared, own, max_new, stop, copies):
         for _ in range(copies):
             self._add(BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)], max_new, stop)
 
-    @rule(lens=st.lists(st.integers(1, 120), min_size=1, max_size=4),
-          max_new=st.one_of(st.integers(0, 30), st.just(100_000)))
+    @rule(
+        lens=st.lists(st.integers(1, 120), min_size=1, max_size=4),
+        max_new=st.one_of(st.integers(0, 30), st.just(100_000)),
+    )
     def add_continuations(self, lens, max_new):
         """Turns of one conversation: each prompt continues the previous ones."""
         for n in sorted(lens):
@@ -128,10 +155,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if sp.max_new_tokens == 0:
                 assert r.output_ids == [] and r.finish_reason is FinishReason.LENGTH
                 continue
-            ref = greedy_reference(prompt, min(sp.max_new_tokens, 500), VOCAB, sp.stop_token_ids,
-                                   self.cfg.max_context_len)
+            ref = greedy_reference(
+                prompt, min(sp.max_new_tokens, 500), VOCAB, sp.stop_token_ids, self.cfg.max_context_len
+            )
             if r.finish_reason is FinishReason.LENGTH:
-                assert r.output_ids == ref[:len(r.output_ids)]
+                assert r.output_ids == ref[: len(r.output_ids)]
             else:
                 assert r.output_ids == ref, f"{rid}: {r.output_ids} != {ref}"
             assert r.status is ReqStatus.FINISHED

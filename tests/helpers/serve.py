@@ -6,6 +6,7 @@ invariants after every step (`check_invariants=True`); tests read `loop.invarian
 Anything that must touch the engine while the server runs goes through `live.call(fn)`,
 which runs `fn(engine)` on the engine thread between steps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def running_server(engine, *, model_name: str = "tiny", check_invariants: bool = True, grace_period: float = 5.0,
-                   **kwargs):
+def running_server(
+    engine, *, model_name: str = "tiny", check_invariants: bool = True, grace_period: float = 5.0, **kwargs
+):
     loop = EngineLoop(engine, check_invariants=check_invariants)
     app = create_app(engine, model_name=model_name, engine_loop=loop, **kwargs)
     server = make_server(app, grace_period=grace_period, log_level="warning")

@@ -34,8 +34,12 @@ class Target:
 
     @property
     def tol(self) -> dict:
-        return {torch.float32: dict(atol=3e-5, rtol=3e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
-                torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float64: dict(atol=1e-10, rtol=1e-10)}[self.dtype]
+        return {
+            torch.float32: dict(atol=3e-5, rtol=3e-5),
+            torch.float16: dict(atol=3e-3, rtol=3e-3),
+            torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+            torch.float64: dict(atol=1e-10, rtol=1e-10),
+        }[self.dtype]
 
 
 def _triton_ready(family: str) -> str | None:

@@ -1,11 +1,12 @@
 """Incremental detokenization: deltas join to the full text, never split a UTF-8 character, and
 never send any part of a stop string (byte tokenizer: one token per byte, the hardest case)."""
+
 from __future__ import annotations
 
 import pytest
 
-from minisched.model.tokenizer import MiniTokenizer
 from minisched.model.detokenize import IncrementalDetokenizer
+from minisched.model.tokenizer import MiniTokenizer
 
 TOK = MiniTokenizer.byte_level(512)
 TEXT = "héllo wörld 😀 ok"
@@ -26,10 +27,10 @@ def test_stop_string_is_held_back_and_cut(stop):
     end = full.find(stop) + len(stop)  # the engine stops at the token that completes the stop string
     n = len(TOK.encode(full[:end]))
     d = IncrementalDetokenizer(TOK, [stop, "never-seen"])
-    sent = "".join(d.add([t]) for t in ids[:n - 1])
+    sent = "".join(d.add([t]) for t in ids[: n - 1])
     assert full.startswith(sent) and len(sent) <= full.find(stop)  # nothing of the stop string went out
-    final = sent + d.finish("stop_str", ids[n - 1:n])
-    assert final == full[:full.find(stop)]
+    final = sent + d.finish("stop_str", ids[n - 1 : n])
+    assert final == full[: full.find(stop)]
 
 
 def test_finish_without_stop_reason_keeps_the_text():

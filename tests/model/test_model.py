@@ -5,6 +5,7 @@ GGUF Q/K un-permutation; config validation; sampling. Slow (`-m slow`): the real
 GGUF against transformers loading the same file -- tokenizer, logits, and greedy generation
 token for token (also with a shared system prompt, so the radix cache hits).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ from helpers.model import BACKENDS, paged_logits
 from minisched.model import weights
 from minisched.model.config import ModelConfig, preset
 from minisched.model.llama import LlamaModel, dense_forward
-from minisched.sched.req import SamplingParams
 from minisched.model.sampling import make_generator, sample
+from minisched.sched.req import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,9 @@ def test_unpermute_qk_inverts_llama_cpp():
 
 def test_config_validation_and_presets():
     with pytest.raises(ValueError, match="multiple"):
-        ModelConfig(vocab_size=10, hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4,
-                    intermediate_size=8)
+        ModelConfig(
+            vocab_size=10, hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4, intermediate_size=8
+        )
     with pytest.raises(ValueError, match="unknown model preset"):
         preset("gpt-9")
     assert preset("llama3-8b").num_params() == pytest.approx(8.03e9, rel=0.01)
@@ -89,13 +91,20 @@ def test_sampling():
 # -- the real model (slow) ---------------------------------------------------------------------------
 
 PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
-    "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
-    "What is 7 times 8?", "Give me a tip for learning Python.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+    "Translate 'good morning' into Spanish.",
+    "What is 7 times 8?",
+    "Give me a tip for learning Python.",
 ]
-SYSTEM = ("You are a concise assistant for a small bakery in the old town. Answer questions about opening "
-          "hours, bread, pastries, cakes and prices politely and in at most two sentences. If a question has "
-          "nothing to do with the bakery, answer it briefly anyway.")
+SYSTEM = (
+    "You are a concise assistant for a small bakery in the old town. Answer questions about opening "
+    "hours, bread, pastries, cakes and prices politely and in at most two sentences. If a question has "
+    "nothing to do with the bakery, answer it briefly anyway."
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +121,9 @@ def hf(gguf_path):
     pytest.importorskip("accelerate")
     d, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
-                                                              local_files_only=True).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=name, dtype=torch.float32, local_files_only=True
+    ).eval()
     return tok, model
 
 
@@ -126,24 +136,47 @@ def engine(gguf_path):
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.slow
 def test_tokenizer_matches_transformers(hf, engine):
     tok, _ = hf
-    texts = ["Hello world", "What is 12345 + 678?", "  spaces\n\n\ttabs  ", "héllo wörld 日本語 🙂",
-             "def f(x):\n    return x**2", "I'm sure they'll", "<|im_start|>user\nhi<|im_end|>", ""]
+    texts = [
+        "Hello world",
+        "What is 12345 + 678?",
+        "  spaces\n\n\ttabs  ",
+        "héllo wörld 日本語 🙂",
+        "def f(x):\n    return x**2",
+        "I'm sure they'll",
+        "<|im_start|>user\nhi<|im_end|>",
+        "",
+    ]
     for t in texts:
         assert engine.tokenizer.encode(t) == tok.encode(t, add_special_tokens=False), t
-        assert engine.tokenizer.decode(engine.tokenizer.encode(t)) == tok.decode(tok.encode(t), skip_special_tokens=True)
-    for msgs in ([{"role": "user", "content": "Hi"}],
-                 [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"},
-                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]):
+        assert engine.tokenizer.decode(engine.tokenizer.encode(t)) == tok.decode(
+            tok.encode(t), skip_special_tokens=True
+        )
+    for msgs in (
+        [{"role": "user", "content": "Hi"}],
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+        ],
+    ):
         assert engine.tokenizer.apply_chat_template(msgs) == tok.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=True)
+            msgs, tokenize=False, add_generation_prompt=True
+        )
     assert engine.tokenizer.eos_token_id == tok.eos_token_id == 2
 
 
@@ -163,8 +196,10 @@ def test_logits_match_transformers(hf, engine):
 @pytest.fixture(scope="module")
 def chat_prompts(engine) -> list[list[int]]:
     """8 chat prompts sharing a system prompt (>= 3 full pages of 16 tokens)."""
-    return [engine.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}])
-            for p in PROMPTS]
+    return [
+        engine.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}])
+        for p in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +215,9 @@ def test_greedy_matches_transformers(engine, chat_prompts, hf_greedy_refs, mode)
     from minisched.engine import Engine
 
     warm = mode != "cold"
-    e = Engine(engine.model, tokenizer=engine.tokenizer, page_size=16, chunk_size=64, enable_radix_cache=warm,
-               cascade=warm)
+    e = Engine(
+        engine.model, tokenizer=engine.tokenizer, page_size=16, chunk_size=64, enable_radix_cache=warm, cascade=warm
+    )
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
     if warm:
         e.generate(chat_prompts[:1], sp)  # puts the system prompt into the radix cache
@@ -196,6 +232,7 @@ def test_greedy_matches_transformers(engine, chat_prompts, hf_greedy_refs, mode)
 
 # -- the fast paths of LlamaModel.forward equal the plain formulas (issue 14) ---------------------------
 
+
 @pytest.mark.parametrize("n", [1, 7, 64])
 def test_fast_paths_bitwise_equal(n):
     from minisched.model.llama import apply_rope, apply_rope_signed, fast_rms_norm, rms_norm, rope_cos_sin, signed_sin
@@ -207,6 +244,6 @@ def test_fast_paths_bitwise_equal(n):
     qkv = torch.randn(n, 9 * 64 + 2 * 3 * 64, generator=g)
     inv = 1.0 / (1e5 ** (torch.arange(0, 64, 2).float() / 64))
     cos, sin = rope_cos_sin(torch.randint(0, 4000, (n,), generator=g), inv, torch.float32)
-    qk = apply_rope_signed(qkv[:, :12 * 64].view(n, 12, 64), cos, signed_sin(sin))  # a strided view, q and k at once
-    assert torch.equal(qk[:, :9], apply_rope(qkv[:, :9 * 64].view(n, 9, 64), cos, sin))
-    assert torch.equal(qk[:, 9:], apply_rope(qkv[:, 9 * 64:12 * 64].reshape(n, 3, 64), cos, sin))
+    qk = apply_rope_signed(qkv[:, : 12 * 64].view(n, 12, 64), cos, signed_sin(sin))  # a strided view, q and k at once
+    assert torch.equal(qk[:, :9], apply_rope(qkv[:, : 9 * 64].view(n, 9, 64), cos, sin))
+    assert torch.equal(qk[:, 9:], apply_rope(qkv[:, 9 * 64 : 12 * 64].reshape(n, 3, 64), cos, sin))

@@ -1,6 +1,7 @@
 """Packed float32 weights (model/packed.py, the CPU default): a packed model computes what the plain
 one does (to float32 rounding) on the paged and dense paths; a tied model keeps one copy of its
 embedding; the Engine packs by default only where the kernel runs; bad settings are clear errors."""
+
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,6 @@ from minisched.model.packed import PackedWeight, pack_model, want_packed
 from minisched.model.quant import Int8Weight, QuantConfig, quantize_model
 from minisched.model.tokenizer import MiniTokenizer
 
-
 pytestmark = pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))
 
 
@@ -31,8 +31,9 @@ def model_of(tie: bool) -> LlamaModel:
 def test_packed_model_matches_plain(tie, backend):
     plain = model_of(tie)
     packed = pack_model(copy.deepcopy(plain))
-    assert all(isinstance(getattr(layer, n), PackedWeight) for layer in packed.layers
-               for n in ("qkv", "o", "gate_up", "down"))
+    assert all(
+        isinstance(getattr(layer, n), PackedWeight) for layer in packed.layers for n in ("qkv", "o", "gate_up", "down")
+    )
     assert isinstance(packed.lm_head, PackedWeight)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1, 17, 40)]
@@ -53,8 +54,11 @@ def test_tied_model_keeps_one_copy():
     assert torch.equal(packed.embed.rows(ids), plain.embed[ids])
     count = lambda m: sum(t.numel() for t in {id(t): t for t in list(m.parameters()) + list(m.buffers())}.values())
     pad = (16 - plain.cfg.vocab_size % 16) % 16 * plain.cfg.hidden_size  # the last panel's zero columns
-    assert count(packed) - count(plain) <= pad + sum((16 - getattr(layer, n).shape[0] % 16) % 16 * getattr(
-        layer, n).shape[1] for layer in plain.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert count(packed) - count(plain) <= pad + sum(
+        (16 - getattr(layer, n).shape[0] % 16) % 16 * getattr(layer, n).shape[1]
+        for layer in plain.layers
+        for n in ("qkv", "o", "gate_up", "down")
+    )
 
 
 def test_untied_model_keeps_its_embedding():
@@ -95,10 +99,12 @@ def test_want_packed():
     assert not want_packed(None, cpu, torch.float32, "native", False, True)
     assert not want_packed(None, torch.device("cuda"), torch.float32, "native", False, False)
     assert not want_packed(False, cpu, torch.float32, "native", False, False)
-    for args, words in (((cpu, torch.float32, "torch", False, False), "backend is 'torch'"),
-                        ((cpu, torch.float32, "native", True, False), "int8"),
-                        ((cpu, torch.float32, "native", False, True), "tensor-parallel"),
-                        ((cpu, torch.bfloat16, "native", False, False), "bfloat16")):
+    for args, words in (
+        ((cpu, torch.float32, "torch", False, False), "backend is 'torch'"),
+        ((cpu, torch.float32, "native", True, False), "int8"),
+        ((cpu, torch.float32, "native", False, True), "tensor-parallel"),
+        ((cpu, torch.bfloat16, "native", False, False), "bfloat16"),
+    ):
         with pytest.raises(ValueError, match=words):
             want_packed(True, *args)
     with pytest.raises(ValueError, match="True, False or None"):

@@ -1,6 +1,7 @@
 """Weight-only int8 (`--quantize int8`): the paged forward of a quantized model equals the dense
 reference of the same quantized weights, stays close to fp32, and bad settings are clear errors.
 The agreement of SmolLM2's int8 greedy output with fp32 is measured (slow)."""
+
 from __future__ import annotations
 
 import copy
@@ -48,8 +49,11 @@ def test_quantized_weights_are_the_reference_dequantization():
     bound = w.scales.repeat_interleave(64, dim=1) / 2 + 1e-7
     assert ((back - fp32.layers[1].gate_up).abs() <= bound).all()
     total = sum(b.numel() * b.element_size() for b in q.buffers() if b.dtype == torch.int8)
-    assert total == sum(fp32.layers[i].__getattr__(n).numel() for i in range(2)
-                        for n in ("qkv", "o", "gate_up", "down")) + fp32.embed.numel()
+    assert (
+        total
+        == sum(fp32.layers[i].__getattr__(n).numel() for i in range(2) for n in ("qkv", "o", "gate_up", "down"))
+        + fp32.embed.numel()
+    )
 
 
 def test_quant_config_and_model_checks():
@@ -111,6 +115,6 @@ def test_engine_quantize_option():
     seq = list(ids)
     for _ in range(6):
         seq.append(int(dense_forward(model, torch.tensor(seq))[-1].argmax()))
-    assert out == seq[len(ids):]
+    assert out == seq[len(ids) :]
     again = Engine(model, tokenizer=tok, quantize="int8", num_pages=32)  # already int8: left as it is
     assert again.generate([ids], SamplingParams(max_new_tokens=6))[0].token_ids == out

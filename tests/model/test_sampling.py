@@ -1,5 +1,6 @@
 """The sampler's logits processing (penalties, bias, min_tokens, masks), min-p and logprobs, against a
 per-row reference written from the definitions (SamplingParams' docstring), on fresh random logits."""
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ CASES = [
     SamplingParams(frequency_penalty=0.8, presence_penalty=-0.5),
     SamplingParams(logit_bias={3: 5.0, 10: -100.0, 63: 2.5}),
     SamplingParams(min_tokens=4, stop_token_ids=(2, 7)),
-    SamplingParams(min_tokens=2, stop_token_ids=(2,), repetition_penalty=1.3, frequency_penalty=0.3,
-                   logit_bias={2: 1.0}),
+    SamplingParams(
+        min_tokens=2, stop_token_ids=(2,), repetition_penalty=1.3, frequency_penalty=0.3, logit_bias={2: 1.0}
+    ),
 ]
 
 
@@ -46,9 +48,13 @@ CASES = [
 def test_processing_matches_the_per_row_reference(seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(CASES), V, generator=g) * 3
-    hist = [RowHistory(torch.randint(0, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist(),
-                       torch.randint(0, V, (int(torch.randint(0, 8, (1,), generator=g)),), generator=g).tolist())
-            for _ in CASES]
+    hist = [
+        RowHistory(
+            torch.randint(0, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist(),
+            torch.randint(0, V, (int(torch.randint(0, 8, (1,), generator=g)),), generator=g).tolist(),
+        )
+        for _ in CASES
+    ]
     masks = torch.rand(len(CASES), V, generator=g) > 0.3
     masks[:, 0] = True  # never an empty row
     for use_mask in (False, True):
@@ -100,12 +106,21 @@ def test_logprobs_are_the_raw_log_softmax():
     assert logprobs_of(logits, tokens, 0)[1] == [[]] * 5
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(frequency_penalty=2.5), "frequency_penalty"),
-    (dict(min_p=1.5), "min_p"), (dict(logit_bias={"a": 1.0}), "logit_bias"), (dict(logit_bias={3: 200.0}), "logit_bias"),
-    (dict(min_tokens=-1), "min_tokens"), (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
-    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"), (dict(grammar="json"), "grammar"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(frequency_penalty=2.5), "frequency_penalty"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(logit_bias={"a": 1.0}), "logit_bias"),
+        (dict(logit_bias={3: 200.0}), "logit_bias"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+        (dict(grammar="json"), "grammar"),
+    ],
+)
 def test_bad_fields_are_rejected(kw, match):
     from minisched.sched.req import InvalidRequest
 

@@ -1,4 +1,5 @@
 """The lifecycle report renders without a display, for one run and for a --compare pair."""
+
 from __future__ import annotations
 
 import base64

@@ -3,6 +3,7 @@
 The scenario (tests/lifecycle_scenario.py) runs the real Scheduler with the fake runner and
 covers chunked prefill, a prefix hit, retractions and aborts (running and waiting).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,24 @@ import pytest
 
 from helpers.fake_runner import FakeRunner
 from helpers.lifecycle_scenario import record_scenario, scenario_config
-from minisched.sched.req import SamplingParams
-from minisched.sched.scheduler import Scheduler
 from minisched.observe.run_record import RunRecord, lifecycle_segments, load_runs, save_runs
 from minisched.observe.trace import chrome_trace, write_chrome_trace
+from minisched.sched.req import SamplingParams
+from minisched.sched.scheduler import Scheduler
 
-LEGAL = {(None, "waiting"), ("waiting", "prefilling"), ("prefilling", "running"), ("prefilling", "finished"),
-         ("running", "finished"), ("running", "retracted"), ("prefilling", "retracted"), ("retracted", "waiting"),
-         ("waiting", "aborted"), ("prefilling", "aborted"), ("running", "aborted")}
+LEGAL = {
+    (None, "waiting"),
+    ("waiting", "prefilling"),
+    ("prefilling", "running"),
+    ("prefilling", "finished"),
+    ("running", "finished"),
+    ("running", "retracted"),
+    ("prefilling", "retracted"),
+    ("retracted", "waiting"),
+    ("waiting", "aborted"),
+    ("prefilling", "aborted"),
+    ("running", "aborted"),
+}
 # a request track's slices, one letter each: W waiting, P prefill chunk, Z chunk paused, D decode,
 # R retracted (waiting again); a life may end (abort) anywhere after its first slice
 SLICE_LETTER = {"waiting": "W", "chunk paused": "Z", "decode": "D", "retracted": "R"}
@@ -122,8 +133,9 @@ def test_chrome_trace_valid(recorded, tmp_path):
     assert {e["name"] for e in steps} <= {"prefill", "decode", "mixed"}
     for a, b in zip(steps, steps[1:]):  # a step lasts until the next one starts
         assert a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=1e-2)
-    thread_names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
-                    if e["ph"] == "M" and e["name"] == "thread_name"}
+    thread_names = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"
+    }
     assert len(thread_names) == 1 + len(recorded.requests)
     for tid, name in thread_names.items():
         if tid == 0:

@@ -46,8 +46,10 @@ def _cuobjdump() -> str | None:
 
 CUDA_HOME = _cuda_home()
 CUOBJDUMP = _cuobjdump()
-pytestmark = pytest.mark.skipif(torch.version.cuda is None or CUDA_HOME is None or CUOBJDUMP is None,
-                                reason="needs nvcc, cuobjdump and a CUDA build of torch")
+pytestmark = pytest.mark.skipif(
+    torch.version.cuda is None or CUDA_HOME is None or CUOBJDUMP is None,
+    reason="needs nvcc, cuobjdump and a CUDA build of torch",
+)
 
 FUNC = re.compile(r"^\s*Function (\S+):\s*$")
 RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
@@ -75,9 +77,20 @@ def _compile_attention_kernel(tmp_path, source: str = "attention_kernel.cu") -> 
     incs = [f"-I{p}" for p in include_paths()] + [f"-I{os.path.join(ROOT, 'csrc')}"]
     for site in __import__("site").getsitepackages():
         incs += [f"-I{p}" for p in glob.glob(os.path.join(site, "nvidia", "cu13", "include"))]
-    cmd = [os.path.join(CUDA_HOME, "bin", "nvcc"), "-std=c++20", "-gencode=arch=compute_90a,code=sm_90a", "-O3",
-           "--use_fast_math", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills,-Werror", "-c",
-           os.path.join(ROOT, "csrc", "cuda", source), "-o", obj, *incs]
+    cmd = [
+        os.path.join(CUDA_HOME, "bin", "nvcc"),
+        "-std=c++20",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-O3",
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        "-Xptxas=-warn-spills,-Werror",
+        "-c",
+        os.path.join(ROOT, "csrc", "cuda", source),
+        "-o",
+        obj,
+        *incs,
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
     return obj
 
@@ -165,7 +178,7 @@ def test_decode_occupancy(tmp_path):
     rows = attention_occupancy(tmp_path)
     decode = [r for r in rows if r[2:5] == (1, 4, 1)]
     assert len(decode) == 4, "the 1 x 4 decode CTA for {bf16, fp16} x D {64, 128}"
-    for dtype, d, rw, kw, rf, reg, smem, ctas, warps in decode:
+    for dtype, d, _rw, _kw, _rf, reg, smem, ctas, warps in decode:
         assert warps >= 12, f"{dtype} D {d}: {reg} registers, {smem} B smem -> {ctas} CTAs = {warps} warps per SM"
 
 
@@ -177,7 +190,7 @@ def test_prefill_occupancy(tmp_path):
     prefill = [r for r in rows if r[2:5] == (4, 1, 2)]
     assert len(prefill) == 4, "the 4 x 1 x 2 prefill CTA for {bf16, fp16} x D {64, 128}"
     want = {128: 2, 64: 3}
-    for dtype, d, rw, kw, rf, reg, smem, ctas, warps in prefill:
+    for dtype, d, _rw, _kw, _rf, reg, smem, ctas, warps in prefill:
         assert ctas >= want[d], f"{dtype} D {d}: {reg} registers, {smem} B smem -> {ctas} CTAs = {warps} warps per SM"
 
 
@@ -278,8 +291,10 @@ def test_wgmma_kernel_resources_and_hgmma(tmp_path):
     print(f"{'kernel':48} {'instr':>6} {'HGMMA':>5} {'WARPGROUP':>9} {'LDGSTS':>6} {'MUFU':>5}", file=sys.stderr)
     for n, c in sorted(loops.items()):
         d = int(WGMMA_KERNEL.search(n).group(2))
-        print(f"{n:48} {sum(c.values()):>6} {c['HGMMA']:>5} {c['WARPGROUP']:>9} {c['LDGSTS']:>6} {c['MUFU']:>5}",
-              file=sys.stderr)
+        print(
+            f"{n:48} {sum(c.values()):>6} {c['HGMMA']:>5} {c['WARPGROUP']:>9} {c['LDGSTS']:>6} {c['MUFU']:>5}",
+            file=sys.stderr,
+        )
         assert c["HGMMA"] == d // 16 + 4, f"{n}: {c['HGMMA']} HGMMA per tile, want {d // 16 + 4}"
         assert c["HMMA"] == 0, f"{n}: mma.sync in the wgmma kernel"
         assert c["WARPGROUP"] >= 4, f"{n}: {c['WARPGROUP']} warpgroup arrive / depbar, want 2 of each per tile"

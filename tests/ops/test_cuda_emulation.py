@@ -45,7 +45,7 @@ def expected_counts(qo_indptr, num_qo, num_heads):
     for b in range(len(qo_indptr) - 1):
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if 0 <= q0 <= q1 <= num_qo:
-            counts[q0 * num_heads:q1 * num_heads] += 1
+            counts[q0 * num_heads : q1 * num_heads] += 1
     return counts
 
 
@@ -76,6 +76,7 @@ def test_decode_tiles_cover_every_row_once(hq, hkv):
 
 
 # -- the K/V loader (paged_attention_kernel: owned_tok / fetch_idx / make_bases / copy_kv) ------------
+
 
 def reference_copies(d, page_size, num_kv_heads, kvh, kv_indices, kv_beg, num_pages, tok0, s_end):
     """What the tile must hold: row r = token tok0 + r at page kv_indices[kv_beg + tok // page_size]."""

@@ -18,8 +18,20 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.cuda_emulation import (BLOCK_N, C, G, LANES, emulate_loader, ldmatrix_x4, ldmatrix_x4_trans, locate_tile,
-                                    mma_16816, prefill_case, quad_reduce, tile_map)
+from helpers.cuda_emulation import (
+    BLOCK_N,
+    LANES,
+    C,
+    G,
+    emulate_loader,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    locate_tile,
+    mma_16816,
+    prefill_case,
+    quad_reduce,
+    tile_map,
+)
 from helpers.paged_kv import make_paged_kv
 from minisched.ops import reference
 
@@ -42,7 +54,7 @@ def emulate_cta(d, q_rows, fill_tile, s_beg, s_end, scale, limit_of, causal, rf=
     rows_tile = wr * ROW_WARPS
     sq = np.zeros(rows_tile * sp)
     for r in range(rows_tile):
-        sq[r * sp:r * sp + d] = q_rows[r]
+        sq[r * sp : r * sp + d] = q_rows[r]
     sk, sv = np.zeros(2 * BLOCK_N * sp), np.zeros(2 * BLOCK_N * sp)
     n_tiles = 0 if s_end <= s_beg else -(-(s_end - s_beg) // BLOCK_N)
     scale_log2 = scale * np.log2(np.e)
@@ -51,12 +63,17 @@ def emulate_cta(d, q_rows, fill_tile, s_beg, s_end, scale, limit_of, causal, rf=
         f_off = f * 8 if bug == "q-fragment-offset" else f * 16
         return ldmatrix_x4(sq, (rw * wr + f_off + (LANES & 15)) * sp + ks * 16 + (LANES >> 4) * 8)
 
-    state = {rw: dict(o=np.zeros((rf, dt, 32, 4)), m=np.full((2 * rf, 32), -np.inf), l=np.zeros((2 * rf, 32)))
-             for rw in range(ROW_WARPS)}
+    state = {
+        rw: dict(o=np.zeros((rf, dt, 32, 4)), m=np.full((2 * rf, 32), -np.inf), l=np.zeros((2 * rf, 32)))
+        for rw in range(ROW_WARPS)
+    }
     for t in range(n_tiles):
         st = t & 1
-        fill_tile(t, sk[st * BLOCK_N * sp:(st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp),
-                  sv[st * BLOCK_N * sp:(st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp))
+        fill_tile(
+            t,
+            sk[st * BLOCK_N * sp : (st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp),
+            sv[st * BLOCK_N * sp : (st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp),
+        )
         for rw in range(ROW_WARPS):
             w = state[rw]
             if rf == 1 and t == 0:  # one fragment: Q in registers, loaded once
@@ -67,8 +84,9 @@ def emulate_cta(d, q_rows, fill_tile, s_beg, s_end, scale, limit_of, causal, rf=
             for ks in range(ks_n):
                 qs = [w["qa"][ks]] if rf == 1 else [ld_q(rw, f, ks) for f in range(rf)]
                 for nb in range(nt // 2):
-                    kb = ldmatrix_x4(sk, kv_base + (nb * 16 + (LANES & 7) + (LANES >> 4) * 8) * sp + ks * 16
-                                     + ((LANES >> 3) & 1) * 8)
+                    kb = ldmatrix_x4(
+                        sk, kv_base + (nb * 16 + (LANES & 7) + (LANES >> 4) * 8) * sp + ks * 16 + ((LANES >> 3) & 1) * 8
+                    )
                     for f in range(rf):  # one K fragment, rf mma pairs
                         mma_16816(s[f, 2 * nb], qs[f], kb[:, 0], kb[:, 1])
                         mma_16816(s[f, 2 * nb + 1], qs[f], kb[:, 2], kb[:, 3])
@@ -84,20 +102,32 @@ def emulate_cta(d, q_rows, fill_tile, s_beg, s_end, scale, limit_of, causal, rf=
                         s[f, j, :, h + e] = np.where(need_mask & (tok > lim), -np.inf, s[f, j, :, h + e])
             for i in range(2 * rf):  # online softmax, row i = s[i / 2][.][2 (i % 2) + {0, 1}]
                 f, h = i >> 1, (i & 1) * 2
-                mx = quad_reduce(np.max(s[f, :, :, h:h + 2], axis=(0, 2)), np.maximum)
+                mx = quad_reduce(np.max(s[f, :, :, h : h + 2], axis=(0, 2)), np.maximum)
                 m_new = np.maximum(w["m"][i], mx)
                 m_use = np.where(m_new == -np.inf, 0.0, m_new)
                 alpha = np.exp2(w["m"][i] - m_use)
                 w["m"][i] = m_new
-                s[f, :, :, h:h + 2] = np.exp2(s[f, :, :, h:h + 2] - m_use[None, :, None])
-                w["l"][i] = w["l"][i] * alpha + s[f, :, :, h:h + 2].sum(axis=(0, 2))
-                w["o"][f, :, :, h:h + 2] *= alpha[None, :, None]
+                s[f, :, :, h : h + 2] = np.exp2(s[f, :, :, h : h + 2] - m_use[None, :, None])
+                w["l"][i] = w["l"][i] * alpha + s[f, :, :, h : h + 2].sum(axis=(0, 2))
+                w["o"][f, :, :, h : h + 2] *= alpha[None, :, None]
             for kb_i in range(nt // 2):
-                pa = [np.stack([s[f, 2 * kb_i][:, 0:2], s[f, 2 * kb_i][:, 2:4], s[f, 2 * kb_i + 1][:, 0:2],
-                                s[f, 2 * kb_i + 1][:, 2:4]], axis=1) for f in range(rf)]
+                pa = [
+                    np.stack(
+                        [
+                            s[f, 2 * kb_i][:, 0:2],
+                            s[f, 2 * kb_i][:, 2:4],
+                            s[f, 2 * kb_i + 1][:, 0:2],
+                            s[f, 2 * kb_i + 1][:, 2:4],
+                        ],
+                        axis=1,
+                    )
+                    for f in range(rf)
+                ]
                 for dp in range(dt // 2):
-                    vb = ldmatrix_x4_trans(sv, kv_base + (kb_i * 16 + (LANES & 7) + ((LANES >> 3) & 1) * 8) * sp
-                                           + dp * 16 + (LANES >> 4) * 8)
+                    vb = ldmatrix_x4_trans(
+                        sv,
+                        kv_base + (kb_i * 16 + (LANES & 7) + ((LANES >> 3) & 1) * 8) * sp + dp * 16 + (LANES >> 4) * 8,
+                    )
                     for f in range(rf):  # one V fragment, rf mma pairs
                         mma_16816(w["o"][f, 2 * dp], pa[f], vb[:, 0], vb[:, 1])
                         mma_16816(w["o"][f, 2 * dp + 1], pa[f], vb[:, 2], vb[:, 3])
@@ -120,8 +150,9 @@ def emulate_cta(d, q_rows, fill_tile, s_beg, s_end, scale, limit_of, causal, rf=
     return out, lse
 
 
-def emulate_prefill(q, qo_indptr, k_cache, v_cache, indptr, indices, last, causal, scale, num_splits=1, rf=RF,
-                    bug=None):
+def emulate_prefill(
+    q, qo_indptr, k_cache, v_cache, indptr, indices, last, causal, scale, num_splits=1, rf=RF, bug=None
+):
     """The ragged launch: tile map, grid (host bound) x kv heads x splits of CTAs, then merge_splits_kernel over
     the same grid. Returns out, lse (NaN where never written) and the per-row write counts of the last pass."""
     num_qo, hq, d = q.shape
@@ -144,7 +175,7 @@ def emulate_prefill(q, qo_indptr, k_cache, v_cache, indptr, indices, last, causa
             kv_beg, kv_endp, lst = int(indptr[b]), int(indptr[b + 1]), int(last[b])
             bad = not (0 <= kv_beg <= kv_endp <= nnz and 1 <= lst <= page_size)
             kv_len = (kv_endp - kv_beg - 1) * page_size + lst if kv_endp > kv_beg else 0
-            bad = bad or kv_len > 0x7fffffff or (causal and kv_len < qo_len)
+            bad = bad or kv_len > 0x7FFFFFFF or (causal and kv_len < qo_len)
             kv_len = 0 if bad else kv_len
 
             def limit_of(r, kv_len=kv_len, qo_len=qo_len, row_beg=row_beg):
@@ -165,15 +196,17 @@ def emulate_prefill(q, qo_indptr, k_cache, v_cache, indptr, indices, last, causa
                 flags = []
 
                 def fill(t, tk, tv, s_beg=s_beg, s_end=s_end, kv_beg=kv_beg, flags=flags):
-                    copies, bad_page = emulate_loader(WARPS, d, page_size, hkv, kvh, indices, kv_beg, num_pages,
-                                                      s_beg + t * BLOCK_N, s_end)
+                    copies, bad_page = emulate_loader(
+                        WARPS, d, page_size, hkv, kvh, indices, kv_beg, num_pages, s_beg + t * BLOCK_N, s_end
+                    )
                     flags.append(bad_page)
                     for (r, c), src in copies.items():
-                        tk[r, c * 8:c * 8 + 8] = 0.0 if src is None else kflat[src:src + 8]
-                        tv[r, c * 8:c * 8 + 8] = 0.0 if src is None else vflat[src:src + 8]
+                        tk[r, c * 8 : c * 8 + 8] = 0.0 if src is None else kflat[src : src + 8]
+                        tv[r, c * 8 : c * 8 + 8] = 0.0 if src is None else vflat[src : src + 8]
 
-                o, lse = emulate_cta(d, q_rows, fill, s_beg, s_end if not bad else s_beg, scale, limit_of, causal,
-                                     rf, bug)
+                o, lse = emulate_cta(
+                    d, q_rows, fill, s_beg, s_end if not bad else s_beg, scale, limit_of, causal, rf, bug
+                )
                 cta_bad = bad or any(flags)
                 for r in range(rows_valid):  # the epilogue writes rows r < rows_valid
                     pr = row_beg + r
@@ -224,11 +257,23 @@ def valid_rows(qo_indptr, num_qo):
 
 
 def run_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, splits, seed, empty=(), bug=None):
-    q, qo_indptr, kv, scale, ref_out, ref_lse = prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed,
-                                                             empty)
+    q, qo_indptr, kv, scale, ref_out, ref_lse = prefill_case(
+        d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty
+    )
     indptr, indices, last = (x.numpy() for x in kv.table)
-    out, lse, counts = emulate_prefill(q.numpy(), qo_indptr.numpy(), kv.k_cache.numpy(), kv.v_cache.numpy(), indptr,
-                                       indices, last, causal, scale, splits, bug=bug)
+    out, lse, counts = emulate_prefill(
+        q.numpy(),
+        qo_indptr.numpy(),
+        kv.k_cache.numpy(),
+        kv.v_cache.numpy(),
+        indptr,
+        indices,
+        last,
+        causal,
+        scale,
+        splits,
+        bug=bug,
+    )
     return out, lse, counts, ref_out, ref_lse, qo_indptr.numpy(), q.shape[0]
 
 
@@ -241,11 +286,11 @@ def check(out, lse, counts, ref_out, ref_lse, qo_indptr, num_qo):
 # ragged lengths: qo_len 1, a 64-token tile boundary, a request past one 128-row tile, page boundaries
 CASES = [
     # d, hq, hkv, page, qo_lens, kv_lens (prefix = kv - qo), causal, splits
-    (64, 2, 2, 1, [1, 37, 130, 5], [1, 101, 133, 205], True, 1),     # GQA 1, page 1: 130 rows > one tile
-    (64, 6, 2, 3, [1, 23, 44, 9], [1, 64, 50, 65], True, 1),         # GQA 3 (rows straddle fragments), page 3
-    (64, 6, 2, 3, [3, 23, 44], [70, 64, 50], False, 2),              # non-causal, 2 splits
-    (128, 8, 1, 16, [1, 16, 17, 40], [16, 17, 48, 129], True, 1),   # GQA 8 (4 tokens per fragment), page 16
-    (64, 8, 1, 16, [1, 33, 20], [200, 100, 150], True, 3),           # causal + 3 splits (empty trailing splits)
+    (64, 2, 2, 1, [1, 37, 130, 5], [1, 101, 133, 205], True, 1),  # GQA 1, page 1: 130 rows > one tile
+    (64, 6, 2, 3, [1, 23, 44, 9], [1, 64, 50, 65], True, 1),  # GQA 3 (rows straddle fragments), page 3
+    (64, 6, 2, 3, [3, 23, 44], [70, 64, 50], False, 2),  # non-causal, 2 splits
+    (128, 8, 1, 16, [1, 16, 17, 40], [16, 17, 48, 129], True, 1),  # GQA 8 (4 tokens per fragment), page 16
+    (64, 8, 1, 16, [1, 33, 20], [200, 100, 150], True, 3),  # causal + 3 splits (empty trailing splits)
 ]
 
 
@@ -257,8 +302,9 @@ def test_prefill_cta_matches_reference(d, hq, hkv, page_size, qo_lens, kv_lens, 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_prefill_empty_kv_range(splits):
     """A request with no pages (non-causal: kv_len 0) gives out 0, lse -inf; its neighbours are right."""
-    out, lse, counts, ref_out, ref_lse, qo_indptr, num_qo = run_case(64, 6, 2, 3, [5, 40, 3], [70, 40, 200],
-                                                                     False, splits, seed=7, empty=(1,))
+    out, lse, counts, ref_out, ref_lse, qo_indptr, num_qo = run_case(
+        64, 6, 2, 3, [5, 40, 3], [70, 40, 200], False, splits, seed=7, empty=(1,)
+    )
     check(out, lse, counts, ref_out, ref_lse, qo_indptr, num_qo)
     assert (out[5:45] == 0).all() and (lse[5:45] == -np.inf).all()
 
@@ -274,23 +320,26 @@ def test_prefill_bad_page_table_is_nan():
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
     num_qo = int(qo_indptr[-1])
     q = torch.randn((num_qo, 4, 64), generator=gen, dtype=torch.float64).numpy()
-    out, lse, counts = emulate_prefill(q, qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last,
-                                       True, 0.125)
+    out, lse, counts = emulate_prefill(
+        q, qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last, True, 0.125
+    )
     assert (counts == 1).all()
     assert np.isnan(out[20:72]).all() and np.isnan(lse[20:72]).all()
     good = np.r_[0:20, 72:79]
     # the reference on the good requests only (0 and 3; 1 and 2 given no queries), on the unmodified table
     ref_out, ref_lse = torch.zeros((27, 4, 64), dtype=torch.float64), torch.zeros((27, 4), dtype=torch.float64)
     sel = torch.tensor([0, 20, 20, 20, 27], dtype=torch.int32)
-    reference.paged_prefill_attention(torch.from_numpy(q[good]), sel, kv.k_cache, kv.v_cache, *kv.table, True, 0.125,
-                                      ref_out, ref_lse)
+    reference.paged_prefill_attention(
+        torch.from_numpy(q[good]), sel, kv.k_cache, kv.v_cache, *kv.table, True, 0.125, ref_out, ref_lse
+    )
     np.testing.assert_allclose(out[good], ref_out.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(lse[good], ref_lse.numpy(), rtol=1e-6, atol=0)
     bad_range = qo_indptr.copy()
     bad_range[3] = num_qo + 9  # request 2 ends past num_qo, request 3 starts there: neither gets a tile
-    _, _, counts = emulate_prefill(q, bad_range, kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last, False,
-                                   0.125)
-    assert (counts[:bad_range[2]] == 1).all() and (counts[bad_range[2]:] == 0).all()
+    _, _, counts = emulate_prefill(
+        q, bad_range, kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last, False, 0.125
+    )
+    assert (counts[: bad_range[2]] == 1).all() and (counts[bad_range[2] :] == 0).all()
 
 
 def test_shared_prefix_cta_matches_reference():
@@ -299,8 +348,15 @@ def test_shared_prefix_cta_matches_reference():
     kv = make_paged_kv([130, 7], 16, 2, 64, torch.float64, "cpu", gen=gen)
     group_indptr = torch.tensor([0, 70, 75], dtype=torch.int32)
     q = torch.randn((75, 8, 64), generator=gen, dtype=torch.float64)
-    out, lse, _ = emulate_prefill(q.numpy(), group_indptr.numpy(), kv.k_cache.numpy(), kv.v_cache.numpy(),
-                                  *(x.numpy() for x in kv.table), False, 0.125)
+    out, lse, _ = emulate_prefill(
+        q.numpy(),
+        group_indptr.numpy(),
+        kv.k_cache.numpy(),
+        kv.v_cache.numpy(),
+        *(x.numpy() for x in kv.table),
+        False,
+        0.125,
+    )
     ref_out, ref_lse = torch.empty_like(q), torch.empty((75, 8), dtype=torch.float64)
     reference.shared_prefix_attention(q, group_indptr, kv.k_cache, kv.v_cache, *kv.table, 0.125, ref_out, ref_lse)
     np.testing.assert_allclose(out, ref_out.numpy(), rtol=1e-10, atol=1e-12)
@@ -313,11 +369,13 @@ def test_one_fragment_matches_reference():
     kv = make_paged_kv([40, 70], 3, 1, 64, torch.float64, "cpu", gen=gen)
     qo_indptr = np.array([0, 9, 30])
     q = torch.randn((30, 3, 64), generator=gen, dtype=torch.float64)
-    out, lse, _ = emulate_prefill(q.numpy(), qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(),
-                                  *(x.numpy() for x in kv.table), True, 0.125, rf=1)
+    out, lse, _ = emulate_prefill(
+        q.numpy(), qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(), *(x.numpy() for x in kv.table), True, 0.125, rf=1
+    )
     ref_out, ref_lse = torch.empty_like(q), torch.empty((30, 3), dtype=torch.float64)
-    reference.paged_prefill_attention(q, torch.from_numpy(qo_indptr).int(), kv.k_cache, kv.v_cache, *kv.table, True,
-                                      0.125, ref_out, ref_lse)
+    reference.paged_prefill_attention(
+        q, torch.from_numpy(qo_indptr).int(), kv.k_cache, kv.v_cache, *kv.table, True, 0.125, ref_out, ref_lse
+    )
     np.testing.assert_allclose(out, ref_out.numpy(), rtol=1e-10, atol=1e-12)
 
 
@@ -332,16 +390,26 @@ def test_short_extends_take_64_row_tiles():
     q = torch.randn((15, 4, 64), generator=gen, dtype=torch.float64)
     rf = prefill_row_frags(15, 4, 4)
     assert rf == 1
-    out, lse, counts = emulate_prefill(q.numpy(), qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(),
-                                       *(x.numpy() for x in kv.table), True, 0.125, rf=rf)
+    out, lse, counts = emulate_prefill(
+        q.numpy(), qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(), *(x.numpy() for x in kv.table), True, 0.125, rf=rf
+    )
     ref_out, ref_lse = torch.empty_like(q), torch.empty((15, 4), dtype=torch.float64)
-    reference.paged_prefill_attention(q, torch.from_numpy(qo_indptr).int(), kv.k_cache, kv.v_cache, *kv.table, True,
-                                      0.125, ref_out, ref_lse)
+    reference.paged_prefill_attention(
+        q, torch.from_numpy(qo_indptr).int(), kv.k_cache, kv.v_cache, *kv.table, True, 0.125, ref_out, ref_lse
+    )
     check(out, lse, counts, ref_out.numpy(), ref_lse.numpy(), qo_indptr, 15)
 
 
-@pytest.mark.parametrize("bug,splits", [("q-fragment-offset", 1), ("swap-row-halves", 1), ("need-mask-last-row", 1),
-                                        ("cta-row-beg-64", 1), ("merge-tile-height-64", 2)])
+@pytest.mark.parametrize(
+    "bug,splits",
+    [
+        ("q-fragment-offset", 1),
+        ("swap-row-halves", 1),
+        ("need-mask-last-row", 1),
+        ("cta-row-beg-64", 1),
+        ("merge-tile-height-64", 2),
+    ],
+)
 def test_index_bugs_are_caught(bug, splits):
     """Each deliberate error in the new index math makes the comparison fail (the emulation has teeth): the second
     fragment's Q rows at + 8 instead of + 16, the thread's row halves swapped (rows + 16 / + 8), need_mask from

@@ -17,8 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.cuda_emulation import (BLOCK_N, C, G, LANES, emulate_loader, ldmatrix_x4, ldmatrix_x4_trans, mma_16816,
-                                    quad_reduce)
+from helpers.cuda_emulation import (
+    BLOCK_N,
+    LANES,
+    C,
+    G,
+    emulate_loader,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_16816,
+    quad_reduce,
+)
 from helpers.paged_kv import make_paged_kv, without_pages
 from minisched.ops import reference
 
@@ -26,6 +35,7 @@ STAGES = 2
 
 
 # -- one CTA --------------------------------------------------------------------------------------------
+
 
 class MergeSmem:
     """The merge buffer over the K/V stages as a flat fp32 array: bounds, write-once and read-after-write."""
@@ -62,7 +72,7 @@ def emulate_cta(row_warps, kv_warps, d, q_rows, fill_tile, s_beg, s_end, scale):
     rows_tile = 16 * row_warps
     sq = np.zeros(rows_tile * sp)
     for r in range(rows_tile):
-        sq[r * sp:r * sp + d] = q_rows[r]
+        sq[r * sp : r * sp + d] = q_rows[r]
     sk = np.zeros(STAGES * BLOCK_N * sp)
     sv = np.zeros(STAGES * BLOCK_N * sp)
     n_tiles = 0 if s_end <= s_beg else -(-(s_end - s_beg) // BLOCK_N)
@@ -70,8 +80,11 @@ def emulate_cta(row_warps, kv_warps, d, q_rows, fill_tile, s_beg, s_end, scale):
     state = {}
     for t in range(n_tiles):
         st = t & 1
-        fill_tile(t, sk[st * BLOCK_N * sp:(st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp),
-                  sv[st * BLOCK_N * sp:(st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp))
+        fill_tile(
+            t,
+            sk[st * BLOCK_N * sp : (st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp),
+            sv[st * BLOCK_N * sp : (st + 1) * BLOCK_N * sp].reshape(BLOCK_N, sp),
+        )
         for warp in range(row_warps * kv_warps):
             kw = 0 if kv_warps == 1 else warp // row_warps
             rw = warp - kw * row_warps
@@ -84,8 +97,9 @@ def emulate_cta(row_warps, kv_warps, d, q_rows, fill_tile, s_beg, s_end, scale):
             s = np.zeros((nt, 32, 4))
             for ks in range(ks_n):
                 for nb in range(nt // 2):
-                    kb = ldmatrix_x4(sk, k_base + (nb * 16 + (LANES & 7) + (LANES >> 4) * 8) * sp + ks * 16
-                                     + ((LANES >> 3) & 1) * 8)
+                    kb = ldmatrix_x4(
+                        sk, k_base + (nb * 16 + (LANES & 7) + (LANES >> 4) * 8) * sp + ks * 16 + ((LANES >> 3) & 1) * 8
+                    )
                     mma_16816(s[2 * nb], w["qa"][ks], kb[:, 0], kb[:, 1])
                     mma_16816(s[2 * nb + 1], w["qa"][ks], kb[:, 2], kb[:, 3])
             limit = s_end - 1  # decode: no causal limit; tokens past s_end are masked
@@ -95,20 +109,23 @@ def emulate_cta(row_warps, kv_warps, d, q_rows, fill_tile, s_beg, s_end, scale):
                     v = s[j, :, e] * scale_log2
                     s[j, :, e] = np.where((tok >= s_end) | (tok > limit), -np.inf, v)
             for i in range(2):
-                mx = quad_reduce(np.max(s[:, :, 2 * i:2 * i + 2], axis=(0, 2)), np.maximum)
+                mx = quad_reduce(np.max(s[:, :, 2 * i : 2 * i + 2], axis=(0, 2)), np.maximum)
                 m_new = np.maximum(w["m"][i], mx)
                 m_use = np.where(m_new == -np.inf, 0.0, m_new)
                 alpha = np.exp2(w["m"][i] - m_use)
                 w["m"][i] = m_new
-                s[:, :, 2 * i:2 * i + 2] = np.exp2(s[:, :, 2 * i:2 * i + 2] - m_use[None, :, None])
-                w["l"][i] = w["l"][i] * alpha + s[:, :, 2 * i:2 * i + 2].sum(axis=(0, 2))
-                w["o"][:, :, 2 * i:2 * i + 2] *= alpha[None, :, None]
+                s[:, :, 2 * i : 2 * i + 2] = np.exp2(s[:, :, 2 * i : 2 * i + 2] - m_use[None, :, None])
+                w["l"][i] = w["l"][i] * alpha + s[:, :, 2 * i : 2 * i + 2].sum(axis=(0, 2))
+                w["o"][:, :, 2 * i : 2 * i + 2] *= alpha[None, :, None]
             for kb_i in range(nt // 2):
-                pa = np.stack([s[2 * kb_i][:, 0:2], s[2 * kb_i][:, 2:4], s[2 * kb_i + 1][:, 0:2],
-                               s[2 * kb_i + 1][:, 2:4]], axis=1)
+                pa = np.stack(
+                    [s[2 * kb_i][:, 0:2], s[2 * kb_i][:, 2:4], s[2 * kb_i + 1][:, 0:2], s[2 * kb_i + 1][:, 2:4]], axis=1
+                )
                 for dp in range(dt // 2):
-                    vb = ldmatrix_x4_trans(sv, k_base + (kb_i * 16 + (LANES & 7) + ((LANES >> 3) & 1) * 8) * sp
-                                           + dp * 16 + (LANES >> 4) * 8)
+                    vb = ldmatrix_x4_trans(
+                        sv,
+                        k_base + (kb_i * 16 + (LANES & 7) + ((LANES >> 3) & 1) * 8) * sp + dp * 16 + (LANES >> 4) * 8,
+                    )
                     mma_16816(w["o"][2 * dp], pa, vb[:, 0], vb[:, 1])
                     mma_16816(w["o"][2 * dp + 1], pa, vb[:, 2], vb[:, 3])
     warps = row_warps * kv_warps
@@ -138,7 +155,7 @@ def emulate_cta(row_warps, kv_warps, d, q_rows, fill_tile, s_beg, s_end, scale):
                 mx = ms.max(axis=0)
                 m_use = np.where(mx == -np.inf, 0.0, mx)
                 f = np.exp2(w["m"][i] - m_use)
-                w["o"][:, :, 2 * i:2 * i + 2] *= f[None, :, None]
+                w["o"][:, :, 2 * i : 2 * i + 2] *= f[None, :, None]
                 w["m"][i], w["l"][i] = mx, (ls * np.exp2(ms - m_use)).sum(axis=0)
             if kw > 0:
                 dst = s_o + ((kw - 1) * rows_tile + wrow0) * op + c2
@@ -146,8 +163,10 @@ def emulate_cta(row_warps, kv_warps, d, q_rows, fill_tile, s_beg, s_end, scale):
                     for j in range(dt):
                         idx = dst + 8 * i * op + j * 8
                         assert idx.min() % 2 == 0 and float2_banks_conflict_free(idx)
-                        smem.store(np.concatenate([idx, idx + 1]),
-                                   np.concatenate([w["o"][j, :, 2 * i], w["o"][j, :, 2 * i + 1]]))
+                        smem.store(
+                            np.concatenate([idx, idx + 1]),
+                            np.concatenate([w["o"][j, :, 2 * i], w["o"][j, :, 2 * i + 1]]),
+                        )
         for warp in range(row_warps):  # __syncthreads(); warps kw = 0 add the others' o
             w, wrow0 = state[warp], warp * 16 + G
             for k in range(1, kv_warps):
@@ -190,18 +209,28 @@ def emulate_decode(row_warps, kv_warps, q, k_cache, v_cache, indptr, indices, la
             rows_valid = min(rows_tile, g - row_beg)
             for kvh in range(hkv):
                 q_rows = np.zeros((rows_tile, d))
-                q_rows[:rows_valid] = q[b, kvh * g + row_beg:kvh * g + row_beg + rows_valid]
+                q_rows[:rows_valid] = q[b, kvh * g + row_beg : kvh * g + row_beg + rows_valid]
                 for split in range(num_splits):
                     s_beg = split * chunk
                     s_end = min(kv_len, s_beg + chunk)
 
                     def fill(t, tk, tv, s_beg=s_beg, s_end=s_end, kvh=kvh):
-                        copies, bad = emulate_loader(row_warps * kv_warps, d, page_size, hkv, kvh, indices,
-                                                     kv_beg, num_pages, s_beg + t * BLOCK_N, s_end)
+                        copies, bad = emulate_loader(
+                            row_warps * kv_warps,
+                            d,
+                            page_size,
+                            hkv,
+                            kvh,
+                            indices,
+                            kv_beg,
+                            num_pages,
+                            s_beg + t * BLOCK_N,
+                            s_end,
+                        )
                         assert not bad
                         for (r, c), src in copies.items():
-                            tk[r, c * 8:c * 8 + 8] = 0.0 if src is None else kflat[src:src + 8]
-                            tv[r, c * 8:c * 8 + 8] = 0.0 if src is None else vflat[src:src + 8]
+                            tk[r, c * 8 : c * 8 + 8] = 0.0 if src is None else kflat[src : src + 8]
+                            tv[r, c * 8 : c * 8 + 8] = 0.0 if src is None else vflat[src : src + 8]
 
                     o, lse = emulate_cta(row_warps, kv_warps, d, q_rows, fill, s_beg, s_end, scale)
                     heads = slice(kvh * g + row_beg, kvh * g + row_beg + rows_valid)
@@ -224,22 +253,26 @@ LENS = [200, 5, 9, 64, 17]
 EMPTY = 2
 
 
-@pytest.mark.parametrize("row_warps,kv_warps,d,page_size,hq,hkv,splits", [
-    (1, 4, 128, 16, 8, 2, 1),   # the decode case's CTA (GQA 4, D 128, page 16)
-    (1, 4, 128, 16, 8, 2, 3),   # with KV splits
-    (1, 4, 64, 1, 2, 2, 2),     # GQA 1, page 1
-    (2, 2, 64, 3, 24, 1, 1),    # GQA 24: two row warps, two KV warps
-    (2, 2, 128, 16, 32, 1, 2),
-    (4, 1, 64, 16, 96, 1, 1),   # the GQA > 32 decode CTA (4 x 1, 16 rows per warp), two row tiles
-])
+@pytest.mark.parametrize(
+    "row_warps,kv_warps,d,page_size,hq,hkv,splits",
+    [
+        (1, 4, 128, 16, 8, 2, 1),  # the decode case's CTA (GQA 4, D 128, page 16)
+        (1, 4, 128, 16, 8, 2, 3),  # with KV splits
+        (1, 4, 64, 1, 2, 2, 2),  # GQA 1, page 1
+        (2, 2, 64, 3, 24, 1, 1),  # GQA 24: two row warps, two KV warps
+        (2, 2, 128, 16, 32, 1, 2),
+        (4, 1, 64, 16, 96, 1, 1),  # the GQA > 32 decode CTA (4 x 1, 16 rows per warp), two row tiles
+    ],
+)
 def test_decode_cta_matches_reference(row_warps, kv_warps, d, page_size, hq, hkv, splits):
     gen = torch.Generator().manual_seed(row_warps * 100 + kv_warps * 10 + d + page_size)
     kv = without_pages(make_paged_kv(LENS, page_size, hkv, d, torch.float64, "cpu", gen=gen), {EMPTY})
     q = torch.randn((len(LENS), hq, d), generator=gen, dtype=torch.float64)
-    scale = d ** -0.5
+    scale = d**-0.5
     indptr, indices, last = (x.numpy() for x in kv.table)
-    out, lse = emulate_decode(row_warps, kv_warps, q.numpy(), kv.k_cache.numpy(), kv.v_cache.numpy(),
-                              indptr, indices, last, splits, scale)
+    out, lse = emulate_decode(
+        row_warps, kv_warps, q.numpy(), kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last, splits, scale
+    )
     ref_out, ref_lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float64)
     reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, scale, ref_out, ref_lse)
     np.testing.assert_allclose(out, ref_out.numpy(), rtol=1e-10, atol=1e-12)

@@ -31,10 +31,16 @@ GR, CQ = LANE >> 2, LANE & 3  # fragment row (lane / 4) and column pair (lane % 
 
 # -- the hardware (PTX ISA) ---------------------------------------------------------------------------------
 
+
 def decode_desc(desc):
     """Matrix descriptor fields: start address, LBO, SBO (bytes), base offset, swizzle mode (1 = 128B)."""
-    return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4,
-            (desc >> 49) & 7, desc >> 62)
+    return (
+        (desc & 0x3FFF) << 4,
+        ((desc >> 16) & 0x3FFF) << 4,
+        ((desc >> 32) & 0x3FFF) << 4,
+        (desc >> 49) & 7,
+        desc >> 62,
+    )
 
 
 def swizzle(addr, mode):
@@ -116,6 +122,7 @@ def wgmma_rs(d, a, desc_b, smem, n_cols, trans_b=True):
 
 # -- the kernel's index math (attention_wgmma.cu, wgmma_utils.cuh) ----------------------------------------
 
+
 def sw128_elem(r, c, R, bug=None):
     """wgmma::sw128_elem: element offset of (row r, 16-byte chunk c) in an R-row tile of [c / 8][R][64]."""
     x = c & 7 if bug == "no-swizzle-xor" else (c & 7) ^ (r & 7)
@@ -151,16 +158,16 @@ def emulate_cta(d, q_rows, fill, s_end, scale_log2, limit_of, bug=None, raw_addr
     for r in range(ROWS):  # the Q loop: idx = r * CH + c over the 256 threads
         for c in range(ch):
             e = sq // 2 + sw128_elem(r, c, ROWS, bug)
-            smem[e:e + 8] = q_rows[r, 8 * c:8 * c + 8]
-            owner[e:e + 8] += 1
+            smem[e : e + 8] = q_rows[r, 8 * c : 8 * c + 8]
+            owner[e : e + 8] += 1
     assert owner.max() <= 1, "Q chunks overlap"
 
     def load(t):  # copy_kv_to(sK + stage * KV_ELEMS, sV + ..., sw128_elem(r, c, 64))
         off = (t & 1) * stage_bytes // 2
         for (r, c), (k8, v8) in fill(t).items():
             e = sw128_elem(r, c, BLOCK_N, bug)
-            smem[sk // 2 + off + e:sk // 2 + off + e + 8] = k8
-            smem[sv // 2 + off + e:sv // 2 + off + e + 8] = v8
+            smem[sk // 2 + off + e : sk // 2 + off + e + 8] = k8
+            smem[sv // 2 + off + e : sv // 2 + off + e + 8] = v8
 
     n_tiles = -(-s_end // BLOCK_N) if s_end > 0 else 0
     if n_tiles > 0:
@@ -178,8 +185,19 @@ def emulate_cta(d, q_rows, fill, s_end, scale_log2, limit_of, bug=None, raw_addr
         trow0 = (0 if bug == "causal-rows-without-wg" else wg * 64) + (W4 & 3) * 16 + GR
         rows = [wg * 64 + (W4 & 3) * 16 + GR + 8 * h for h in range(2)]
         lim = [np.minimum(s_end, limit_of(trow0 + 8 * h) + 1) - 1 for h in range(2)]
-        states.append(dict(dq=dq, dk=dk, dv=dv, rows=rows, lim=lim, o=np.zeros((128, d // 2)), s=np.zeros((128, 32)),
-                           m=np.full((128, 2), -np.inf), l=np.zeros((128, 2))))
+        states.append(
+            dict(
+                dq=dq,
+                dk=dk,
+                dv=dv,
+                rows=rows,
+                lim=lim,
+                o=np.zeros((128, d // 2)),
+                s=np.zeros((128, 32)),
+                m=np.full((128, 2), -np.inf),
+                l=np.zeros((128, 2)),
+            )
+        )
     for t in range(n_tiles):
         if t + 1 < n_tiles:
             load(t + 1)  # issued before tile t's compute, into the other stage
@@ -189,8 +207,13 @@ def emulate_cta(d, q_rows, fill, s_end, scale_log2, limit_of, bug=None, raw_addr
             for ks in range(ks_n):
                 kstep = 16 if bug == "kstep-16-bytes" else 32
                 koff = (ks >> 2) * 8192 + (ks & 3) * kstep
-                s = wgmma_ss(s, desc_add(st["dq"], (ks >> 2) * ROWS * 128 + (ks & 3) * kstep),
-                             desc_add(st["dk"], stage_off + koff), smem, ks > 0)
+                s = wgmma_ss(
+                    s,
+                    desc_add(st["dq"], (ks >> 2) * ROWS * 128 + (ks & 3) * kstep),
+                    desc_add(st["dk"], stage_off + koff),
+                    smem,
+                    ks > 0,
+                )
             tok0 = t * BLOCK_N + 2 * CQ
             need_mask = t * BLOCK_N + BLOCK_N - 1 > st["lim"][0]
             for h in range(2):
@@ -212,12 +235,18 @@ def emulate_cta(d, q_rows, fill, s_end, scale_log2, limit_of, bug=None, raw_addr
                 st["o"][:, ocols] *= alpha[:, None]
             st["s"] = s
             # P: pa[kb][i] = (s[8 kb + 2 i], s[8 kb + 2 i + 1]) (16-bit pairs; float64 here)
-            pa = np.stack([s[:, 8 * kb:8 * kb + 8].reshape(128, 4, 2) for kb in range(4)], axis=1)
+            pa = np.stack([s[:, 8 * kb : 8 * kb + 8].reshape(128, 4, 2) for kb in range(4)], axis=1)
             if bug == "p-fragment-swap":
                 pa = pa[:, :, [0, 2, 1, 3], :]
             for kb in range(4):
-                st["o"] = wgmma_rs(st["o"], pa[:, kb], desc_add(st["dv"], stage_off + kb * 2048), smem, d,
-                                   trans_b=bug != "transpose-off")
+                st["o"] = wgmma_rs(
+                    st["o"],
+                    pa[:, kb],
+                    desc_add(st["dv"], stage_off + kb * 2048),
+                    smem,
+                    d,
+                    trans_b=bug != "transpose-off",
+                )
     for st in states:  # epilogue
         for h in range(2):
             l = st["l"][:, h]
@@ -258,7 +287,7 @@ def emulate_prefill(q, qo_indptr, k_cache, v_cache, indptr, indices, last, causa
             kv_beg, kv_endp, lst = int(indptr[b]), int(indptr[b + 1]), int(last[b])
             bad = not (0 <= kv_beg <= kv_endp <= nnz and 1 <= lst <= page_size)
             kv_len = (kv_endp - kv_beg - 1) * page_size + lst if kv_endp > kv_beg else 0
-            bad = bad or kv_len > 0x7fffffff or (causal and kv_len < qo_len)
+            bad = bad or kv_len > 0x7FFFFFFF or (causal and kv_len < qo_len)
             kv_len = 0 if bad else kv_len
             s_end = kv_len
             if causal and rows_valid > 0:
@@ -276,13 +305,16 @@ def emulate_prefill(q, qo_indptr, k_cache, v_cache, indptr, indices, last, causa
             flags = []
 
             def fill(t, s_end=s_end, kv_beg=kv_beg, flags=flags):
-                copies, bad_page = emulate_loader(WARPS, d, page_size, hkv, kvh, indices, kv_beg, num_pages,
-                                                  t * BLOCK_N, s_end)
+                copies, bad_page = emulate_loader(
+                    WARPS, d, page_size, hkv, kvh, indices, kv_beg, num_pages, t * BLOCK_N, s_end
+                )
                 flags.append(bad_page)
                 assert len(copies) == BLOCK_N * d // 8, "the 8-warp loader writes every (row, chunk) once"
                 z = np.zeros(8)
-                return {rc: (z, z) if src is None else (kflat[src:src + 8], vflat[src:src + 8])
-                        for rc, src in copies.items()}
+                return {
+                    rc: (z, z) if src is None else (kflat[src : src + 8], vflat[src : src + 8])
+                    for rc, src in copies.items()
+                }
 
             o, lse = emulate_cta(d, q_rows, fill, s_end, scale * np.log2(np.e), limit_of, bug)
             cta_bad = bad or any(flags)
@@ -297,6 +329,7 @@ def emulate_prefill(q, qo_indptr, k_cache, v_cache, indptr, indices, last, causa
 
 # -- tests ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_descriptors_read_what_the_loaders_wrote(d):
     """Every k-step's Q / K descriptor (both warpgroups, both stages) reads exactly the logical 64 x 16 slice,
@@ -309,28 +342,28 @@ def test_descriptors_read_what_the_loaders_wrote(d):
     for r in range(ROWS):
         for c in range(d // 8):
             e = sq // 2 + sw128_elem(r, c, ROWS)
-            smem[e:e + 8] = Q[r, 8 * c:8 * c + 8]
+            smem[e : e + 8] = Q[r, 8 * c : 8 * c + 8]
     for st, (K, V) in enumerate(KV):
         for r in range(BLOCK_N):
             for c in range(d // 8):
                 e = sw128_elem(r, c, BLOCK_N) + st * stage_bytes // 2
-                smem[sk // 2 + e:sk // 2 + e + 8] = K[r, 8 * c:8 * c + 8]
-                smem[sv // 2 + e:sv // 2 + e + 8] = V[r, 8 * c:8 * c + 8]
+                smem[sk // 2 + e : sk // 2 + e + 8] = K[r, 8 * c : 8 * c + 8]
+                smem[sv // 2 + e : sv // 2 + e + 8] = V[r, 8 * c : 8 * c + 8]
     assert decode_desc(make_desc(sk, 16, 1024)) == (sk, 16, 1024, 0, 1)
     assert decode_desc(make_desc(sv, BLOCK_N * 128, 1024)) == (sv, 8192, 1024, 0, 1)
     for wg in range(2):
         dq = make_desc(sq + wg * 64 * 128, 16, 1024)
         for ks in range(d // 16):
             a = hw_read_kmajor(smem, desc_add(dq, (ks >> 2) * ROWS * 128 + (ks & 3) * 32), 64)
-            np.testing.assert_array_equal(a, Q[64 * wg:64 * wg + 64, 16 * ks:16 * ks + 16])
+            np.testing.assert_array_equal(a, Q[64 * wg : 64 * wg + 64, 16 * ks : 16 * ks + 16])
     for st, (K, V) in enumerate(KV):
         for ks in range(d // 16):
             koff = st * stage_bytes + (ks >> 2) * 8192 + (ks & 3) * 32
             b = hw_read_kmajor(smem, desc_add(make_desc(sk, 16, 1024), koff), 64)
-            np.testing.assert_array_equal(b, K[:, 16 * ks:16 * ks + 16])
+            np.testing.assert_array_equal(b, K[:, 16 * ks : 16 * ks + 16])
         for kb in range(4):
             v = hw_read_mnmajor(smem, desc_add(make_desc(sv, BLOCK_N * 128, 1024), st * stage_bytes + kb * 2048), d)
-            np.testing.assert_array_equal(v, V[16 * kb:16 * kb + 16])
+            np.testing.assert_array_equal(v, V[16 * kb : 16 * kb + 16])
 
 
 def test_accumulator_converts_to_register_a():
@@ -339,16 +372,27 @@ def test_accumulator_converts_to_register_a():
     P = np.random.default_rng(1).standard_normal((64, 64))
     s = acc_from_matrix(P)
     for kb in range(4):
-        pa = s[:, 8 * kb:8 * kb + 8].reshape(128, 4, 2)
-        np.testing.assert_array_equal(a_matrix_from_regs(pa), P[:, 16 * kb:16 * kb + 16])
+        pa = s[:, 8 * kb : 8 * kb + 8].reshape(128, 4, 2)
+        np.testing.assert_array_equal(a_matrix_from_regs(pa), P[:, 16 * kb : 16 * kb + 16])
 
 
 def run_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty=(), bug=None):
-    q, qo_indptr, kv, scale, ref_out, ref_lse = prefill_case(d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed,
-                                                             empty)
+    q, qo_indptr, kv, scale, ref_out, ref_lse = prefill_case(
+        d, hq, hkv, page_size, qo_lens, kv_lens, causal, seed, empty
+    )
     indptr, indices, last = (x.numpy() for x in kv.table)
-    out, lse, counts = emulate_prefill(q.numpy(), qo_indptr.numpy(), kv.k_cache.numpy(), kv.v_cache.numpy(), indptr,
-                                       indices, last, causal, scale, bug=bug)
+    out, lse, counts = emulate_prefill(
+        q.numpy(),
+        qo_indptr.numpy(),
+        kv.k_cache.numpy(),
+        kv.v_cache.numpy(),
+        indptr,
+        indices,
+        last,
+        causal,
+        scale,
+        bug=bug,
+    )
     assert (counts == 1).all(), "each row written exactly once"
     return out, lse, ref_out, ref_lse
 
@@ -360,12 +404,12 @@ def check(out, lse, ref_out, ref_lse):
 
 CASES = [
     # d, hq, hkv, page, qo_lens, kv_lens (prefix = kv - qo), causal
-    (64, 2, 2, 1, [1, 37, 130, 5], [1, 101, 133, 205], True),    # GQA 1, page 1: 130 rows > one tile
-    (128, 2, 2, 16, [70, 64, 1], [70, 130, 64], True),           # GQA 1, D 128: rows in both warpgroups
-    (64, 8, 2, 3, [1, 23, 9, 17], [1, 64, 65, 80], True),        # GQA 4, page 3, tile boundaries 64 / 65
+    (64, 2, 2, 1, [1, 37, 130, 5], [1, 101, 133, 205], True),  # GQA 1, page 1: 130 rows > one tile
+    (128, 2, 2, 16, [70, 64, 1], [70, 130, 64], True),  # GQA 1, D 128: rows in both warpgroups
+    (64, 8, 2, 3, [1, 23, 9, 17], [1, 64, 65, 80], True),  # GQA 4, page 3, tile boundaries 64 / 65
     (128, 8, 1, 16, [1, 16, 17, 40], [16, 17, 48, 129], True),  # GQA 8 (16 tokens per 128-row tile)
-    (128, 8, 1, 16, [3, 20], [150, 20], False),                  # non-causal
-    (64, 4, 4, 3, [5, 70], [100, 70], False),                    # GQA 1, several kv heads, non-causal
+    (128, 8, 1, 16, [3, 20], [150, 20], False),  # non-causal
+    (64, 4, 4, 3, [5, 70], [100, 70], False),  # GQA 1, several kv heads, non-causal
 ]
 
 
@@ -390,15 +434,24 @@ def test_wgmma_bad_page_is_nan():
     indices[indptr[1] + 2] = kv.k_cache.shape[0] + 5
     qo_indptr = np.array([0, 20, 60, 67])
     q = torch.randn((67, 4, 64), generator=gen, dtype=torch.float64).numpy()
-    out, lse, counts = emulate_prefill(q, qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last,
-                                       True, 0.125)
+    out, lse, counts = emulate_prefill(
+        q, qo_indptr, kv.k_cache.numpy(), kv.v_cache.numpy(), indptr, indices, last, True, 0.125
+    )
     assert (counts == 1).all()
     assert np.isnan(out[20:60]).all() and np.isnan(lse[20:60]).all()
     assert not np.isnan(out[:20]).any() and not np.isnan(out[60:]).any()
 
 
-BUGS = ["no-swizzle-xor", "swizzle-mode-none", "lbo-sbo-swapped", "transpose-off", "kstep-16-bytes",
-        "no-warpgroup-row-offset", "p-fragment-swap", "causal-rows-without-wg"]
+BUGS = [
+    "no-swizzle-xor",
+    "swizzle-mode-none",
+    "lbo-sbo-swapped",
+    "transpose-off",
+    "kstep-16-bytes",
+    "no-warpgroup-row-offset",
+    "p-fragment-swap",
+    "causal-rows-without-wg",
+]
 
 
 @pytest.mark.parametrize("d", [64, 128])

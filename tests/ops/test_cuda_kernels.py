@@ -50,7 +50,7 @@ def test_decode_long_context_split_kv(dtype, page_size, head_dim, hq, hkv, gen):
     kv = make_paged_kv(lens, page_size, hkv, head_dim, dtype, "cuda", gen=gen)
     q = randn((len(lens), hq, head_dim), dtype, "cuda", gen)
     out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
-    check(out, lse, *ref_decode(q, kv, head_dim ** -0.5), dtype)
+    check(out, lse, *ref_decode(q, kv, head_dim**-0.5), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,7 +62,7 @@ def test_decode_kv_warps_partial_tiles(dtype, hq, hkv, gen):
     kv = without_pages(make_paged_kv(lens, 16, hkv, 128, dtype, "cuda", gen=gen), {len(lens) - 1})
     q = randn((len(lens), hq, 128), dtype, "cuda", gen)
     out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
-    check(out, lse, *ref_decode(q, kv, 128 ** -0.5), dtype)
+    check(out, lse, *ref_decode(q, kv, 128**-0.5), dtype)
     assert (out[-1] == 0).all() and (lse[-1] == float("-inf")).all()
 
 
@@ -73,7 +73,7 @@ def test_decode_target_shape_scaled(dtype, gen):
     kv = make_paged_kv(lens, 16, 8, 128, dtype, "cuda", gen=gen)
     q = randn((16, 32, 128), dtype, "cuda", gen)
     out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
-    check(out, lse, *ref_decode(q, kv, 128 ** -0.5), dtype)
+    check(out, lse, *ref_decode(q, kv, 128**-0.5), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,9 +86,10 @@ def test_prefill_ragged(dtype, causal, page_size, head_dim, hq, hkv, gen):
     kv = make_paged_kv(kv_lens, page_size, hkv, head_dim, dtype, "cuda", gen=gen)
     qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
     q = randn((sum(qo_lens), hq, head_dim), dtype, "cuda", gen)
-    out, lse = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal=causal,
-                                           return_lse=True)
-    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim ** -0.5), dtype)
+    out, lse = ops.paged_prefill_attention(
+        q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal=causal, return_lse=True
+    )
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim**-0.5), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,9 +106,12 @@ def test_prefill_128_row_tiles(dtype, causal, page_size, head_dim, hq, hkv, gen)
     qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
     q = randn((sum(qo_lens), hq, head_dim), dtype, "cuda", gen)
     out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device="cuda"))
-    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal,
-                                            head_dim ** -0.5, out, lse), "native")
-    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim ** -0.5), dtype)
+    ops.call_op(
+        "paged_prefill_attention",
+        (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, head_dim**-0.5, out, lse),
+        "native",
+    )
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim**-0.5), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,9 +124,12 @@ def test_prefill_128_row_tiles_split_kv_and_empty_range(dtype, head_dim, hq, hkv
     qo_indptr = torch.tensor([0, 7, 97, 100], dtype=torch.int32, device="cuda")
     q = randn((100, hq, head_dim), dtype, "cuda", gen)
     out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device="cuda"))
-    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, False,
-                                            head_dim ** -0.5, out, lse), "native")
-    check(out, lse, *ref_prefill(q, qo_indptr, kv, False, head_dim ** -0.5), dtype)
+    ops.call_op(
+        "paged_prefill_attention",
+        (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, False, head_dim**-0.5, out, lse),
+        "native",
+    )
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, False, head_dim**-0.5), dtype)
     assert bool((out[97:] == 0).all()) and bool((lse[97:] == float("-inf")).all())
 
 
@@ -136,8 +143,9 @@ def test_prefill_short_extends_64_row_tiles(dtype, causal, gen):
     qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
     q = randn((sum(qo_lens), 32, 128), dtype, "cuda", gen)
     out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device="cuda"))
-    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, 0.09, out, lse),
-                "native")
+    ops.call_op(
+        "paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, 0.09, out, lse), "native"
+    )
     check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, 0.09), dtype)
 
 
@@ -150,8 +158,12 @@ def test_prefill_bad_page_table_poisons_only_its_request(dtype, gen):
     qo_indptr = torch.tensor([0, 20, 60, 72, 79], dtype=torch.int32, device="cuda")  # request 2: 12 queries, 10 keys
     q = randn((79, 8, 128), dtype, "cuda", gen)
     out, lse = poison(torch.empty_like(q)), poison(torch.empty(79, 8, device="cuda"))
-    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, kv.kv_indptr, bad,
-                                            kv.kv_last_page_len, True, 0.1, out, lse), "native", check=False)
+    ops.call_op(
+        "paged_prefill_attention",
+        (q, qo_indptr, kv.k_cache, kv.v_cache, kv.kv_indptr, bad, kv.kv_last_page_len, True, 0.1, out, lse),
+        "native",
+        check=False,
+    )
     assert torch.isnan(out[20:72]).all() and torch.isnan(lse[20:72]).all()
     good = torch.cat([torch.arange(0, 20), torch.arange(72, 79)])
     sel = torch.tensor([0, 20, 20, 20, 27], dtype=torch.int32)  # requests 1, 2 without queries
@@ -166,7 +178,7 @@ def test_prefill_target_shape_scaled(dtype, gen):
     qo_indptr = torch.tensor([0, 512, 1024], dtype=torch.int32, device="cuda")
     q = randn((1024, 32, 128), dtype, "cuda", gen)
     out, lse = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, return_lse=True)
-    check(out, lse, *ref_prefill(q, qo_indptr, kv, True, 128 ** -0.5), dtype)
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, True, 128**-0.5), dtype)
 
 
 # -- the Hopper wgmma prefill kernel (attention_wgmma.cu; cuda_kernel="wgmma", schema kernel=2) ----------------
@@ -178,8 +190,12 @@ WGMMA = 2
 def run_wgmma(q, qo_indptr, kv, causal, scale, table=None, check_values=True):
     """The wgmma kernel into NaN-poisoned outputs (every valid row must be written)."""
     out, lse = poison(torch.empty_like(q)), poison(torch.empty(q.shape[:2], device=q.device))
-    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *(table or kv.table), causal,
-                                            scale, out, lse, WGMMA), "native", check=check_values)
+    ops.call_op(
+        "paged_prefill_attention",
+        (q, qo_indptr, kv.k_cache, kv.v_cache, *(table or kv.table), causal, scale, out, lse, WGMMA),
+        "native",
+        check=check_values,
+    )
     return out, lse
 
 
@@ -197,8 +213,8 @@ def test_wgmma_prefill_matches_reference(dtype, causal, page_size, head_dim, hq,
     kv = make_paged_kv([a + b for a, b in zip(qo_lens, prefix)], page_size, hkv, head_dim, dtype, "cuda", gen=gen)
     qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32, device="cuda")
     q = randn((sum(qo_lens), hq, head_dim), dtype, "cuda", gen)
-    out, lse = run_wgmma(q, qo_indptr, kv, causal, head_dim ** -0.5)
-    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim ** -0.5), dtype)
+    out, lse = run_wgmma(q, qo_indptr, kv, causal, head_dim**-0.5)
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, causal, head_dim**-0.5), dtype)
 
 
 @needs_sm90
@@ -210,8 +226,8 @@ def test_wgmma_prefill_empty_range_and_long_prefix(dtype, head_dim, gen):
     kv = without_pages(make_paged_kv([3000, 20, 2500], 16, 4, head_dim, dtype, "cuda", gen=gen), {1})
     qo_indptr = torch.tensor([0, 7, 10, 100], dtype=torch.int32, device="cuda")
     q = randn((100, 16, head_dim), dtype, "cuda", gen)
-    out, lse = run_wgmma(q, qo_indptr, kv, False, head_dim ** -0.5)
-    check(out, lse, *ref_prefill(q, qo_indptr, kv, False, head_dim ** -0.5), dtype)
+    out, lse = run_wgmma(q, qo_indptr, kv, False, head_dim**-0.5)
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, False, head_dim**-0.5), dtype)
     assert bool((out[7:10] == 0).all()) and bool((lse[7:10] == float("-inf")).all())
 
 
@@ -223,8 +239,9 @@ def test_wgmma_prefill_bad_page_table_poisons_only_its_request(dtype, gen):
     bad[int(kv.kv_indptr[1]) + 2] = kv.k_cache.shape[0] + 5  # request 1: a page past the pool
     qo_indptr = torch.tensor([0, 20, 60, 72, 79], dtype=torch.int32, device="cuda")  # request 2: 12 queries, 10 keys
     q = randn((79, 8, 128), dtype, "cuda", gen)
-    out, lse = run_wgmma(q, qo_indptr, kv, True, 0.1, table=(kv.kv_indptr, bad, kv.kv_last_page_len),
-                         check_values=False)
+    out, lse = run_wgmma(
+        q, qo_indptr, kv, True, 0.1, table=(kv.kv_indptr, bad, kv.kv_last_page_len), check_values=False
+    )
     assert torch.isnan(out[20:72]).all() and torch.isnan(lse[20:72]).all()
     good = torch.cat([torch.arange(0, 20), torch.arange(72, 79)])
     sel = torch.tensor([0, 20, 20, 20, 27], dtype=torch.int32)
@@ -240,9 +257,10 @@ def test_wgmma_prefill_target_shape_scaled_equals_mma(dtype, gen):
     kv = make_paged_kv([512, 512], 16, 8, 128, dtype, "cuda", gen=gen)
     qo_indptr = torch.tensor([0, 512, 1024], dtype=torch.int32, device="cuda")
     q = randn((1024, 32, 128), dtype, "cuda", gen)
-    out, lse = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, return_lse=True,
-                                           cuda_kernel="wgmma")
-    check(out, lse, *ref_prefill(q, qo_indptr, kv, True, 128 ** -0.5), dtype)
+    out, lse = ops.paged_prefill_attention(
+        q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, return_lse=True, cuda_kernel="wgmma"
+    )
+    check(out, lse, *ref_prefill(q, qo_indptr, kv, True, 128**-0.5), dtype)
     out_mma = ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, cuda_kernel="mma")
     torch.testing.assert_close(out, out_mma, **TOL[dtype])
 
@@ -257,14 +275,20 @@ def test_cuda_kernel_errors_on_device(gen):
         ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, cuda_kernel="fa3")
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="kernel"):
-        ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.1, out, None,
-                                                7), "native")
+        ops.call_op(
+            "paged_prefill_attention",
+            (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.1, out, None, 7),
+            "native",
+        )
     if not IS_SM90:
         with pytest.raises(ValueError, match="sm_90"):
             ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, cuda_kernel="wgmma")
         with pytest.raises(ValueError, match="sm_90"):
-            ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.1, out,
-                                                    None, WGMMA), "native")
+            ops.call_op(
+                "paged_prefill_attention",
+                (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.1, out, None, WGMMA),
+                "native",
+            )
     kv96 = make_paged_kv([8], 16, 2, 96, torch.float16, "cuda", gen=gen)
     q96 = randn((8, 2, 96), torch.float16, "cuda", gen)
     with pytest.raises(ValueError, match="wgmma"):
@@ -278,10 +302,10 @@ def test_cascade_equals_full_decode(dtype, page_size, gen):
     hq, hkv, d, prefix, n = 16, 4, 128, 320, 12  # the prefix is page aligned (shared pages)
     suffix = [1 + 13 * i for i in range(n)]
     kv = make_paged_kv([prefix] + suffix, page_size, hkv, d, dtype, "cuda", gen=gen)
-    pre_pages = kv.kv_indices[kv.kv_indptr[0]:kv.kv_indptr[1]]
+    pre_pages = kv.kv_indices[kv.kv_indptr[0] : kv.kv_indptr[1]]
     full_idx, full_ptr, full_last, suf_idx, suf_ptr = [], [0], [], [], [0]
     for i in range(n):
-        own = kv.kv_indices[kv.kv_indptr[i + 1]:kv.kv_indptr[i + 2]]
+        own = kv.kv_indices[kv.kv_indptr[i + 1] : kv.kv_indptr[i + 2]]
         full_idx.append(torch.cat([pre_pages, own]))
         full_ptr.append(full_ptr[-1] + len(pre_pages) + len(own))
         suf_idx.append(own)
@@ -305,7 +329,7 @@ def test_shared_prefix_many_rows_short_prefix(dtype, gen):
     group = torch.tensor([0, 30, 33], dtype=torch.int32, device="cuda")
     q = randn((33, 8, 64), dtype, "cuda", gen)
     out, lse = ops.shared_prefix_attention(q, group, kv.k_cache, kv.v_cache, *kv.table)
-    check(out, lse, *ref_prefill(q, group, kv, False, 64 ** -0.5), dtype)
+    check(out, lse, *ref_prefill(q, group, kv, False, 64**-0.5), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -316,14 +340,16 @@ def test_bad_page_index_poisons_only_its_request(dtype, gen):
     ref_out, _ = ref_decode(q, kv, 0.125)
     bad = kv.kv_indices.clone()
     bad[1] = kv.k_cache.shape[0] + 100  # request 0's second page
-    out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.kv_indptr, bad, kv.kv_last_page_len,
-                                          sm_scale=0.125, return_lse=True, check=False)
+    out, lse = ops.paged_decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.kv_indptr, bad, kv.kv_last_page_len, sm_scale=0.125, return_lse=True, check=False
+    )
     assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
     torch.testing.assert_close(out[1].cpu().double(), ref_out[1], **TOL[dtype])
     bad_last = kv.kv_last_page_len.clone()
     bad_last[1] = 99
-    out = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.kv_indptr, kv.kv_indices, bad_last,
-                                     sm_scale=0.125, check=False)
+    out = ops.paged_decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.kv_indptr, kv.kv_indices, bad_last, sm_scale=0.125, check=False
+    )
     assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
 
 
@@ -356,8 +382,12 @@ def test_split_merge_writes_only_computed_rows(dtype, gen):
     q = randn((8, 4, 64), dtype, "cuda", gen)
     qo_indptr = torch.tensor([0, 4, 2], dtype=torch.int32, device="cuda")  # request 1: qo range 4..2, invalid
     out, lse = poison(torch.empty_like(q)), poison(torch.empty(8, 4, device="cuda"))
-    ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, False, 0.125, out, lse),
-                "native", check=False)
+    ops.call_op(
+        "paged_prefill_attention",
+        (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, False, 0.125, out, lse),
+        "native",
+        check=False,
+    )
     assert torch.isnan(out[4:]).all() and torch.isnan(lse[4:]).all(), "rows of no tile were written"
     ref_qo = torch.tensor([0, 4], dtype=torch.int32)
     ro, rl = ref_prefill(q[:4], ref_qo, kv, False, 0.125)  # only request 0 (same KV table prefix)

@@ -13,8 +13,9 @@ from minisched.ops import reference
 # asking the triton backend for it is a clear error (test_triton_backend_is_a_clear_error).
 BACKENDS = [
     pytest.param("torch", id="torch-cpu"),
-    pytest.param("native", id="native-cpu",
-                 marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]),
+    pytest.param(
+        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
+    ),
 ]
 
 
@@ -109,14 +110,17 @@ def test_quantize_int8_bad_group(group):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case,exc,words", [
-    ("x_dtype", TypeError, "dtype"),
-    ("w_dtype", TypeError, "dtype"),
-    ("k_mismatch", ValueError, "shape"),
-    ("bad_group", ValueError, "multiple of 32"),
-    ("out_shape", ValueError, "shape"),
-    ("x_cols_strided", ValueError, "contiguous rows"),
-])
+@pytest.mark.parametrize(
+    "case,exc,words",
+    [
+        ("x_dtype", TypeError, "dtype"),
+        ("w_dtype", TypeError, "dtype"),
+        ("k_mismatch", ValueError, "shape"),
+        ("bad_group", ValueError, "multiple of 32"),
+        ("out_shape", ValueError, "shape"),
+        ("x_cols_strided", ValueError, "contiguous rows"),
+    ],
+)
 def test_bad_input(backend, case, exc, words, gen):
     x = torch.randn(3, 64, generator=gen)
     w_q, scales = random_weights(8, 64, 32, gen)
@@ -147,5 +151,6 @@ def test_opcheck(gen):
     if not ops.native_available():
         pytest.skip(ops.NATIVE_ERROR)
     w_q, scales = random_weights(8, 64, 32, gen)
-    torch.library.opcheck(torch.ops.minisched.int8_linear.default,
-                          (torch.randn(3, 64, generator=gen), w_q, scales, torch.empty(3, 8)))
+    torch.library.opcheck(
+        torch.ops.minisched.int8_linear.default, (torch.randn(3, 64, generator=gen), w_q, scales, torch.empty(3, 8))
+    )

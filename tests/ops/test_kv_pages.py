@@ -20,7 +20,7 @@ def pool(t, layers, pages, page_size, hkv, d, gen):
 def test_copy(t, page_size, hkv, d, n, gen):
     kv = pool(t, 3, 12, page_size, hkv, d, gen)
     perm = torch.randperm(12, generator=gen).to(torch.int32)
-    src, dst = perm[:n], perm[6:6 + n]
+    src, dst = perm[:n], perm[6 : 6 + n]
     ref = kv.cpu().clone()
     reference.copy_kv_pages(ref, src, dst)
     ops.call_op("copy_kv_pages", (kv, src.to(t.device), dst.to(t.device)), t.backend)

@@ -67,5 +67,7 @@ def test_opcheck(gen):
         pytest.skip(ops.NATIVE_ERROR)
     v_a, v_b = torch.randn(5, 3, 64, generator=gen), torch.randn(5, 3, 64, generator=gen)
     lse_a, lse_b = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
-    torch.library.opcheck(torch.ops.minisched.merge_attention_states.default,
-                          (v_a, lse_a, v_b, lse_b, torch.empty_like(v_a), torch.empty_like(lse_a)))
+    torch.library.opcheck(
+        torch.ops.minisched.merge_attention_states.default,
+        (v_a, lse_a, v_b, lse_b, torch.empty_like(v_a), torch.empty_like(lse_a)),
+    )

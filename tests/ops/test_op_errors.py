@@ -20,9 +20,17 @@ def case(gen):
 
 def decode(t, q, kv, indptr=None, indices=None, last=None, k_cache=None, v_cache=None, out=None):
     out = torch.empty_like(q) if out is None else out
-    args = (q, kv.k_cache if k_cache is None else k_cache, kv.v_cache if v_cache is None else v_cache,
-            kv.kv_indptr if indptr is None else indptr, kv.kv_indices if indices is None else indices,
-            kv.kv_last_page_len if last is None else last, 0.125, out, None)
+    args = (
+        q,
+        kv.k_cache if k_cache is None else k_cache,
+        kv.v_cache if v_cache is None else v_cache,
+        kv.kv_indptr if indptr is None else indptr,
+        kv.kv_indices if indices is None else indices,
+        kv.kv_last_page_len if last is None else last,
+        0.125,
+        out,
+        None,
+    )
     ops.call_op("paged_decode_attention", args, t.backend)
 
 
@@ -69,8 +77,9 @@ def test_page_size_mismatch(t, case):
         decode(t, q, kv, v_cache=v8)
     pool = torch.randn(2, 2, 6, 16, 2, 64)
     with pytest.raises(ValueError, match="page_size"):
-        ops.gather_kv_pages(pool, torch.tensor([1], dtype=torch.int32), torch.empty(2, 2, 1, 8, 2, 64),
-                            backend=t.backend)
+        ops.gather_kv_pages(
+            pool, torch.tensor([1], dtype=torch.int32), torch.empty(2, 2, 1, 8, 2, 64), backend=t.backend
+        )
 
 
 @pytest.mark.parametrize("t", TARGETS)
@@ -85,11 +94,13 @@ def test_page_index_out_of_range(t, case):
         decode(t, q, kv, indices=bad)
     pool = torch.randn(2, 2, 6, 16, 2, 64)
     with pytest.raises(IndexError, match="out of range"):
-        ops.copy_kv_pages(pool, torch.tensor([0], dtype=torch.int32), torch.tensor([6], dtype=torch.int32),
-                          backend=t.backend)
+        ops.copy_kv_pages(
+            pool, torch.tensor([0], dtype=torch.int32), torch.tensor([6], dtype=torch.int32), backend=t.backend
+        )
     with pytest.raises(IndexError, match="out of range"):
-        ops.scatter_kv_pages(torch.randn(2, 2, 1, 16, 2, 64), pool, torch.tensor([-2], dtype=torch.int32),
-                             backend=t.backend)
+        ops.scatter_kv_pages(
+            torch.randn(2, 2, 1, 16, 2, 64), pool, torch.tensor([-2], dtype=torch.int32), backend=t.backend
+        )
 
 
 @pytest.mark.parametrize("t", TARGETS)
@@ -160,8 +171,15 @@ def test_prefill_cuda_kernel_names(backend, gen):
     if backend == "native" and not ops.native_available():
         pytest.skip(ops.NATIVE_ERROR)
     q, qo_indptr, kv = prefill_case(gen)
-    call = lambda name: ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table,  # noqa: E731
-                                                    backend=backend, cuda_kernel=name)
+    call = lambda name: ops.paged_prefill_attention(
+        q,
+        qo_indptr,
+        kv.k_cache,
+        kv.v_cache,
+        *kv.table,  # noqa: E731
+        backend=backend,
+        cuda_kernel=name,
+    )
     for bad in ("fa3", "WGMMA", "", None, 2):
         with pytest.raises(ValueError, match=r"cuda_kernel must be one of \('auto', 'mma', 'wgmma'\)") as e:
             call(bad)
@@ -170,8 +188,9 @@ def test_prefill_cuda_kernel_names(backend, gen):
         with pytest.raises(ValueError, match="native CUDA backend") as e:
             call(name)
         assert "\n" not in str(e.value)
-    torch.testing.assert_close(call("auto"), ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache,
-                                                                         *kv.table, backend=backend))
+    torch.testing.assert_close(
+        call("auto"), ops.paged_prefill_attention(q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, backend=backend)
+    )
 
 
 @pytest.mark.parametrize("t", PREFILL_TARGETS)
@@ -183,12 +202,18 @@ def test_prefill_kernel_argument(t, gen):
     for kernel in (None, 0, 1, 2):
         out = torch.empty_like(q)
         extra = () if kernel is None else (kernel,)
-        ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.125, out,
-                                                None, *extra), t.backend)
+        ops.call_op(
+            "paged_prefill_attention",
+            (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.125, out, None, *extra),
+            t.backend,
+        )
         outs.append(out)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
     for bad in (-1, 3):
         with pytest.raises(ValueError, match="kernel must be 0 \\(auto\\), 1 \\(mma.sync\\) or 2 \\(wgmma\\)"):
-            ops.call_op("paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.125,
-                                                    torch.empty_like(q), None, bad), t.backend)
+            ops.call_op(
+                "paged_prefill_attention",
+                (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, True, 0.125, torch.empty_like(q), None, bad),
+                t.backend,
+            )

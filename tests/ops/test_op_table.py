@@ -1,4 +1,5 @@
 """The op table (minisched/ops/table.py) against the tree: every face of every op exists where it says."""
+
 from __future__ import annotations
 
 import importlib
@@ -32,5 +33,6 @@ def test_every_face_exists(name):
 
 def test_every_schema_is_in_the_table():
     schemas = set(re.findall(r'm\.def\(\s*"(\w+)\(', BINDINGS))
-    assert schemas == set(OPS), f"schemas without a table entry: {schemas - set(OPS)}; entries without a schema: " \
-                                f"{set(OPS) - schemas}"
+    assert schemas == set(OPS), (
+        f"schemas without a table entry: {schemas - set(OPS)}; entries without a schema: {set(OPS) - schemas}"
+    )

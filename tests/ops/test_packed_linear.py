@@ -13,8 +13,9 @@ from minisched.ops import reference
 # A CPU op (the CPU's small-batch projections; GPUs use cuBLAS): no CUDA or Triton kernel to test.
 BACKENDS = [
     pytest.param("torch", id="torch-cpu"),
-    pytest.param("native", id="native-cpu",
-                 marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]),
+    pytest.param(
+        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
+    ),
 ]
 NATIVE = BACKENDS[1:]
 
@@ -38,7 +39,7 @@ def test_matches_reference(backend, m, n, k, gen):
     torch.testing.assert_close(expected, x.double() @ w.double().T)  # the reference itself
     out = run(x, w, backend)
     assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * k**0.5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,16 +107,19 @@ def test_wrapper(backend, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case,exc,words", [
-    ("x_dtype", TypeError, "dtype"),
-    ("w_dtype", TypeError, "dtype"),
-    ("w_dims", ValueError, "dims"),
-    ("k_mismatch", ValueError, "w_packed has shape"),
-    ("panels", ValueError, "w_packed has shape"),
-    ("out_rows", ValueError, "shape"),
-    ("x_cols_strided", ValueError, "contiguous rows"),
-    ("w_strided", ValueError, "contiguous"),
-])
+@pytest.mark.parametrize(
+    "case,exc,words",
+    [
+        ("x_dtype", TypeError, "dtype"),
+        ("w_dtype", TypeError, "dtype"),
+        ("w_dims", ValueError, "dims"),
+        ("k_mismatch", ValueError, "w_packed has shape"),
+        ("panels", ValueError, "w_packed has shape"),
+        ("out_rows", ValueError, "shape"),
+        ("x_cols_strided", ValueError, "contiguous rows"),
+        ("w_strided", ValueError, "contiguous"),
+    ],
+)
 def test_bad_input(backend, case, exc, words, gen):
     x = torch.randn(3, 64, generator=gen)
     w = ops.pack_linear_weight(torch.randn(20, 64, generator=gen))  # 2 panels

@@ -32,7 +32,7 @@ def test_matches_reference(t, page_size, head_dim, hq, hkv, gen):
     lens = ragged_lens(page_size, long=96 if t.interpreted else 300)
     kv = make_paged_kv(lens, page_size, hkv, head_dim, t.dtype, t.device, gen=gen)
     q = randn((len(lens), hq, head_dim), t.dtype, t.device, gen)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out, lse = run_decode(t, q, kv, scale)
     ref_out, ref_lse = expected(q, kv, scale)
     torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
@@ -68,8 +68,9 @@ def test_empty_batch(t, gen):
     q = randn((0, 4, 64), t.dtype, t.device, gen)
     empty = torch.zeros(0, dtype=torch.int32, device=t.device)
     indptr = torch.zeros(1, dtype=torch.int32, device=t.device)
-    out, lse = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, indptr, empty, empty, return_lse=True,
-                                          backend=t.backend)
+    out, lse = ops.paged_decode_attention(
+        q, kv.k_cache, kv.v_cache, indptr, empty, empty, return_lse=True, backend=t.backend
+    )
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
@@ -78,7 +79,7 @@ def test_wrapper_allocates_and_matches(t, gen):
     kv = make_paged_kv([17, 1, 40], 16, 3, 64, t.dtype, t.device, gen=gen)
     q = randn((3, 9, 64), t.dtype, t.device, gen)
     out = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, backend=t.backend)
-    torch.testing.assert_close(out.cpu().double(), expected(q, kv, 64 ** -0.5)[0], **t.tol)
+    torch.testing.assert_close(out.cpu().double(), expected(q, kv, 64**-0.5)[0], **t.tol)
 
 
 def test_opcheck(gen):
@@ -88,5 +89,6 @@ def test_opcheck(gen):
     q = torch.randn(2, 4, 64, generator=gen)
     out, lse = torch.empty_like(q), torch.empty(2, 4)
     for l in (lse, None):
-        torch.library.opcheck(torch.ops.minisched.paged_decode_attention.default,
-                              (q, kv.k_cache, kv.v_cache, *kv.table, 0.125, out, l))
+        torch.library.opcheck(
+            torch.ops.minisched.paged_decode_attention.default, (q, kv.k_cache, kv.v_cache, *kv.table, 0.125, out, l)
+        )

@@ -21,8 +21,9 @@ def qo_indptr_of(qo_lens, device):
 def run(t, q, qo_indptr, kv, causal, scale):
     out = poison(torch.empty_like(q))
     lse = poison(q.new_empty(q.shape[:2], dtype=torch.float32))
-    ops.call_op("paged_prefill_attention",
-                (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, out, lse), t.backend)
+    ops.call_op(
+        "paged_prefill_attention", (q, qo_indptr, kv.k_cache, kv.v_cache, *kv.table, causal, scale, out, lse), t.backend
+    )
     return out, lse
 
 
@@ -38,7 +39,7 @@ def check(t, qo_lens, kv_lens, page_size, head_dim, hq, hkv, causal, gen):
     kv = make_paged_kv(kv_lens, page_size, hkv, head_dim, t.dtype, t.device, gen=gen)
     q = randn((sum(qo_lens), hq, head_dim), t.dtype, t.device, gen)
     qo_indptr = qo_indptr_of(qo_lens, t.device)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out, lse = run(t, q, qo_indptr, kv, causal, scale)
     ref_out, ref_lse = expected(q, qo_indptr, kv, causal, scale)
     torch.testing.assert_close(out.cpu().double(), ref_out, **t.tol)
@@ -93,5 +94,7 @@ def test_opcheck(gen):
     qo = qo_indptr_of([4, 5], "cpu")
     out, lse = torch.empty_like(q), torch.empty(9, 4)
     for causal, l in ((True, lse), (False, None)):
-        torch.library.opcheck(torch.ops.minisched.paged_prefill_attention.default,
-                              (q, qo, kv.k_cache, kv.v_cache, *kv.table, causal, 0.125, out, l))
+        torch.library.opcheck(
+            torch.ops.minisched.paged_prefill_attention.default,
+            (q, qo, kv.k_cache, kv.v_cache, *kv.table, causal, 0.125, out, l),
+        )

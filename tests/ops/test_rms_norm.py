@@ -13,8 +13,9 @@ from minisched.ops import reference
 # A CPU op (the CPU's per-op overhead; GPUs use torch's fused norm): no CUDA or Triton kernel to test.
 BACKENDS = [
     pytest.param("torch", id="torch-cpu"),
-    pytest.param("native", id="native-cpu",
-                 marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]),
+    pytest.param(
+        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
+    ),
 ]
 NATIVE = BACKENDS[1:]
 
@@ -82,17 +83,20 @@ def test_reference_is_the_definition(gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case,exc,words", [
-    ("x_dtype", TypeError, "dtype"),
-    ("w_dtype", TypeError, "dtype"),
-    ("x_dims", ValueError, "dims"),
-    ("w_len", ValueError, "weight"),
-    ("out_shape", ValueError, "out"),
-    ("delta_shape", ValueError, "delta"),
-    ("x_strided", ValueError, "contiguous"),
-    ("eps_zero", ValueError, "eps"),
-    ("eps_nan", ValueError, "eps"),
-])
+@pytest.mark.parametrize(
+    "case,exc,words",
+    [
+        ("x_dtype", TypeError, "dtype"),
+        ("w_dtype", TypeError, "dtype"),
+        ("x_dims", ValueError, "dims"),
+        ("w_len", ValueError, "weight"),
+        ("out_shape", ValueError, "out"),
+        ("delta_shape", ValueError, "delta"),
+        ("x_strided", ValueError, "contiguous"),
+        ("eps_zero", ValueError, "eps"),
+        ("eps_nan", ValueError, "eps"),
+    ],
+)
 def test_bad_input(backend, case, exc, words, gen):
     x, delta, w = inputs(3, 64, gen)
     out, eps = torch.empty(3, 64), 1e-5

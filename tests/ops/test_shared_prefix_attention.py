@@ -7,8 +7,8 @@ import torch
 from helpers.paged_kv import make_paged_kv, without_pages
 from helpers.targets import poison, randn, targets, to_ref
 from minisched import ops
-from minisched.ops import reference
 from minisched.base.page_table import build_csr
+from minisched.ops import reference
 
 TARGETS = targets("shared_prefix_attention")
 
@@ -58,8 +58,9 @@ def test_empty_prefix(t, long, gen):
 def test_empty_groups(t, gen):
     kv = make_paged_kv([16, 5], 16, 2, 64, t.dtype, t.device, gen=gen)
     q = randn((0, 4, 64), t.dtype, t.device, gen)
-    out, lse = ops.shared_prefix_attention(q, torch.zeros(3, dtype=torch.int32, device=t.device), kv.k_cache,
-                                           kv.v_cache, *kv.table, backend=t.backend)
+    out, lse = ops.shared_prefix_attention(
+        q, torch.zeros(3, dtype=torch.int32, device=t.device), kv.k_cache, kv.v_cache, *kv.table, backend=t.backend
+    )
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
@@ -71,19 +72,27 @@ def test_cascade_equals_plain_decode(t, page_size, gen):
     prefix_pages = [2, 1] if page_size == 16 else [24, 9]
     members = [3, 2]
     suffix_lens = [1, page_size, page_size + 3, 7, 2 * page_size]
-    pool = make_paged_kv([sum(prefix_pages) * page_size + 4 * page_size * len(suffix_lens)], page_size, hkv, d,
-                         t.dtype, t.device, gen=gen, spare_pages=0)
+    pool = make_paged_kv(
+        [sum(prefix_pages) * page_size + 4 * page_size * len(suffix_lens)],
+        page_size,
+        hkv,
+        d,
+        t.dtype,
+        t.device,
+        gen=gen,
+        spare_pages=0,
+    )
     pages = torch.randperm(pool.k_cache.shape[0], generator=gen).tolist()
     group_prefix, pos = [], 0
     for n in prefix_pages:
-        group_prefix.append(pages[pos:pos + n])
+        group_prefix.append(pages[pos : pos + n])
         pos += n
     full_lists, suffix_lists, full_lens = [], [], []
     r = 0
     for g, m in enumerate(members):
         for _ in range(m):
             n_suffix_pages = -(-suffix_lens[r] // page_size)
-            own = pages[pos:pos + n_suffix_pages]
+            own = pages[pos : pos + n_suffix_pages]
             pos += n_suffix_pages
             suffix_lists.append(own)
             full_lists.append(group_prefix[g] + own)
@@ -103,7 +112,7 @@ def test_cascade_equals_plain_decode(t, page_size, gen):
     torch.testing.assert_close(cascade.float(), plain.float(), **t.tol)
     q64, k64, v64 = to_ref(q, pool.k_cache, pool.v_cache)
     ref = torch.empty_like(q64)
-    reference.paged_decode_attention(q64, k64, v64, *[x.cpu() for x in full_t], d ** -0.5, ref)
+    reference.paged_decode_attention(q64, k64, v64, *[x.cpu() for x in full_t], d**-0.5, ref)
     torch.testing.assert_close(cascade.cpu().double(), ref, **t.tol)
 
 
@@ -113,5 +122,7 @@ def test_opcheck(gen):
     kv = make_paged_kv([16, 5], 16, 2, 64, torch.float32, "cpu", gen=gen)
     q = torch.randn(4, 4, 64, generator=gen)
     out, lse = torch.empty_like(q), torch.empty(4, 4)
-    torch.library.opcheck(torch.ops.minisched.shared_prefix_attention.default,
-                          (q, indptr_of([3, 1], "cpu"), kv.k_cache, kv.v_cache, *kv.table, 0.125, out, lse))
+    torch.library.opcheck(
+        torch.ops.minisched.shared_prefix_attention.default,
+        (q, indptr_of([3, 1], "cpu"), kv.k_cache, kv.v_cache, *kv.table, 0.125, out, lse),
+    )

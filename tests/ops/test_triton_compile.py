@@ -21,8 +21,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # -- the variants: (module, kernel, pointer dtypes by argument, constexprs, num_warps) --------------
 # Pointer arguments default to the data dtype "{dt}"; ints default to i32; *_scale to fp32.
-IDX = {name: "*i32" for name in ("slot_ptr", "src_pages_ptr", "dst_pages_ptr", "kv_indptr_ptr", "kv_indices_ptr",
-                                 "kv_last_ptr", "qo_indptr_ptr", "tile_req_ptr", "tile_first_ptr")}
+IDX = {
+    name: "*i32"
+    for name in (
+        "slot_ptr",
+        "src_pages_ptr",
+        "dst_pages_ptr",
+        "kv_indptr_ptr",
+        "kv_indices_ptr",
+        "kv_last_ptr",
+        "qo_indptr_ptr",
+        "tile_req_ptr",
+        "tile_first_ptr",
+    )
+}
 F32 = {name: "*fp32" for name in ("la_ptr", "lb_ptr", "lo_ptr", "lse_ptr", "po_ptr", "plse_ptr")}
 
 
@@ -33,27 +45,93 @@ def _variants():
     out = []
     for dt in ("bf16", "fp16"):
         for d in (128, 64):
-            out.append(("store_kv", "_store_kv_kernel", {},
-                        dict(HEAD_DIM=d, BLOCK_T=2048 // (8 * d), BLOCK_H=8, BLOCK_D=d), 4, None, dt, d))
-            out.append(("merge_attention_states", "_merge_kernel", {},
-                        dict(HEAD_DIM=d, BLOCK_H=2048 // d, BLOCK_D=d), 4, None, dt, d))
+            out.append(
+                (
+                    "store_kv",
+                    "_store_kv_kernel",
+                    {},
+                    dict(HEAD_DIM=d, BLOCK_T=2048 // (8 * d), BLOCK_H=8, BLOCK_D=d),
+                    4,
+                    None,
+                    dt,
+                    d,
+                )
+            )
+            out.append(
+                (
+                    "merge_attention_states",
+                    "_merge_kernel",
+                    {},
+                    dict(HEAD_DIM=d, BLOCK_H=2048 // d, BLOCK_D=d),
+                    4,
+                    None,
+                    dt,
+                    d,
+                )
+            )
             # decode: every group runs the tl.dot path (padded to 16 rows); split partials are fp32
             # (one split writes the output directly: compiled for group 8 only, to save time)
             for group in (8, 1, 3):
                 for o_type in (dt, "fp32") if group == 8 else ("fp32",):
-                    out.append(("paged_decode_attention", "_decode_split_kernel", {"o_ptr": "*" + o_type},
-                                dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=d, BLOCK_N=64, HAS_LSE=True,
-                                     IEEE_DOT=False), 4, DECODE_STAGES, dt, d))
-            out.append(("paged_decode_attention", "_reduce_splits_kernel", {},
-                        dict(SPLITS_PAD=MAX_SPLITS, HEAD_DIM=d, HAS_LSE=True), 4, None, dt, d))
+                    out.append(
+                        (
+                            "paged_decode_attention",
+                            "_decode_split_kernel",
+                            {"o_ptr": "*" + o_type},
+                            dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=d, BLOCK_N=64, HAS_LSE=True, IEEE_DOT=False),
+                            4,
+                            DECODE_STAGES,
+                            dt,
+                            d,
+                        )
+                    )
+            out.append(
+                (
+                    "paged_decode_attention",
+                    "_reduce_splits_kernel",
+                    {},
+                    dict(SPLITS_PAD=MAX_SPLITS, HEAD_DIM=d, HAS_LSE=True),
+                    4,
+                    None,
+                    dt,
+                    d,
+                )
+            )
             # prefill (causal, output direct) and shared prefix (non-causal, split-KV into fp32 partials)
             block_m, block_n, warps = prefill_tile(d)
             for causal, o_type in ((True, dt), (False, "fp32")):
-                out.append(("paged_prefill_attention", "_prefill_kernel", {"o_ptr": "*" + o_type},
-                            dict(GROUP=4, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                                 HAS_LSE=True, IEEE_DOT=False), warps, PREFILL_STAGES, dt, d))
-        out.append(("kv_pages", "_copy_pages_kernel", {},
-                    dict(PAGE_ELEMS=16 * 8 * 128, SRC_INDEXED=True, DST_INDEXED=False, BLOCK=4096), 4, None, dt, 128))
+                out.append(
+                    (
+                        "paged_prefill_attention",
+                        "_prefill_kernel",
+                        {"o_ptr": "*" + o_type},
+                        dict(
+                            GROUP=4,
+                            HEAD_DIM=d,
+                            BLOCK_M=block_m,
+                            BLOCK_N=block_n,
+                            CAUSAL=causal,
+                            HAS_LSE=True,
+                            IEEE_DOT=False,
+                        ),
+                        warps,
+                        PREFILL_STAGES,
+                        dt,
+                        d,
+                    )
+                )
+        out.append(
+            (
+                "kv_pages",
+                "_copy_pages_kernel",
+                {},
+                dict(PAGE_ELEMS=16 * 8 * 128, SRC_INDEXED=True, DST_INDEXED=False, BLOCK=4096),
+                4,
+                None,
+                dt,
+                128,
+            )
+        )
     return out
 
 
@@ -104,9 +182,17 @@ def _compile_one(variant, tmp: Path) -> dict:
     usage = _res_usage(compiled.asm["cubin"], tmp)
     flags = ",".join(f"{k}={v}" for k, v in constexprs.items() if k in ("GROUP", "BLOCK_M", "CAUSAL"))
     flags += f",w{num_warps}" + ("" if num_stages is None else f",s{num_stages}")
-    return dict(kernel=kernel, dtype=dt, head_dim=d, config=flags, regs=usage.get("reg"),
-                stack=usage.get("stack", 0), local=usage.get("local", 0), shared=compiled.metadata.shared,
-                kv_buffers=_kv_buffers(compiled.asm["ttgir"]))
+    return dict(
+        kernel=kernel,
+        dtype=dt,
+        head_dim=d,
+        config=flags,
+        regs=usage.get("reg"),
+        stack=usage.get("stack", 0),
+        local=usage.get("local", 0),
+        shared=compiled.metadata.shared,
+        kv_buffers=_kv_buffers(compiled.asm["ttgir"]),
+    )
 
 
 def _compile_in_tmp(variant) -> dict:
@@ -124,11 +210,15 @@ def _compile_all() -> list:
 
 
 def _table(rows) -> str:
-    lines = [f"{'kernel':24} {'dtype':5} {'D':>4} {'config':40} {'regs':>4} {'stack':>5} {'local':>5} {'smem':>6} "
-             f"{'kvbuf':>5}"]
+    lines = [
+        f"{'kernel':24} {'dtype':5} {'D':>4} {'config':40} {'regs':>4} {'stack':>5} {'local':>5} {'smem':>6} "
+        f"{'kvbuf':>5}"
+    ]
     for r in rows:
-        lines.append(f"{r['kernel']:24} {r['dtype']:5} {r['head_dim']:4} {r['config']:40} {r['regs']:4} "
-                     f"{r['stack']:5} {r['local']:5} {r['shared']:6} {r['kv_buffers']:5}")
+        lines.append(
+            f"{r['kernel']:24} {r['dtype']:5} {r['head_dim']:4} {r['config']:40} {r['regs']:4} "
+            f"{r['stack']:5} {r['local']:5} {r['shared']:6} {r['kv_buffers']:5}"
+        )
     return "\n".join(lines)
 
 
@@ -136,8 +226,9 @@ def test_kernels_compile_for_hopper():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__, "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     print("\n" + _table(rows))
@@ -151,6 +242,7 @@ def test_kernels_compile_for_hopper():
 
 
 # -- no recompiles in serving: the compiled variants do not depend on the batch ------------------
+
 
 def _record_launches(monkeypatch, kernel) -> list:
     """Patch `kernel` (interpreted or jitted) to record its launches' (args, kwargs) without running them."""
@@ -247,8 +339,9 @@ def test_prefill_variants_do_not_depend_on_batch(monkeypatch):
     assert len(_cache_keys(dec._reduce_splits_kernel, reduce_launches)) <= 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a GPU: wrap_triton cannot trace the interpreter's kernels")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: wrap_triton cannot trace the interpreter's kernels"
+)
 def test_triton_ops_under_torch_compile():
     """The torch.library.triton_op registrations trace (fullgraph) and match eager."""
     import minisched.triton_kernels.merge_attention_states  # noqa: F401  (registers torch.ops.minisched_triton.*)
@@ -272,11 +365,11 @@ def test_triton_ops_under_torch_compile():
     def step(q, new_k, k_cache, v_cache):
         ops.store_kv(new_k, new_k, k_cache, v_cache, slots)
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
-        ops.paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, last, True, 0.125,
-                                    out, lse)
+        ops.paged_prefill_attention(q, qo_indptr, k_cache, v_cache, kv_indptr, kv_indices, last, True, 0.125, out, lse)
         dec, dec_lse = torch.empty_like(q[:2]), q.new_empty((2, hq), dtype=torch.float32)
-        ops.paged_decode_attention(q[:2].contiguous(), k_cache, v_cache, kv_indptr, kv_indices, last, 0.125,
-                                   dec, dec_lse)
+        ops.paged_decode_attention(
+            q[:2].contiguous(), k_cache, v_cache, kv_indptr, kv_indices, last, 0.125, dec, dec_lse
+        )
         merged, merged_lse = torch.empty_like(dec), torch.empty_like(dec_lse)
         ops.merge_attention_states(dec, dec_lse, out[:2].contiguous(), lse[:2].contiguous(), merged, merged_lse)
         return out, lse, merged, merged_lse

@@ -1,5 +1,6 @@
 """Sharding without processes: the plan for every head layout, the packed step message, and the
 sharded forward of T ranks -- run as T threads over an in-process group -- against the full model."""
+
 from __future__ import annotations
 
 import threading
@@ -8,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from minisched.parallel import protocol
-from minisched.parallel.shard import ShardPlan, check_tp, shard_model
+from minisched.base.page_table import build_csr, slots_of
 from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
-from minisched.base.page_table import build_csr, slots_of
+from minisched.parallel import protocol
+from minisched.parallel.shard import ShardPlan, check_tp, shard_model
 
 
 def layouts():
@@ -46,11 +47,14 @@ def test_plan_gives_each_rank_the_kv_heads_its_query_heads_read(hq, hkv, t):
     assert rows * t >= 101 and (rows - 1) * t < 101 and plans[-1].vocab == ((t - 1) * rows, t * rows)
 
 
-@pytest.mark.parametrize("kw,t,match", [
-    (dict(num_heads=9, num_kv_heads=3), 2, "must divide the model's 9 query heads"),
-    (dict(num_heads=12, num_kv_heads=4), 3, "4 KV heads"),
-    (dict(num_heads=4, num_kv_heads=2, intermediate_size=250), 4, "MLP size 250"),
-])
+@pytest.mark.parametrize(
+    "kw,t,match",
+    [
+        (dict(num_heads=9, num_kv_heads=3), 2, "must divide the model's 9 query heads"),
+        (dict(num_heads=12, num_kv_heads=4), 3, "4 KV heads"),
+        (dict(num_heads=4, num_kv_heads=2, intermediate_size=250), 4, "MLP size 250"),
+    ],
+)
 def test_impossible_splits_are_one_line_errors(kw, t, match):
     with pytest.raises(ValueError, match=match):
         check_tp(preset("tiny", **kw), t)
@@ -65,14 +69,24 @@ def test_pack_unpack_round_trip_with_cascade():
     def ints(n, dtype=torch.int32):
         return torch.randint(0, 1000, (n,), generator=g).to(dtype)
 
-    meta = ForwardMeta(positions=ints(5, torch.int64), out_slots=ints(5), qo_indptr=ints(4), page_table=(
-        ints(4), ints(9), ints(3)), logits_indices=ints(3, torch.int64), is_decode=True,
-        cascade=CascadeMeta(rows=ints(2, torch.int64), group_indptr=ints(2), prefix_table=(ints(2), ints(3), ints(1)),
-                            suffix_table=(ints(3), ints(4), ints(2)), plain_rows=ints(1, torch.int64),
-                            plain_table=(ints(2), ints(1), ints(1))))
+    meta = ForwardMeta(
+        positions=ints(5, torch.int64),
+        out_slots=ints(5),
+        qo_indptr=ints(4),
+        page_table=(ints(4), ints(9), ints(3)),
+        logits_indices=ints(3, torch.int64),
+        is_decode=True,
+        cascade=CascadeMeta(
+            rows=ints(2, torch.int64),
+            group_indptr=ints(2),
+            prefix_table=(ints(2), ints(3), ints(1)),
+            suffix_table=(ints(3), ints(4), ints(2)),
+            plain_rows=ints(1, torch.int64),
+            plain_table=(ints(2), ints(1), ints(1)),
+        ),
+    )
     ids = ints(5)
-    for m in (meta, ForwardMeta(meta.positions, meta.out_slots, meta.qo_indptr, meta.page_table,
-                                meta.logits_indices)):
+    for m in (meta, ForwardMeta(meta.positions, meta.out_slots, meta.qo_indptr, meta.page_table, meta.logits_indices)):
         h, payload = protocol.pack_step(ids, m)
         assert h.shape == (protocol.HEADER_LEN,) and payload.dtype == torch.int32 and payload.dim() == 1
         assert payload.numel() == protocol.payload_len(h.tolist())
@@ -91,7 +105,7 @@ class ThreadGroup:
         self.barrier = threading.Barrier(world, timeout=60)
         self.slots: list = [None] * world
 
-    def rank(self, r: int) -> "ThreadRank":
+    def rank(self, r: int) -> ThreadRank:
         return ThreadRank(self, r)
 
 
@@ -154,19 +168,22 @@ def ragged_batch(seqs, cached, page_size):
     qo = np.concatenate([[0], np.cumsum([e - a for a, e in zip(starts, ends)])]).astype(np.int32)
     meta = ForwardMeta(
         positions=torch.cat([torch.arange(a, e) for a, e in zip(starts, ends)]),
-        out_slots=torch.from_numpy(np.concatenate([slots_of(p, a, e, page_size)
-                                                   for p, a, e in zip(pages, starts, ends)])),
+        out_slots=torch.from_numpy(
+            np.concatenate([slots_of(p, a, e, page_size) for p, a, e in zip(pages, starts, ends)])
+        ),
         qo_indptr=torch.from_numpy(qo),
         page_table=tuple(torch.from_numpy(a) for a in build_csr(pages, ends, page_size)),
-        logits_indices=torch.from_numpy(qo[1:] - 1).long())
+        logits_indices=torch.from_numpy(qo[1:] - 1).long(),
+    )
     return ids, meta, at
 
 
 @pytest.mark.parametrize("hq,hkv,t", [(4, 2, 2), (2, 1, 2), (6, 6, 3), (9, 3, 3), (8, 2, 4), (12, 4, 2)])
 @pytest.mark.parametrize("tied", [True, False])
 def test_sharded_forward_equals_the_full_model(hq, hkv, t, tied):
-    cfg = preset("tiny", num_heads=hq, num_kv_heads=hkv, intermediate_size=48 * t, vocab_size=101 + t,
-                 tie_embeddings=tied)
+    cfg = preset(
+        "tiny", num_heads=hq, num_kv_heads=hkv, intermediate_size=48 * t, vocab_size=101 + t, tie_embeddings=tied
+    )
     c, state = weights.dummy_weights(cfg, seed=3)
     for k in state:
         if k.endswith("_proj.weight"):

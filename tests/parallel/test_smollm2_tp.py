@@ -3,13 +3,14 @@ the one-process engine's greedy tokens, with a shared system prompt so that the 
 
 The partial sums after O and down are added by an all-reduce instead of inside one GEMM, so the
 logits differ in the last bits; greedy tokens stay the same unless two logits tie to ~1e-5."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minisched.parallel import ModelSource, TPSession
 from minisched.model import weights
+from minisched.parallel import ModelSource, TPSession
 from minisched.sched.req import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."

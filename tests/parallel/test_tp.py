@@ -6,15 +6,16 @@ scheduling -- for a model whose KV heads split over the ranks (4 query / 2 KV he
 whose KV head is replicated (2 / 1). The weights are scaled (ModelSource.weight_scale) so that
 greedy tokens depend on attention and MLP, not just on the last token's embedding.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minisched.parallel import ModelSource, ShardPlan, TPError, TPSession, protocol
 from minisched.engine import Engine
 from minisched.model.config import preset
 from minisched.model.tokenizer import MiniTokenizer
+from minisched.parallel import ModelSource, ShardPlan, TPError, TPSession, protocol
 from minisched.sched.req import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -57,9 +58,15 @@ def same_output(tp, ps, sampling=GREEDY, **kw):
     return outs, eng, ref
 
 
-@pytest.mark.parametrize("kw", [dict(page_size=4, chunk_size=7), dict(page_size=1, chunk_size=None),
-                                dict(page_size=4, chunk_size=6, enable_mixed_chunk=True, policy="lpm")],
-                         ids=["chunked", "ps1", "mixed"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(page_size=4, chunk_size=7),
+        dict(page_size=1, chunk_size=None),
+        dict(page_size=4, chunk_size=6, enable_mixed_chunk=True, policy="lpm"),
+    ],
+    ids=["chunked", "ps1", "mixed"],
+)
 def test_greedy_equals_one_process(tp, kw):
     outs, eng, _ = same_output(tp, prompts([1, 5, 16, 17, 40, 3]), **kw)
     kv0, kv1 = ShardPlan.of(tp[1].cfg, 0, 2).kv_heads
@@ -81,8 +88,15 @@ def test_radix_hits_and_cascade(tp, cascade):
 
 
 def test_retraction(tp):
-    outs, _, _ = same_output(tp, prompts([5, 17, 1, 10], seed=4), SamplingParams(max_new_tokens=12, ignore_eos=True),
-                             page_size=4, num_pages=12, init_new_token_ratio=0.01, min_new_token_ratio=0.0)
+    outs, _, _ = same_output(
+        tp,
+        prompts([5, 17, 1, 10], seed=4),
+        SamplingParams(max_new_tokens=12, ignore_eos=True),
+        page_size=4,
+        num_pages=12,
+        init_new_token_ratio=0.01,
+        min_new_token_ratio=0.0,
+    )
     assert sum(o.num_retractions for o in outs) >= 1
 
 
@@ -91,8 +105,10 @@ def test_overlap_scheduling(tp):
 
 
 def test_seeded_sampling(tp):
-    sampling = [SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
-                for s in range(4)]
+    sampling = [
+        SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
+        for s in range(4)
+    ]
     same_output(tp, prompts([6, 2, 19, 8], seed=6), sampling, page_size=4)
 
 

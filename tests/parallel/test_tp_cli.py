@@ -4,6 +4,7 @@ clear error within a bounded time, and no process is left behind.
 
 Runs of the CLI with --tp > 1 are subprocesses (they spawn ranks and stop them at exit); every
 wait here is bounded."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,22 @@ import pytest
 from minisched.cli import main
 
 TINY = ["--model", "dummy:tiny", "--threads", "1"]
-GEN = ["generate", *TINY, "--ignore-eos", "--json", "--no-progress", "--max-new-tokens", "12", "--page-size", "4",
-       "--chunk-size", "5", "Hello there", "A longer prompt, chunked over a few steps", "x"]
+GEN = [
+    "generate",
+    *TINY,
+    "--ignore-eos",
+    "--json",
+    "--no-progress",
+    "--max-new-tokens",
+    "12",
+    "--page-size",
+    "4",
+    "--chunk-size",
+    "5",
+    "Hello there",
+    "A longer prompt, chunked over a few steps",
+    "x",
+]
 
 
 def run(argv, capsys):
@@ -29,11 +44,14 @@ def run(argv, capsys):
     return rc, out, err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--tp", "0"], "--tp must be an int >= 1, got 0"),
-    (["--tp", "3"], "--tp 3 must divide the model's 2 query heads"),
-    (["--tp", "2", "--tp-timeout", "0"], "--tp-timeout must be > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--tp", "0"], "--tp must be an int >= 1, got 0"),
+        (["--tp", "3"], "--tp 3 must divide the model's 2 query heads"),
+        (["--tp", "2", "--tp-timeout", "0"], "--tp-timeout must be > 0"),
+    ],
+)
 def test_bad_tp_options_are_one_line_errors(capsys, argv, needle):
     rc, out, err = run(["generate", *TINY, *argv, "x"], capsys)
     lines = [x for x in err.splitlines() if x.strip()]
@@ -59,8 +77,9 @@ def test_generate_tp2_equals_tp1(capsys):
 @pytest.mark.slow
 def test_torchrun_runs_the_same_entry_point(capsys):
     rc, out, _ = run(GEN, capsys)
-    tr = minisched("torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "minisched", *GEN,
-                   "--tp", "2")
+    tr = minisched(
+        "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "minisched", *GEN, "--tp", "2"
+    )
     assert tr.returncode == 0, tr.stderr
     assert tokens(tr.stdout) == tokens(out)  # rank 1 printed nothing: it ran the worker loop
 
@@ -92,8 +111,19 @@ def alive(pid: int) -> bool:
 def test_a_dead_or_frozen_worker_ends_rank_0_with_a_clear_error(how):
     """SIGKILL: the peer's socket closes, rank 0 fails at once (the monitor names the signal).
     SIGSTOP: the next collective times out after --tp-timeout seconds."""
-    argv = ["generate", *TINY, "--tp", "2", "--tp-timeout", "3", "--max-new-tokens", "1900", "--ignore-eos",
-            "--stream", "Once upon a time"]
+    argv = [
+        "generate",
+        *TINY,
+        "--tp",
+        "2",
+        "--tp-timeout",
+        "3",
+        "--max-new-tokens",
+        "1900",
+        "--ignore-eos",
+        "--stream",
+        "Once upon a time",
+    ]
     p = subprocess.Popen([sys.executable, "-m", "minisched", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     worker = None
     try:

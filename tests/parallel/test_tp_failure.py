@@ -1,5 +1,6 @@
 """A worker killed under an in-process session: the next step's requests end with a TPError naming
 it (no hang), every later step fails the same way, and the process can start a new session."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import time
 
 import torch
 
-from minisched.parallel import ModelSource, TPError, TPSession
 from minisched.model.config import preset
+from minisched.parallel import ModelSource, TPError, TPSession
 from minisched.sched.req import SamplingParams
 
 SAMPLING = SamplingParams(max_new_tokens=3, ignore_eos=True)

@@ -1,6 +1,7 @@
 """Fidelity to SGLang: in-batch prefix deferral, decode not starved by default, mixed
 batches within the chunk budget, new_token_ratio re-estimated after a retraction,
 max_new_tokens = 0. Counted in tokens and steps with the fake runner."""
+
 from __future__ import annotations
 
 import random
@@ -25,8 +26,9 @@ def prefill_tokens(sched: Scheduler) -> int:
 
 
 # -- in-batch prefix deferral ---------------------------------------------------------------------
-@pytest.mark.parametrize("n, shared, own, chunk, want", [(64, 512, 64, 8192, 512 + 64 * 64),
-                                                         (16, 1024, 32, None, 1024 + 16 * 32)])
+@pytest.mark.parametrize(
+    "n, shared, own, chunk, want", [(64, 512, 64, 8192, 512 + 64 * 64), (16, 1024, 32, None, 1024 + 16 * 32)]
+)
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_in_batch_prefix_deferral(n, shared, own, chunk, want, policy):
     """The measured numbers: 11,776 -> 4,608 and 16,896 -> 1,536 prefill tokens."""
@@ -35,14 +37,20 @@ def test_in_batch_prefix_deferral(n, shared, own, chunk, want, policy):
     reqs = [(f"r{i}", system + [rng.randrange(VOCAB) for _ in range(own)]) for i in range(n)]
     results = {}
     for defer in (None, 32):
-        sched, runner = make(page_size=16, num_pages=8192, max_context_len=4096, chunk_size=chunk,
-                             max_prefill_tokens=32768, policy=policy, in_batch_prefix_defer_tokens=defer)
+        sched, runner = make(
+            page_size=16,
+            num_pages=8192,
+            max_context_len=4096,
+            chunk_size=chunk,
+            max_prefill_tokens=32768,
+            policy=policy,
+            in_batch_prefix_defer_tokens=defer,
+        )
         for rid, p in reqs:
             sched.add_request(rid, p, SamplingParams(max_new_tokens=3, ignore_eos=True))
         done = run(sched, runner)
         results[defer] = prefill_tokens(sched)
-        assert {rid: r.output_ids for rid, r in done.items()} == {
-            rid: greedy_reference(p, 3, VOCAB) for rid, p in reqs}
+        assert {rid: r.output_ids for rid, r in done.items()} == {rid: greedy_reference(p, 3, VOCAB) for rid, p in reqs}
     assert results[32] == want and results[None] > 2 * want
 
 

@@ -1,11 +1,11 @@
 """KV page pool, request page tables and the Batch arrays (CPU, no torch in the code under test)."""
+
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from minisched.sched.batch import Batch, ForwardMode
 from minisched.base.values import cdiv
+from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.kv_pool import KVPool
 from minisched.sched.req import Req, SamplingParams
 
@@ -47,7 +47,7 @@ def test_alloc_for_extend_reuses_partial_page(page_size):
     before = list(req.page_ids)
     assert pool.alloc_for_extend(req, 3)
     req.kv_len = 10
-    assert req.page_ids[:len(before)] == before and len(req.page_ids) == cdiv(10, page_size)
+    assert req.page_ids[: len(before)] == before and len(req.page_ids) == cdiv(10, page_size)
     assert pool.num_free == 64 - cdiv(10, page_size)
     assert pool.slots(req, 0, 10) == [req.page_ids[i // page_size] * page_size + i % page_size for i in range(10)]
 

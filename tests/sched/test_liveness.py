@@ -2,6 +2,7 @@
 
 Every loop here has a step bound, so a livelock fails the test instead of hanging it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -39,10 +40,16 @@ def test_continuation_prompt_in_pool_smaller_than_context_terminates():
 def test_continuation_sweep_terminates(page_size):
     """The repro's neighbourhood: arrival gap, output lengths, chunking, reservation ratio."""
     pool = 20
-    for gap, mn_b, mn_a, chunk, ratio in itertools.product([0, 1, 3], [1, 2, 8, 128], [1, 2, 128], [None, 8],
-                                                          [0.7, 0.05]):
-        sched, runner = make(page_size=page_size, num_pages=pool // page_size, chunk_size=chunk,
-                             init_new_token_ratio=ratio, min_new_token_ratio=min(ratio, 0.05))
+    for gap, mn_b, mn_a, chunk, ratio in itertools.product(
+        [0, 1, 3], [1, 2, 8, 128], [1, 2, 128], [None, 8], [0.7, 0.05]
+    ):
+        sched, runner = make(
+            page_size=page_size,
+            num_pages=pool // page_size,
+            chunk_size=chunk,
+            init_new_token_ratio=ratio,
+            min_new_token_ratio=min(ratio, 0.05),
+        )
         sched.add_request("B", list(range(1, 6)), SamplingParams(max_new_tokens=mn_b, ignore_eos=True))
         early = [r.rid for _ in range(gap) for r in sched.step(runner)]
         sched.add_request("A", list(range(1, 21)), SamplingParams(max_new_tokens=mn_a, ignore_eos=True))
@@ -119,9 +126,14 @@ def test_documented_loop_reports_request_finished_inside_get_next_batch():
 
 
 def test_documented_loop_equals_step():
-    reqs = [(f"r{i}", [(i * 7 + k) % VOCAB for k in range(3 + i % 9)], SamplingParams(max_new_tokens=1 + i % 13,
-                                                                                     ignore_eos=True))
-            for i in range(20)]
+    reqs = [
+        (
+            f"r{i}",
+            [(i * 7 + k) % VOCAB for k in range(3 + i % 9)],
+            SamplingParams(max_new_tokens=1 + i % 13, ignore_eos=True),
+        )
+        for i in range(20)
+    ]
     results = []
     for use_step in (False, True):
         sched, runner = make(page_size=2, num_pages=24, max_context_len=40, chunk_size=8)

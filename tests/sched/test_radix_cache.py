@@ -1,4 +1,5 @@
 """Radix cache over whole pages: matching, splitting, insert accounting, LRU eviction, locks."""
+
 from __future__ import annotations
 
 import random
@@ -27,7 +28,7 @@ def test_insert_match_split(page_size):
     pages, node = tree.match_prefix(key)
     assert pages == [10, 11, 12, 13]
     # a partial match splits the node at a page boundary
-    other = key[:2 * ps] + [999] * (2 * ps)
+    other = key[: 2 * ps] + [999] * (2 * ps)
     pages, node = tree.match_prefix(other)
     assert pages == [10, 11] and len(node.key) == 2 * ps and len(node.children) == 1
     tree.check()
@@ -117,7 +118,7 @@ def test_random_against_dict(page_size):
         key = [rng.randint(0, 2) for _ in range(n)]
         cached, _ = tree.match_prefix(key)
         for i, p in enumerate(cached):
-            assert content[p] == tuple(key[:(i + 1) * ps])
+            assert content[p] == tuple(key[: (i + 1) * ps])
         new = pool.alloc(n // ps - len(cached))
         if new is None:
             pool.free(tree.evict(n // ps))
@@ -126,6 +127,6 @@ def test_random_against_dict(page_size):
         already = tree.insert(key, pages)
         assert already == len(cached) * ps
         for i, p in enumerate(new):
-            content[p] = tuple(key[:(len(cached) + i + 1) * ps])
+            content[p] = tuple(key[: (len(cached) + i + 1) * ps])
         tree.check()
         assert pool.num_free + tree.total_pages == 400

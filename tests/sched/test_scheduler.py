@@ -3,8 +3,10 @@
 Every test checks the scheduler's invariants after every step (`fake_runner.run`) and
 compares outputs with an unconstrained greedy reference.
 """
+
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -20,8 +22,9 @@ VOCAB = 50
 
 
 def make(**kw) -> tuple[Scheduler, FakeRunner]:
-    cfg = SchedulerConfig(**{"page_size": 4, "num_pages": 256, "max_context_len": 512, "chunk_size": 64,
-                             "max_prefill_tokens": 256, **kw})
+    cfg = SchedulerConfig(
+        **{"page_size": 4, "num_pages": 256, "max_context_len": 512, "chunk_size": 64, "max_prefill_tokens": 256, **kw}
+    )
     return Scheduler(cfg), FakeRunner(cfg.num_pages, cfg.page_size, VOCAB)
 
 
@@ -30,7 +33,7 @@ def workload(n: int, seed: int = 0, max_prompt: int = 40, max_new: int = 20):
     bases = [[rng.randrange(VOCAB) for _ in range(30)] for _ in range(3)]
     out = []
     for i in range(n):
-        prefix = rng.choice(bases)[:rng.randint(0, 30)]
+        prefix = rng.choice(bases)[: rng.randint(0, 30)]
         prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, max_prompt))]
         out.append((f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randint(1, max_new), ignore_eos=True)))
     return out
@@ -42,8 +45,10 @@ def submit_all(sched, reqs):
 
 
 def expect(reqs, max_len=512):
-    return {rid: greedy_reference(p, sp.max_new_tokens, VOCAB, () if sp.ignore_eos else sp.stop_token_ids, max_len)
-            for rid, p, sp in reqs}
+    return {
+        rid: greedy_reference(p, sp.max_new_tokens, VOCAB, () if sp.ignore_eos else sp.stop_token_ids, max_len)
+        for rid, p, sp in reqs
+    }
 
 
 def outputs(done):
@@ -56,8 +61,12 @@ def test_one_request():
     done = run(sched, runner)
     assert done["a"] is req and req.output_ids == greedy_reference([1, 2, 3, 4, 5, 6], 5, VOCAB)
     assert req.finish_reason is FinishReason.MAX_NEW_TOKENS and req.status is S.FINISHED
-    assert transitions(sched.events, "a") == [(None, S.WAITING), (S.WAITING, S.PREFILLING),
-                                              (S.PREFILLING, S.RUNNING), (S.RUNNING, S.FINISHED)]
+    assert transitions(sched.events, "a") == [
+        (None, S.WAITING),
+        (S.WAITING, S.PREFILLING),
+        (S.PREFILLING, S.RUNNING),
+        (S.RUNNING, S.FINISHED),
+    ]
     assert req.arrival_time <= req.first_scheduled_time <= req.first_token_time <= req.finish_time
     assert [s.mode for s in sched.step_stats] == ["prefill"] + ["decode"] * 4
     assert not sched.has_work() and sched.get_next_batch() is None
@@ -153,8 +162,14 @@ def test_lpm_order_vs_fcfs():
 
 @pytest.mark.parametrize("aging_rounds, bounded", [(5, True), (10_000, False)])
 def test_lpm_aging_bounds_wait(aging_rounds, bounded):
-    sched, runner = make(policy="lpm", max_prefill_tokens=4, chunk_size=None, aging_rounds=aging_rounds,
-                         max_running_requests=1000, num_pages=2048)
+    sched, runner = make(
+        policy="lpm",
+        max_prefill_tokens=4,
+        chunk_size=None,
+        aging_rounds=aging_rounds,
+        max_running_requests=1000,
+        num_pages=2048,
+    )
     hot = list(range(1, 33))
     sched.add_request("warm", hot, SamplingParams(max_new_tokens=1))
     run(sched, runner)
@@ -207,8 +222,13 @@ def test_determinism_under_pressure(page_size, mixed):
     ref = outputs(run(ample, r1))
     assert ref == expect(reqs)
     tiny_pages = 2 * (-(-(90 + 40) // page_size))  # room for about two requests
-    tight, r2 = make(page_size=page_size, num_pages=tiny_pages, chunk_size=2 * page_size if page_size > 1 else 8,
-                     max_prefill_tokens=32, enable_mixed_chunk=mixed)
+    tight, r2 = make(
+        page_size=page_size,
+        num_pages=tiny_pages,
+        chunk_size=2 * page_size if page_size > 1 else 8,
+        max_prefill_tokens=32,
+        enable_mixed_chunk=mixed,
+    )
     submit_all(tight, reqs)
     assert outputs(run(tight, r2)) == ref
     if not mixed:  # (mixed mode skips the ride-along instead of retracting)
@@ -250,7 +270,9 @@ def test_finish_reasons():
     sched.add_request("ignore", prompt, SamplingParams(max_new_tokens=5, stop_token_ids=(stop,), ignore_eos=True))
     sched.add_request("ctx", prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
     done = run(sched, runner)
-    assert done["stop"].finish_reason is FinishReason.STOP_TOKEN and done["stop"].output_ids == ref[:ref.index(stop) + 1]
+    assert (
+        done["stop"].finish_reason is FinishReason.STOP_TOKEN and done["stop"].output_ids == ref[: ref.index(stop) + 1]
+    )
     assert done["ignore"].finish_reason is FinishReason.MAX_NEW_TOKENS and len(done["ignore"].output_ids) == 5
     assert done["ctx"].finish_reason is FinishReason.LENGTH and done["ctx"].seq_len == 12
 
@@ -315,8 +337,15 @@ def test_abort_in_every_state(state):
 def test_invalid_requests_are_rejected_alone():
     sched, runner = make(page_size=4, num_pages=8, max_context_len=64)
     sched.add_request("ok", [1, 2, 3], SamplingParams(max_new_tokens=4))
-    bad = [("empty", [], None), ("ctx", [1] * 64, None), ("pool", [1] * 40, None), ("ok", [1], None),
-           ("neg", [1, -2], None), (None, [1], None), ("samp", [1], "greedy")]
+    bad = [
+        ("empty", [], None),
+        ("ctx", [1] * 64, None),
+        ("pool", [1] * 40, None),
+        ("ok", [1], None),
+        ("neg", [1, -2], None),
+        (None, [1], None),
+        ("samp", [1], "greedy"),
+    ]
     for rid, prompt, sp in bad:
         with pytest.raises(InvalidRequest):
             sched.add_request(rid, prompt, sp if sp is not None else SamplingParams())
@@ -331,12 +360,18 @@ def test_invalid_requests_are_rejected_alone():
 
 
 def test_config_validation():
-    for kw in [{"policy": "random"}, {"page_size": 0}, {"chunk_size": 0}, {"max_prefill_rounds_between_decodes": 0},
-               {"min_new_token_ratio": 0.9}, {"max_context_len": 1}]:
+    for kw in [
+        {"policy": "random"},
+        {"page_size": 0},
+        {"chunk_size": 0},
+        {"max_prefill_rounds_between_decodes": 0},
+        {"min_new_token_ratio": 0.9},
+        {"max_context_len": 1},
+    ]:
         with pytest.raises(ValueError):
             SchedulerConfig(**kw)
     cfg = SchedulerConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.page_size = 8  # frozen
 
 
@@ -373,8 +408,12 @@ def test_policy_orders():
     def req(rid, prompt, max_new=5):
         return Req(rid=rid, prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new))
 
-    waiting = [req("b1", [2, 2, 9], 1), req("cold", [7, 7], 9), req("a1", [1, 1, 1, 1, 5], 3),
-               req("a2", [1, 1, 1, 8], 2)]
+    waiting = [
+        req("b1", [2, 2, 9], 1),
+        req("cold", [7, 7], 9),
+        req("a1", [1, 1, 1, 1, 5], 3),
+        req("a2", [1, 1, 1, 8], 2),
+    ]
     ids = lambda rs: [r.rid for r in rs]  # noqa: E731
     for i, r in enumerate(waiting):
         r.arrival_seq = i

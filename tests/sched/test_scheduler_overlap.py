@@ -9,6 +9,7 @@ test_scheduler_stateful.py runs (tests/helpers/scheduler_machine.py: arrivals, t
 policies, mixed, aborts, stop tokens, max_new_tokens 0), driven in overlap mode: outputs equal the
 unconstrained greedy reference, invariants hold after every rule, the pool is whole at the end.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,10 +20,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference
+from helpers.fake_runner import FakeRunner, greedy_reference
 from helpers.scheduler_machine import VOCAB, SchedulerMachine
 from minisched.sched.batch import Batch
-from minisched.sched.req import FinishReason, Req, ReqStatus, SamplingParams
+from minisched.sched.req import FinishReason, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 
@@ -123,14 +124,16 @@ class OverlapMachine(SchedulerMachine):
         self.check_drained()
 
 
-OverlapMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                            suppress_health_check=[HealthCheck.too_slow])
+OverlapMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestOverlapScheduler = OverlapMachine.TestCase
 
 
 def _sched(**kw) -> Scheduler:
-    base = dict(page_size=4, num_pages=64, max_context_len=200, chunk_size=None, max_prefill_tokens=512,
-                max_running_requests=8)
+    base = dict(
+        page_size=4, num_pages=64, max_context_len=200, chunk_size=None, max_prefill_tokens=512, max_running_requests=8
+    )
     base.update(kw)
     return Scheduler(SchedulerConfig(**base))
 
@@ -139,7 +142,7 @@ def test_stop_token_found_one_step_late_drops_the_extra_token():
     prompt = [3, 1, 4, 1, 5, 9, 2]
     ref = greedy_reference(prompt, 20, VOCAB)
     stop = ref[4]
-    want = ref[:ref.index(stop) + 1]
+    want = ref[: ref.index(stop) + 1]
     sched, launched = _sched(), deque()
     runner = FutureFakeRunner(64, 4, VOCAB)
     req = sched.add_request("a", prompt, SamplingParams(max_new_tokens=20, stop_token_ids=(stop,)))

@@ -1,4 +1,5 @@
 """Fixtures for the serve tests: a module-wide dummy:tiny engine and server (see tests/helpers/serve.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """`minisched bench --url`: the CLI's benchmark against a live server, written as a run file that
 `minisched report` draws; a server that is not there is one line and exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,26 @@ from minisched.engine import Engine
 def test_bench_url_writes_a_run_file_the_report_draws(tmp_path, capsys):
     out, png = tmp_path / "http.json", tmp_path / "http.png"
     with running_server(Engine(TINY, num_pages=256)) as live:
-        rc = main(["bench", "--url", live.url, "--workload", "poisson", "--num-requests", "6", "--rate", "30",
-                   "--scale", "0.1", "--vocab-size", "500", "--json", str(out), "--no-progress"])
+        rc = main(
+            [
+                "bench",
+                "--url",
+                live.url,
+                "--workload",
+                "poisson",
+                "--num-requests",
+                "6",
+                "--rate",
+                "30",
+                "--scale",
+                "0.1",
+                "--vocab-size",
+                "500",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
     text = capsys.readouterr().out
     assert rc == 0 and "6/6 requests" in text and "TTFT" in text
     run = json.loads(out.read_text())["runs"][0]

@@ -1,5 +1,6 @@
 """`minisched serve --dp 2` as a process: it starts two replicas, serves, and on SIGTERM to its whole
 process group (as `timeout` or a terminal sends) drains, stops the replicas and exits 0."""
+
 from __future__ import annotations
 
 import os
@@ -13,15 +14,22 @@ import pytest
 
 from minisched.cli import main
 
-LAUNCH = ("import argparse, sys\n"
-          "from minisched.cli.serve import add_parser, cmd_serve\n"
-          "p = argparse.ArgumentParser(); add_parser(p.add_subparsers(dest='command'))\n"
-          "sys.exit(cmd_serve(p.parse_args(sys.argv[1:])))\n")
+LAUNCH = (
+    "import argparse, sys\n"
+    "from minisched.cli.serve import add_parser, cmd_serve\n"
+    "p = argparse.ArgumentParser(); add_parser(p.add_subparsers(dest='command'))\n"
+    "sys.exit(cmd_serve(p.parse_args(sys.argv[1:])))\n"
+)
 
 
-@pytest.mark.parametrize("argv, message", [(["--dp", "0"], "--dp must be >= 1"),
-                                           (["--dp", "2", "--router-cache-threshold", "2"], "cache_threshold"),
-                                           (["--dp", "2", "--tp", "2"], "--dp with --tp")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dp", "0"], "--dp must be >= 1"),
+        (["--dp", "2", "--router-cache-threshold", "2"], "cache_threshold"),
+        (["--dp", "2", "--tp", "2"], "--dp with --tp"),
+    ],
+)
 def test_bad_dp_options_are_one_line_errors(argv, message, capsys):
     assert main(["serve", "--model", "dummy:tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -44,9 +52,27 @@ def test_dp_server_process_serves_and_stops_its_replicas_on_sigterm():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--dp", "2", "--router", "round-robin",
-                             "--model", "dummy:tiny", "--num-pages", "64", "--port", str(port),
-                             "--log-level", "warning"], start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LAUNCH,
+            "serve",
+            "--dp",
+            "2",
+            "--router",
+            "round-robin",
+            "--model",
+            "dummy:tiny",
+            "--num-pages",
+            "64",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        start_new_session=True,
+    )
     replicas = []
     try:
         deadline = time.monotonic() + 120
@@ -61,8 +87,11 @@ def test_dp_server_process_serves_and_stops_its_replicas_on_sigterm():
         replicas = [r["pid"] for r in health["replicas"]]
         assert health["status"] == "ok" and len(replicas) == 2 and set(replicas) <= set(_children(proc.pid))
         for _ in range(2):  # round-robin: one request on each replica
-            r = httpx.post(url + "/v1/completions", timeout=30,
-                           json={"model": "dummy:tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0})
+            r = httpx.post(
+                url + "/v1/completions",
+                timeout=30,
+                json={"model": "dummy:tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0},
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert [x["finished"] for x in httpx.get(url + "/health", timeout=10).json()["replicas"]] == [1, 1]
         os.killpg(proc.pid, signal.SIGTERM)  # the replicas get it too, and ignore it: the server stops them

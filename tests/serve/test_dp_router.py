@@ -1,4 +1,5 @@
 """The data-parallel router alone (no processes): prefix trees, cache-aware choice, balance fallback, round-robin."""
+
 from __future__ import annotations
 
 import pytest
@@ -102,8 +103,10 @@ def test_cache_aware_skips_a_dead_replica_even_with_the_best_match():
     assert r.load == [0, 1]
 
 
-@pytest.mark.parametrize("bad", [dict(policy="random"), dict(cache_threshold=1.5), dict(balance_abs_threshold=-1),
-                                 dict(balance_rel_threshold=0.5)])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(policy="random"), dict(cache_threshold=1.5), dict(balance_abs_threshold=-1), dict(balance_rel_threshold=0.5)],
+)
 def test_config_is_validated(bad):
     with pytest.raises(ValueError):
         RouterConfig(**bad)

@@ -4,6 +4,7 @@ Greedy outputs equal one engine's; shared prefixes stay on one replica (cache hi
 killed with SIGKILL under load fails its own requests cleanly and fast while the other keeps
 serving; a replica that cannot start fails the start with a one-line reason.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,17 +68,24 @@ def dp2():
 
 def test_greedy_outputs_equal_one_engine_and_prefixes_stick(dp2):
     url, pool = dp2
-    prompts = [SYS_A + q for q in ("What is a cache?", "Why route by prefix?", "Name a prime.")] + \
-              [SYS_B + q for q in ("Good morning.", "The cat sleeps.", "See you soon.")]
+    prompts = [SYS_A + q for q in ("What is a cache?", "Why route by prefix?", "Name a prime.")] + [
+        SYS_B + q for q in ("Good morning.", "The cat sleeps.", "See you soon.")
+    ]
     ref = Engine("dummy:tiny", num_pages=256).generate(prompts, SamplingParams(max_new_tokens=10))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     async def run():
         # one of each prefix first (they land on different replicas: the empty one takes a new prefix) ...
-        first = [await client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0)
-                 for p in (prompts[0], prompts[3])]
-        rest = await asyncio.gather(*(client.completions.create(model="tiny", prompt=p, max_tokens=10,
-                                                                temperature=0) for p in prompts[1:3] + prompts[4:]))
+        first = [
+            await client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0)
+            for p in (prompts[0], prompts[3])
+        ]
+        rest = await asyncio.gather(
+            *(
+                client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0)
+                for p in prompts[1:3] + prompts[4:]
+            )
+        )
         return first[:1] + list(rest[:2]) + first[1:] + list(rest[2:])
 
     out = asyncio.run(asyncio.wait_for(run(), 120))
@@ -92,8 +100,14 @@ def test_greedy_outputs_equal_one_engine_and_prefixes_stick(dp2):
 
 def test_streaming_and_metrics_over_replicas(dp2):
     url, pool = dp2
-    body = {"model": "tiny", "prompt": "stream across replicas", "max_tokens": 12, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": "stream across replicas",
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.Client(base_url=url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -103,14 +117,15 @@ def test_streaming_and_metrics_over_replicas(dp2):
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 12
     total = [line for line in metrics.splitlines() if line.startswith("minisched_kv_pages_total ")]
     assert float(total[0].split()[1]) == 2 * 256  # the replicas' pools, summed
-    assert 'minisched_dp_replica_up{replica="0"} 1.0' in metrics and 'minisched_dp_replica_up{replica="1"} 1.0' in metrics
+    assert (
+        'minisched_dp_replica_up{replica="0"} 1.0' in metrics and 'minisched_dp_replica_up{replica="1"} 1.0' in metrics
+    )
     assert 'minisched_dp_replica_cache_hit_rate{replica="1"}' in metrics
 
 
 async def _stream(c: httpx.AsyncClient, prompt: str, started: asyncio.Event, stop: asyncio.Event) -> dict:
     out = {"rid": None, "error": None, "error_at": None, "finish": None, "chunk_times": [], "done": False}
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     async with c.stream("POST", "/v1/completions", json=body) as r:
         out["rid"] = r.headers["x-request-id"]
         async for line in r.aiter_lines():
@@ -133,12 +148,15 @@ async def _stream(c: httpx.AsyncClient, prompt: str, started: asyncio.Event, sto
 
 def test_killed_replica_fails_its_requests_and_the_other_keeps_serving():
     with dp_server(2) as (url, pool):
+
         async def run():
             async with httpx.AsyncClient(base_url=url, timeout=60) as c:
                 started = [asyncio.Event() for _ in range(4)]
                 stop = asyncio.Event()
-                tasks = [asyncio.create_task(_stream(c, f"long request number {i}: " + "abc" * 10, started[i], stop))
-                         for i in range(4)]
+                tasks = [
+                    asyncio.create_task(_stream(c, f"long request number {i}: " + "abc" * 10, started[i], stop))
+                    for i in range(4)
+                ]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
                 victim, survivor = pool.replicas[1], pool.replicas[0]
                 doomed = set(victim._sinks)
@@ -159,8 +177,10 @@ def test_killed_replica_fails_its_requests_and_the_other_keeps_serving():
                 health = await c.get("/health")
                 assert health.status_code == 200 and health.json()["status"] == "degraded"
                 assert [r["alive"] for r in health.json()["replicas"]] == [True, False]
-                fresh = await c.post("/v1/completions", json={"model": "tiny", "prompt": "still there?",
-                                                              "max_tokens": 4, "temperature": 0})
+                fresh = await c.post(
+                    "/v1/completions",
+                    json={"model": "tiny", "prompt": "still there?", "max_tokens": 4, "temperature": 0},
+                )
                 assert fresh.status_code == 200 and fresh.json()["choices"][0]["finish_reason"] == "length"
                 stop.set()
                 rest = await asyncio.wait_for(asyncio.gather(*(t for t in tasks if not t.done())), 60)

@@ -1,5 +1,6 @@
 """Bad input, the API key, overload and a failing engine step: each gets OpenAI's error body with
 the right status, and the server (and the other requests) carry on."""
+
 from __future__ import annotations
 
 import asyncio
@@ -89,10 +90,13 @@ def test_bad_chat_requests(tiny_server, patch, param):
 def test_malformed_bodies_and_routes(tiny_server):
     with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
         json_h = {"content-type": "application/json"}
-        assert "parse the JSON" in error_of(c.post("/v1/completions", content=b'{"model": "tiny", ', headers=json_h),
-                                             400)["message"]
-        assert "JSON object" in error_of(c.post("/v1/chat/completions", content=b"[1, 2]", headers=json_h),
-                                         400)["message"]
+        assert (
+            "parse the JSON"
+            in error_of(c.post("/v1/completions", content=b'{"model": "tiny", ', headers=json_h), 400)["message"]
+        )
+        assert (
+            "JSON object" in error_of(c.post("/v1/chat/completions", content=b"[1, 2]", headers=json_h), 400)["message"]
+        )
         error_of(c.post("/v1/completions", content=b"\xff\xfe", headers=json_h), 400)
         error_of(c.post("/v1/completions"), 400)
         error_of(c.get("/v1/nothing-here"), 404)
@@ -114,7 +118,8 @@ def test_api_key():
             # the stated rule: /health and /metrics need no key
             assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
         ok = openai.OpenAI(base_url=live.v1, api_key="sekrit", max_retries=0).completions.create(
-            model="tiny", prompt="hi", max_tokens=2)
+            model="tiny", prompt="hi", max_tokens=2
+        )
         assert ok.usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=live.v1, api_key="nope", max_retries=0).models.list()
@@ -155,12 +160,14 @@ def test_queue_limit_gives_429_with_retry_after():
 def test_failing_step_is_an_error_for_its_requests_only():
     engine = Engine("dummy:tiny", num_pages=64)
     with running_server(engine) as live:
+
         def break_next_forward(e):
             real = e.runner.forward
 
             def forward(batch):
                 e.runner.forward = real  # fail once
                 raise RuntimeError("injected fault")
+
             e.runner.forward = forward
 
         live.call(break_next_forward)
@@ -170,13 +177,15 @@ def test_failing_step_is_an_error_for_its_requests_only():
             ok = c.post("/v1/completions", json={"model": "tiny", "prompt": "fine", "max_tokens": 4})
             assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
             live.call(break_next_forward)
-            with c.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 4,
-                                                           "stream": True}) as r:
+            with c.stream(
+                "POST", "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 4, "stream": True}
+            ) as r:
                 lines = [x for x in r.iter_lines() if x]
             assert '"server_error"' in lines[-2] and lines[-1] == "data: [DONE]"
         assert "minisched_engine_loop_errors_total 2.0" in httpx.get(live.url + "/metrics").text
-        free, cached, total = live.call(lambda e: (e.scheduler.pool.num_free, e.scheduler.tree.total_pages,
-                                                   e.sched_config.num_pages))
+        free, cached, total = live.call(
+            lambda e: (e.scheduler.pool.num_free, e.scheduler.tree.total_pages, e.sched_config.num_pages)
+        )
         assert free + cached == total
 
 

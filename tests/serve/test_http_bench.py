@@ -1,5 +1,6 @@
 """The HTTP benchmark client (minisched.observe.http_bench) against a live server: every request
 measured, the same summary keys and run-file layout as the in-process bench, failures counted."""
+
 from __future__ import annotations
 
 from helpers.serve import TINY, running_server

@@ -2,6 +2,7 @@
 disconnected request is aborted in the engine, the others complete with the right tokens, no KV
 page leaks (scheduler invariants after every step; the pool whole after evicting the cache), and
 the server still answers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +26,15 @@ def prompts(n: int) -> list[str]:
 
 
 async def completer(ac: openai.AsyncOpenAI, prompt: str) -> dict:
-    stream = await ac.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         stream=True, stream_options={"include_usage": True},
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    stream = await ac.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     ids, text, reasons, usage = [], "", [], None
     async for ch in stream:
         if ch.choices:
@@ -35,13 +42,19 @@ async def completer(ac: openai.AsyncOpenAI, prompt: str) -> dict:
             text += ch.choices[0].text
             reasons.append(ch.choices[0].finish_reason)
         usage = ch.usage or usage
-    return {"rid": stream.response.headers["x-request-id"], "ids": ids, "text": text, "reason": reasons[-1],
-            "usage": usage}
+    return {
+        "rid": stream.response.headers["x-request-id"],
+        "ids": ids,
+        "text": text,
+        "reason": reasons[-1],
+        "usage": usage,
+    }
 
 
 async def disconnecter(ac: openai.AsyncOpenAI, prompt: str, after_chunks: int) -> str:
-    stream = await ac.completions.create(model="tiny", prompt=prompt, max_tokens=LONG, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})
+    stream = await ac.completions.create(
+        model="tiny", prompt=prompt, max_tokens=LONG, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     rid = stream.response.headers["x-request-id"]
     n = 0
     if after_chunks:
@@ -63,11 +76,14 @@ def test_64_streaming_clients_with_disconnects():
     engine = Engine(TINY, num_pages=1024, max_running_requests=64)
 
     with running_server(engine) as live:
+
         async def run():
             ac = openai.AsyncOpenAI(base_url=live.v1, api_key="none", max_retries=0, timeout=60)
             async with ac:
-                jobs = [disconnecter(ac, texts[i], rng.randint(0, 8)) if i in leavers else completer(ac, texts[i])
-                        for i in range(N_CLIENTS)]
+                jobs = [
+                    disconnecter(ac, texts[i], rng.randint(0, 8)) if i in leavers else completer(ac, texts[i])
+                    for i in range(N_CLIENTS)
+                ]
                 return await asyncio.gather(*jobs)
 
         t0 = time.monotonic()
@@ -102,7 +118,8 @@ def test_64_streaming_clients_with_disconnects():
         assert (free, cached) == (total, 0), "KV pages leaked"
         # the server still answers
         again = openai.OpenAI(base_url=live.v1, api_key="none", max_retries=0).completions.create(
-            model="tiny", prompt=texts[stay[0]], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+            model="tiny", prompt=texts[stay[0]], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert again.choices[0].text == refs[0].text
         metrics = httpx.get(live.url + "/metrics").text
         assert f'minisched_requests_finished_total{{finish_reason="abort"}} {float(N_DISCONNECT)}' in metrics

@@ -1,6 +1,7 @@
 """`minisched serve` as a process: SIGTERM with requests in flight. The listener closes, a short
 request finishes within the grace period, a long one is aborted when it ends (its stream still
 ends with finish_reason "abort" and [DONE]), and the process exits 0."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,12 @@ import time
 import httpx
 
 # the subcommand through its own module, so the test does not depend on the CLI's wiring
-LAUNCH = ("import argparse, sys\n"
-          "from minisched.cli.serve import add_parser, cmd_serve\n"
-          "p = argparse.ArgumentParser(); add_parser(p.add_subparsers(dest='command'))\n"
-          "sys.exit(cmd_serve(p.parse_args(sys.argv[1:])))\n")
-
+LAUNCH = (
+    "import argparse, sys\n"
+    "from minisched.cli.serve import add_parser, cmd_serve\n"
+    "p = argparse.ArgumentParser(); add_parser(p.add_subparsers(dest='command'))\n"
+    "sys.exit(cmd_serve(p.parse_args(sys.argv[1:])))\n"
+)
 
 
 def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
@@ -32,6 +34,7 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None
         except httpx.TransportError:
             time.sleep(0.2)
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,8 +42,14 @@ def free_port() -> int:
 
 
 def stream(url: str, max_tokens: int, out: dict, started: threading.Event) -> None:
-    body = {"model": "m", "prompt": "shutdown", "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "m",
+        "prompt": "shutdown",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     reasons, events = [], []
     with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
         for line in r.iter_lines():
@@ -57,17 +66,40 @@ def test_sigterm_drains_then_aborts_and_exits_0():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # a 135M-parameter random model on one thread: ~0.1 s per token, so the long request outlives the grace
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", "dummy:smollm2-135m",
-                             "--served-model-name", "m", "--num-pages", "128", "--threads", "1", "--port", str(port),
-                             "--grace-period", "4", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LAUNCH,
+            "serve",
+            "--model",
+            "dummy:smollm2-135m",
+            "--served-model-name",
+            "m",
+            "--num-pages",
+            "128",
+            "--threads",
+            "1",
+            "--port",
+            str(port),
+            "--grace-period",
+            "4",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         wait_until_healthy(proc, url, 90)
         short, long_ = {}, {}
         s1, s2 = threading.Event(), threading.Event()
-        threads = [threading.Thread(target=stream, args=(url, 6, short, s1)),
-                   threading.Thread(target=stream, args=(url, 2000, long_, s2))]
+        threads = [
+            threading.Thread(target=stream, args=(url, 6, short, s1)),
+            threading.Thread(target=stream, args=(url, 2000, long_, s2)),
+        ]
         for t in threads:
             t.start()
         assert s1.wait(60) and s2.wait(60), "the streams did not start"
@@ -98,9 +130,29 @@ def test_sigterm_drains_then_aborts_and_exits_0():
 def test_ctrl_c_with_a_stream_in_flight_exits_0():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", "dummy:tiny", "--served-model-name", "m",
-                             "--num-pages", "64", "--port", str(port), "--grace-period", "0", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LAUNCH,
+            "serve",
+            "--model",
+            "dummy:tiny",
+            "--served-model-name",
+            "m",
+            "--num-pages",
+            "64",
+            "--port",
+            str(port),
+            "--grace-period",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until_healthy(proc, url, 60)
         out, started = {}, threading.Event()
