@@ -17,6 +17,7 @@ others.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import time
@@ -34,6 +35,7 @@ from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner
+from minisched.engine.structured import GrammarCompiler
 from minisched.engine.threads import ThreadTuner, default_num_threads
 from minisched.model import weights
 from minisched.model.config import ModelConfig
@@ -169,6 +171,7 @@ class Engine:
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._overlap = OverlapLoop(self.scheduler, self.runner) if self.overlap else None
+        self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.tokenizer.eos_token_id)
         self._ids = itertools.count()
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
@@ -256,8 +259,9 @@ class Engine:
             raise InvalidRequest(f"{len(rids)} request ids for n={n}")
         ids = self.encode(prompt, chat)
         sampling = self._with_eos(sampling)
+        gate = self.grammars.submit(sampling.grammar) if sampling.grammar is not None else None
         if n == 1:
-            return [self.scheduler.add_request(rids[0], ids, sampling)]
+            return [self.scheduler.add_request(rids[0], ids, sampling, gate=gate)]
         lead_sp = dataclasses.replace(sampling, max_new_tokens=0, logprobs=None, grammar=None)
         lead = self.scheduler.add_request(f"{rids[0]}#prompt", ids, lead_sp)
         reqs = []
@@ -269,7 +273,9 @@ class Engine:
                     else dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**64)
                 )
                 reqs.append(
-                    self.scheduler.add_request(rid, ids, dataclasses.replace(sp, prompt_logprobs=None), after=lead)
+                    self.scheduler.add_request(
+                        rid, ids, dataclasses.replace(sp, prompt_logprobs=None), after=lead, gate=gate
+                    )
                 )
         except BaseException:
             for r in [lead, *reqs]:
@@ -291,6 +297,7 @@ class Engine:
         released, they are returned here, and the engine stays usable. KeyboardInterrupt (any
         BaseException) gets the same cleanup and then propagates."""
         t0 = time.monotonic()
+        self._wait_for_grammars()
         try:
             done = self._overlap.step() if self._overlap is not None else self.scheduler.step(self.runner)
         except Exception as exc:
@@ -299,6 +306,18 @@ class Engine:
         finally:
             self.step_times.append((t0, time.monotonic()))
         return done
+
+    def _wait_for_grammars(self) -> None:
+        """Requests whose grammar failed to compile end with an error; when nothing but compiling
+        grammars is left to do, wait a little for one (instead of spinning)."""
+        sched = self.scheduler
+        gated = [r for r in sched.waiting if r.gate is not None]
+        for r in gated:
+            if r.gate.done() and r.gate.exception() is not None:
+                sched.fail_waiting(r, f"the grammar failed to compile: {r.gate.exception()}")
+        pending = [r.gate for r in sched.waiting if not r.ready and r.gate is not None]
+        if pending and len(pending) == len(sched.waiting) and not sched.running and sched.chunked_req is None:
+            concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     # -- stop strings and text --------------------------------------------------------------------------
     def _stop_hit(self, req: Req) -> bool:

@@ -25,6 +25,7 @@ import torch
 from minisched.base.page_table import build_csr
 from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
+from minisched.engine.structured import Matchers
 from minisched.engine.threads import ThreadTuner
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
 from minisched.model.sampling import RowHistory, make_generator, sample
@@ -78,6 +79,7 @@ class ForwardJob:
     has_futures: bool  # input_ids may hold placeholders
     future_slots: Optional[torch.Tensor]  # int64: where each sampled row's token goes in the future map
     plan: LogitsPlan  # the rows whose logits are computed (sampling, prompt logprobs)
+    reqs: list[Req]  # the sampled rows' requests (structured outputs: their grammar matchers)
     history: Optional[list[Optional[RowHistory]]]  # per sampled row, for penalties and min_tokens
 
 
@@ -107,6 +109,7 @@ class ModelRunner:
         self.num_forwards = 0
         self.num_cascade_steps = 0
         self._futures: Optional[torch.Tensor] = None  # overlap: tokens sampled for placeholder ids
+        self.matchers = Matchers(model.cfg.vocab_size)  # structured outputs (engine/structured.py)
 
     def health(self) -> Optional[str]:
         """None while this runner can run steps (a tensor-parallel runner says why it cannot)."""
@@ -209,6 +212,7 @@ class ModelRunner:
             any(r.pending_ids for r in batch.reqs),
             slots,
             plan,
+            reqs,
             history,
         )
 
@@ -238,7 +242,11 @@ class ModelRunner:
         if job.rows:
             sample_logits = logits if plan.sample_at is None else logits[torch.tensor(plan.sample_at)]
             history = self._resolve_history(job.history) if job.has_futures and job.history else job.history
-            picked = sample(sample_logits, job.params, job.generators, history)
+            constrained = any(p.grammar is not None for p in job.params)
+            masks = self.matchers.masks(job.reqs) if constrained else None
+            picked = sample(sample_logits, job.params, job.generators, history, masks)
+            if constrained:
+                self.matchers.accept(job.reqs, picked)
             for b, t in zip(job.rows, picked):
                 tokens[b] = t
             if job.future_slots is not None:

@@ -15,6 +15,7 @@ Chat templates are rendered with jinja2 (`messages`, `add_generation_prompt`, `b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -37,6 +38,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
 class MiniTokenizer:
     def __init__(
         self,
@@ -53,6 +59,7 @@ class MiniTokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos
         self._template = None
+        self._special: set[int] | None = None
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -141,6 +148,17 @@ class MiniTokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for (the API's `bytes`; structured outputs' vocabulary); b"" for a
+        special or unknown id."""
+        if self._special is None:
+            self._special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        tok = self.tok.id_to_token(i)
+        if tok is None or i in self._special:
+            return b""
+        dec = _unicode_to_bytes()
+        return bytes(dec[c] for c in tok) if all(c in dec for c in tok) else tok.encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
@@ -196,6 +214,9 @@ class _ByteTokenizer(MiniTokenizer):
 
     def id_to_token(self, i: int) -> str | None:
         return {0: "<pad>", 1: "<s>", 2: "</s>"}.get(i, chr(i - 3) if 3 <= i < 259 else f"<{i}>")
+
+    def token_bytes(self, i: int) -> bytes:
+        return bytes([i - 3]) if 3 <= i < 259 else b""
 
 
 def load_tokenizer(spec: str | None) -> MiniTokenizer:

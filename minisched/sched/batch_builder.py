@@ -10,41 +10,21 @@
    fit even after evicting the radix cache -- but never while a batch is launched: its tokens
    are resolved first (overlap scheduling), so a retracted request never has placeholders.
 
-It reads and changes the scheduler's queues through the `Queues` protocol below (the
-Scheduler implements it). Pure Python.
+It reads and changes the scheduler's queues through the `Queues` protocol (queues.py).
+Pure Python.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from minisched.sched.batch import Batch, ForwardMode
-from minisched.sched.config import SchedulerConfig
 from minisched.sched.deferral import InBatchPrefixes
-from minisched.sched.in_flight import InFlight
-from minisched.sched.kv_pool import KVPool
-from minisched.sched.policy import SchedulePolicy, take_admitted
+from minisched.sched.policy import take_admitted
 from minisched.sched.prefill_adder import PrefillAdder
-from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import Req, ReqStatus
-
-
-class Queues(Protocol):
-    config: SchedulerConfig
-    pool: KVPool
-    tree: RadixCache
-    policy: SchedulePolicy
-    waiting: list[Req]
-    running: list[Req]
-    chunked_req: Req | None
-    new_token_ratio: float
-    prefill_rounds: int
-    in_flight: InFlight
-
-    def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None: ...
-
-    def make_room_for_decode(self) -> int: ...
+from minisched.sched.queues import Queues
+from minisched.sched.req import ReqStatus
+from minisched.sched.retraction import make_room_for_decode
 
 
 def build(sched: Queues) -> tuple[Batch | None, int, int]:
@@ -56,7 +36,7 @@ def build(sched: Queues) -> tuple[Batch | None, int, int]:
     if batch is not None and cfg.enable_mixed_chunk and sched.running:
         batch = mix(sched, batch)
     if batch is None and sched.running and not (sched.in_flight.launched and not decode_fits(sched)):
-        n_retracted = sched.make_room_for_decode()
+        n_retracted = make_room_for_decode(sched)
         if sched.running:
             batch = decode_batch(sched, n_retracted)
     return batch, n_retracted, hits
@@ -88,7 +68,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
         sched.chunked_req = carried  # its pages do not fit yet: decode first
         return None, 0
     if adder.new_chunked_req is None and sched.waiting:
-        ready = [r for r in sched.policy.order(sched.waiting) if r.after is None or r.after.is_finished]
+        ready = [r for r in sched.policy.order(sched.waiting) if r.ready]
         admitted = adder.add_waiting(ready)
         if admitted:
             sched.waiting = take_admitted(

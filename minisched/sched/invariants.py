@@ -12,28 +12,12 @@ Pure Python; raises AssertionError.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from minisched.base.values import cdiv
-from minisched.sched.config import SchedulerConfig
-from minisched.sched.in_flight import InFlight
-from minisched.sched.kv_pool import KVPool
-from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import Req, ReqStatus
+from minisched.sched.queues import Queues
+from minisched.sched.req import ReqStatus
 
 
-class SchedulerState(Protocol):
-    config: SchedulerConfig
-    pool: KVPool
-    tree: RadixCache
-    waiting: list[Req]
-    running: list[Req]
-    chunked_req: Req | None
-    reqs: dict[str, Req]
-    in_flight: InFlight
-
-
-def check_scheduler(sched: SchedulerState) -> None:
+def check_scheduler(sched: Queues) -> None:
     flight = sched.in_flight
     assert flight.built is None, "check_invariants called with a batch built but not launched"
     assert not flight.aborted, "aborts pending with no batch built"

@@ -77,6 +77,7 @@ class Req:
     output_logprobs: list | None = None  # one per output token
     prompt_logprobs: list | None = None  # prompt positions from sampling.prompt_logprob_start (position 0: None)
     after: Req | None = None  # n > 1: the request prefilling the shared prompt; admitted once it has ended
+    gate: Any = None  # a future (structured outputs: the compiling grammar); admitted once it is done
     # timing (time.monotonic())
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -117,6 +118,11 @@ class Req:
             return None
         nxt = self.sampling.prompt_logprob_start + len(self.prompt_logprobs)
         return nxt - 1 if nxt < self.prompt_len else None
+
+    @property
+    def ready(self) -> bool:
+        """May it be admitted now (its shared prefill has ended, its grammar is compiled)?"""
+        return (self.after is None or self.after.is_finished) and (self.gate is None or self.gate.done())
 
     @property
     def is_finished(self) -> bool:

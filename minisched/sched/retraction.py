@@ -13,7 +13,8 @@ tokens each. Measured with the fake runner (benchmarks/RESULTS.md, "Scheduler") 
 retracted more requests and recomputed more tokens for no fewer steps, so only the next
 step is made room for.
 
-Pure functions over requests and the pool; no scheduler state.
+`make_room_for_decode` and `fail_stalled` act on the scheduler's queues through its public
+methods (queues.py); the rest are pure functions over requests and the pool.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from collections.abc import Sequence
 
 from minisched.base.values import cdiv
 from minisched.sched.kv_pool import KVPool
+from minisched.sched.queues import Queues
 from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import FinishReason, Req
+from minisched.sched.req import FinishReason, Req, ReqStatus
 
 
 def pick_victim(running: Sequence[Req]) -> Req:
@@ -49,3 +51,44 @@ def stall_reason(req: Req, pool: KVPool, tree: RadixCache, steps: int) -> tuple[
         f"running ({pool.num_free} free + {tree.evictable_pages} evictable of "
         f"{pool.num_pages} pages)"
     )
+
+
+def make_room_for_decode(sched: Queues) -> int:
+    """Evict, then retract until the next decode step's pages fit, then re-estimate
+    new_token_ratio. Returns the number of retracted requests."""
+    pool, running, retracted = sched.pool, sched.running, []
+    while True:
+        need = pool.decode_pages_needed(running)
+        if need > pool.num_free:
+            pool.free(sched.tree.evict(need - pool.num_free))
+        if need <= pool.num_free:
+            break
+        if len(running) == 1 and sched.chunked_req is None:
+            # it alone outgrew the pool: only possible if pages leaked (arrival clips max_new_tokens)
+            req = running[0]
+            sched.end(req, req.kv_len, ReqStatus.FINISHED, FinishReason.LENGTH)
+            sched.finished_early(req)
+            break
+        if len(running) == 1:
+            victim, sched.chunked_req = sched.chunked_req, None
+        else:
+            victim = pick_victim(running)
+            running.remove(victim)
+        sched.retract(victim)
+        retracted.append(victim)
+    if retracted:
+        sched.waiting[:0] = retracted
+        if running:
+            sched.new_token_ratio = reestimate_ratio(running, sched.config.retract_decode_steps)
+    return len(retracted)
+
+
+def fail_stalled(sched: Queues) -> None:
+    """Work but no batch for `max_stalled_steps` steps with nothing running cannot resolve itself:
+    end the stuck requests (`stall_reason` says how)."""
+    stuck = ([sched.chunked_req] if sched.chunked_req is not None else []) + list(sched.waiting)
+    for req in stuck:
+        reason, req.error = stall_reason(req, sched.pool, sched.tree, sched.stalled)
+        sched.end(req, req.kv_len, ReqStatus.FINISHED, reason)
+        sched.finished_early(req)
+    sched.stalled = 0

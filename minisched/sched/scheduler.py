@@ -75,7 +75,7 @@ from minisched.sched.kv_pool import KVPool
 from minisched.sched.policy import SchedulePolicy
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason, new_request
-from minisched.sched.retraction import pick_victim, reestimate_ratio, stall_reason
+from minisched.sched.retraction import fail_stalled
 from minisched.sched.step_output import StepOutput
 
 __all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
@@ -112,14 +112,15 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------
     def add_request(
-        self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *, after: Req | None = None
+        self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *, after=None, gate=None
     ) -> Req:
-        """`after`: a request this one waits for (n > 1: the prefill of the shared prompt)."""
+        """`after`: a request this one waits for (n > 1: the prefill of the shared prompt); `gate`: a
+        future it waits for (a compiling grammar), holding no slot or page meanwhile."""
         cfg = self.config
         if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
         req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
-        req.after = after
+        req.after, req.gate = after, gate
         req.arrival_seq = self._num_arrivals
         self._num_arrivals += 1
         self.reqs[rid] = req
@@ -153,6 +154,12 @@ class Scheduler:
         """`req` ended outside resolve: report it with the next finished list."""
         self._finished_early.append(req)
 
+    def fail_waiting(self, req: Req, message: str) -> None:
+        """End a waiting request with FinishReason.ERROR (its grammar failed to compile)."""
+        req.error = message
+        self.end(req, 0, ReqStatus.FINISHED, FinishReason.ERROR)
+        self.finished_early(req)
+
     # -- one step -------------------------------------------------------------
     def step(self, runner: ModelRunner) -> list[Req]:
         """One step; if the runner raises, the batch's requests fail (see `fail_in_flight`) and
@@ -173,9 +180,10 @@ class Scheduler:
         self.step_count += 1
         batch, n_retracted, hits = batch_builder.build(self)
         if batch is None:
-            self.stalled = self.stalled + 1 if self.has_work() and not self.in_flight.launched else 0
+            gated = any(not r.ready for r in self.waiting)  # waiting for a grammar or a prefill: not stuck
+            self.stalled = self.stalled + 1 if self.has_work() and not self.in_flight.launched and not gated else 0
             if self.stalled >= self.config.max_stalled_steps:
-                self._fail_stalled()
+                fail_stalled(self)
             return None
         self.stalled = 0
         self.prefill_rounds = self.prefill_rounds + 1 if batch.mode is ForwardMode.PREFILL and self.running else 0
@@ -344,45 +352,6 @@ class Scheduler:
 
     def cache_unfinished(self, req: Req, kv_len: int) -> None:
         self.tree.cache_unfinished_req(req, self.pool, kv_len)
-
-    def make_room_for_decode(self) -> int:
-        """Evict, then retract until the next decode step's pages fit (victims: retraction.py),
-        then re-estimate new_token_ratio. Returns the number of retracted requests."""
-        pool, running, retracted = self.pool, self.running, []
-        while True:
-            need = pool.decode_pages_needed(running)
-            if need > pool.num_free:
-                pool.free(self.tree.evict(need - pool.num_free))
-            if need <= pool.num_free:
-                break
-            if len(running) == 1 and self.chunked_req is None:
-                # it alone outgrew the pool: only possible if pages leaked (arrival clips max_new_tokens)
-                req = running[0]
-                self.end(req, req.kv_len, ReqStatus.FINISHED, FinishReason.LENGTH)
-                self.finished_early(req)
-                break
-            if len(running) == 1:
-                victim, self.chunked_req = self.chunked_req, None
-            else:
-                victim = pick_victim(running)
-                running.remove(victim)
-            self.retract(victim)
-            retracted.append(victim)
-        if retracted:
-            self.waiting[:0] = retracted
-            if running:
-                self.new_token_ratio = reestimate_ratio(running, self.config.retract_decode_steps)
-        return len(retracted)
-
-    def _fail_stalled(self) -> None:
-        """Work but no batch for `max_stalled_steps` steps with nothing running cannot resolve
-        itself: end the stuck requests (retraction.stall_reason says how)."""
-        stuck = ([self.chunked_req] if self.chunked_req is not None else []) + list(self.waiting)
-        for req in stuck:
-            reason, req.error = stall_reason(req, self.pool, self.tree, self.stalled)
-            self.end(req, req.kv_len, ReqStatus.FINISHED, reason)
-            self.finished_early(req)
-        self.stalled = 0
 
     # -- events and stats -----------------------------------------------------
     def record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:

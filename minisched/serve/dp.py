@@ -110,7 +110,8 @@ class DataParallelLoop:
             r.join(max(0.1, deadline - time.monotonic()))
 
     # -- requests (from the event loop) ---------------------------------------------------------
-    def submit(self, rid: str, prompt_ids: list[int], sampling, sink) -> None:
+    def submit(self, rids: list[str], prompt_ids: list[int], sampling, sinks: list) -> None:
+        """A prompt's choices go to one replica together: they share its prefill there."""
         while True:
             with self._lock:
                 for i, r in enumerate(self.replicas):
@@ -118,9 +119,9 @@ class DataParallelLoop:
                 try:
                     i = self.router.route(prompt_ids)
                 except NoReplicaError as exc:
-                    publish([(sink, Update([], "error", str(exc), "server_error"))])
+                    publish([(sink, Update([], "error", str(exc), "server_error")) for sink in sinks])
                     return
-            if self.replicas[i].submit(rid, prompt_ids, sampling, sink):
+            if self.replicas[i].submit(rids, prompt_ids, sampling, sinks):
                 return
             self._replica_died(i)  # it died between the route and the send: route again
 

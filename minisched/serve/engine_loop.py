@@ -1,7 +1,7 @@
 """The engine on its own thread: the only code that touches the `Engine` once the server runs.
 
     loop = EngineLoop(engine); loop.start()
-    loop.submit(rid, prompt_ids, sampling, sink)    # from any thread; sink: a `Sink`
+    loop.submit(rids, prompt_ids, sampling, sinks)  # from any thread; n = len(rids) choices, one Sink each
     loop.abort(rid)                                 # from any thread; idempotent
     loop.call(fn) -> concurrent.futures.Future      # fn(engine) run on the engine thread between steps
     loop.stop(); loop.join()                        # aborts what is left, ends the thread
@@ -57,7 +57,7 @@ class EngineLoop:
         self.stats = Stats(pages_total=engine.sched_config.num_pages, pages_free=engine.sched_config.num_pages)
         self.invariant_errors: list[str] = []
         self._live: dict[str, tuple[Any, Sink, int]] = {}  # rid -> (Req, sink, tokens published)
-        self._held: collections.deque = collections.deque()  # static batching: (rid, ids, sampling, sink)
+        self._held: collections.deque = collections.deque()  # static batching: (rids, ids, sampling, sinks)
         self._stats_seen = 0
         self._retractions = 0
         self._step_errors = 0
@@ -73,8 +73,8 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, sink: Sink) -> None:
-        self._send(("add", rid, prompt_ids, sampling, sink))
+    def submit(self, rids: list[str], prompt_ids: list[int], sampling: SamplingParams, sinks: list[Sink]) -> None:
+        self._send(("add", list(rids), prompt_ids, sampling, list(sinks)))
 
     def _send(self, msg: tuple) -> None:
         self.inbox.put(msg)
@@ -146,21 +146,22 @@ class EngineLoop:
                 self._stopping = True
                 return  # what comes after the stop is answered by _abort_everything
 
-    def _add(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, sink: Sink) -> None:
+    def _add(self, rids: list[str], prompt_ids: list[int], sampling: SamplingParams, sinks: list[Sink]) -> None:
         try:
-            req = self.engine.add_request(prompt_ids, sampling, rid=rid)
+            reqs = self.engine.add_choices(prompt_ids, sampling, len(rids), rids=rids)
         except InvalidRequest as exc:
-            publish([(sink, Update([], "error", str(exc), "invalid_request_error"))])
+            publish([(sink, Update([], "error", str(exc), "invalid_request_error")) for sink in sinks])
         except Exception as exc:
-            publish([(sink, Update([], "error", f"{type(exc).__name__}: {exc}", "server_error"))])
+            publish([(sink, Update([], "error", f"{type(exc).__name__}: {exc}", "server_error")) for sink in sinks])
         else:
-            self._live[rid] = (req, sink, 0)
+            for rid, req, sink in zip(rids, reqs, sinks):
+                self._live[rid] = (req, sink, -1)  # -1: nothing published yet
 
     def _abort(self, rid: str) -> None:
         for i, held in enumerate(self._held):
-            if held[0] == rid:
+            if rid in held[0]:
                 del self._held[i]
-                publish([(held[3], Update([], "abort"))])
+                publish([(sink, Update([], "abort")) for sink in held[3]])
                 return
         entry = self._live.get(rid)
         if entry is None:  # finished already (its finish is on its way) or never added
@@ -175,7 +176,7 @@ class EngineLoop:
 
     def _abort_everything(self) -> None:
         while self._held:
-            publish([(self._held.popleft()[3], Update([], "abort"))])
+            publish([(sink, Update([], "abort")) for sink in self._held.popleft()[3]])
         for rid in list(self._live):
             self.engine.abort(rid)
         self._publish_progress()
@@ -191,7 +192,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                publish([(msg[4], Update([], "abort"))])
+                publish([(sink, Update([], "abort")) for sink in msg[4]])
             elif msg[0] == "call" and msg[2].set_running_or_notify_cancel():
                 msg[2].set_exception(RuntimeError("the engine loop has stopped"))
 
@@ -218,14 +219,20 @@ class EngineLoop:
         for rid, (req, sink, sent) in self._live.items():
             n = len(req.output_ids)
             finished = req.status in (ReqStatus.FINISHED, ReqStatus.ABORTED)
-            if n == sent and not finished:
+            if n == max(sent, 0) and not finished:
                 continue
-            upd = Update(req.output_ids[sent:n])
+            start = max(sent, 0)
+            upd = Update(req.output_ids[start:n])
+            if req.output_logprobs is not None:
+                upd.logprobs = req.output_logprobs[start:n]
+            lead = req.after if req.after is not None else req  # n > 1: the prompt's shared prefill
+            if sent < 0 and lead.prompt_logprobs is not None:
+                upd.prompt_logprobs = list(lead.prompt_logprobs)
             if finished:
                 upd.finish_reason = req.finish_reason.value if req.finish_reason else "error"
                 upd.error = req.error
                 upd.error_type = "server_error" if upd.finish_reason == "error" else None
-                upd.cached_tokens = req.cache_hit_tokens
+                upd.cached_tokens = lead.cache_hit_tokens
                 upd.num_retractions = req.num_retractions
                 done.append(rid)
             else:

@@ -1,8 +1,8 @@
 """`ServingLoop`: what the HTTP side needs from whatever runs the engine, one engine thread
 (engine_loop.py) or a pool of replica processes (dp.py).
 
-All methods may be called from any thread; `submit`'s sink receives its updates on the sink's
-own event loop (`publish`). `health()` is read by /health; `collectors()` adds Prometheus
+All methods may be called from any thread; `submit`'s sinks receive their updates on their own
+event loops (`publish`). `health()` is read by /health; `collectors()` adds Prometheus
 collectors of the loop's own (the per-replica gauges) to /metrics.
 """
 
@@ -39,7 +39,8 @@ class ServingLoop(Protocol):
 
     def is_alive(self) -> bool: ...
 
-    def submit(self, rid: str, prompt_ids: list[int], sampling: Any, sink: Sink) -> None: ...
+    def submit(self, rids: list[str], prompt_ids: list[int], sampling: Any, sinks: list[Sink]) -> None:
+        """One prompt's len(rids) choices (OpenAI's `n`), each its own request id and sink."""
 
     def abort(self, rid: str) -> None: ...
 

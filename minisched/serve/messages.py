@@ -17,8 +17,19 @@ class Update:
     finish_reason: Optional[str] = None  # a FinishReason value; None while the request runs
     error: Optional[str] = None
     error_type: Optional[str] = None  # "invalid_request_error" (rejected at add) or "server_error"
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the radix cache had (n > 1: the shared prefill's)
     num_retractions: int = 0
+    logprobs: Optional[list] = None  # TokenLogprob per new token, when the request asked for them
+    prompt_logprobs: Optional[list] = None  # once, on the first update, when asked for (echo)
+
+    def merged(self, nxt: Update) -> Update:
+        """This update followed by `nxt` (still running): one update (the HTTP side coalesces a backlog)."""
+        nxt.token_ids = self.token_ids + nxt.token_ids
+        if self.logprobs is not None:
+            nxt.logprobs = self.logprobs + (nxt.logprobs or [])
+        if self.prompt_logprobs is not None:
+            nxt.prompt_logprobs = self.prompt_logprobs
+        return nxt
 
 
 class Sink(Protocol):

@@ -1,34 +1,68 @@
 """The OpenAI protocol as pydantic models: request bodies (validated), response bodies, the error body.
 
-Request bodies are strict (`strict=True`: no "0.5" for a number, no `true` for an int) and
-reject unknown fields (`extra="forbid"`), as OpenAI's API does ("Unrecognized request
-argument supplied"). Accepted beyond OpenAI's fields, as vLLM and SGLang accept them:
-`top_k`, `ignore_eos`, `return_token_ids` (completions: the generated token ids in each
-choice, for exact comparisons). OpenAI fields this server cannot honour are accepted only
-at their neutral value and are a 400 otherwise: `n` > 1, `logprobs`, `echo`, `best_of` > 1,
-non-zero penalties, a non-empty `logit_bias`, `tools`, a non-text `response_format`.
-`user`, `metadata` and `store` are accepted and ignored.
+Known fields are strict (`strict=True`: no "0.5" for a number, no `true` for an int) and range
+checked: a malformed known field is a 400. Accepted beyond OpenAI's fields, as vLLM and SGLang
+accept them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+`ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output`, SGLang's `regex` and `ebnf`,
+and `return_token_ids` (completions: each choice's generated token ids). Unknown fields --
+vendor extras of other servers -- are accepted and ignored, as vLLM does, and logged once per
+name (`ignored_fields`). What this server cannot honour is a 400: `best_of` other than `n`,
+`suffix`, `tools`, a `tool_choice` that calls one. `user`, `metadata` and `store` are accepted
+and ignored. docs/serving.md has the table against vLLM's and SGLang's.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4  # as OpenAI
+MAX_N = 64  # choices per prompt (each is a request in the engine)
+log = logging.getLogger("minisched.serve")
+_LOGGED: set[str] = set()
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _Lenient(BaseModel):
+    """A top-level request body: unknown (vendor) fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def ignored_fields(self) -> list[str]:
+        """The unknown fields of this request; each name is logged once per process."""
+        names = sorted(self.model_extra or {})
+        new = [n for n in names if n not in _LOGGED]
+        if new:
+            _LOGGED.update(new)
+            log.warning("ignoring request fields this server does not know: %s", ", ".join(new))
+        return names
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
-class _GenerationFields(_Body):
+class JSONSchema(_Body):
+    name: str = "schema"
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchema] = None
+
+
+class _GenerationFields(_Lenient):
     """The fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
@@ -36,15 +70,24 @@ class _GenerationFields(_Body):
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     seed: Optional[int] = Field(None, ge=0, lt=2**64)
     stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = Field(1, ge=1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
     logit_bias: Optional[dict[str, float]] = None
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    response_format: Optional[ResponseFormat] = None
+    regex: Optional[str] = None  # SGLang: constrain the output to this regex
+    ebnf: Optional[str] = None  # SGLang: ... or to this EBNF grammar
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
@@ -66,37 +109,63 @@ class _GenerationFields(_Body):
             raise ValueError("top_k must be -1 (off) or >= 1")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v):
+        if any(t < 0 for t in v or ()):
+            raise ValueError("stop_token_ids must be >= 0")
+        return v
+
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def unsupported(self) -> Optional[tuple[str, str]]:
-        """(param, message) for the first valid OpenAI field set to what this server cannot do."""
-        checks = [
-            ("n", self.n != 1, "n > 1 is not supported; send n separate requests"),
-            ("presence_penalty", self.presence_penalty != 0, "presence_penalty is not supported (only 0)"),
-            ("frequency_penalty", self.frequency_penalty != 0, "frequency_penalty is not supported (only 0)"),
-            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-        ]
-        checks += self._unsupported_extra()
-        return next(((param, msg) for param, bad, msg in checks if bad), None)
+    def grammar(self) -> Optional[tuple[str, str]]:
+        """(kind, spec) of the structured output asked for, or None; a 400 for two at once."""
+        asked = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            asked.append(("json_object", ""))
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is None:
+                raise APIError(400, "response_format json_schema needs a json_schema", param="response_format")
+            asked.append(("json_schema", json.dumps(self.response_format.json_schema.schema_)))
+        if self.regex is not None:
+            asked.append(("regex", self.regex))
+        if self.ebnf is not None:
+            asked.append(("ebnf", self.ebnf))
+        if len(asked) > 1:
+            raise APIError(400, "give one of response_format, regex and ebnf", param="response_format")
+        return asked[0] if asked else None
 
-    def _unsupported_extra(self) -> list[tuple[str, bool, str]]:
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        """(param, message) for the first valid field set to what this server cannot do."""
+        return next(((param, msg) for param, bad, msg in self._unsupported() if bad), None)
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
         return []
 
 
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: echo the prompt (its logprobs) only
     echo: bool = False
-    best_of: int = Field(1, ge=1)
+    best_of: Optional[int] = Field(None, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=5)
     suffix: Optional[str] = None
     return_token_ids: bool = False
 
-    def _unsupported_extra(self) -> list[tuple[str, bool, str]]:
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
         return [
-            ("echo", self.echo, "echo is not supported"),
-            ("best_of", self.best_of != 1, "best_of > 1 is not supported"),
-            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+            ("best_of", self.best_of not in (None, self.n), "best_of other than n is not supported"),
             ("suffix", bool(self.suffix), "suffix is not supported"),
         ]
 
@@ -106,17 +175,17 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(BaseModel):
+    # lenient: clients echo back assistant messages with fields of their own (refusal, annotations, ...)
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ResponseFormat(_Body):
-    type: Literal["text"]  # json_object / json_schema: a 400 (no constrained decoding)
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -124,15 +193,14 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
 
-    def _unsupported_extra(self) -> list[tuple[str, bool, str]]:
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
         return [
-            ("logprobs", self.logprobs or bool(self.top_logprobs), "logprobs are not supported"),
             ("tools", bool(self.tools), "tools are not supported"),
             ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool_choice is not supported"),
+            ("top_logprobs", self.top_logprobs is not None and not self.logprobs, "top_logprobs needs logprobs: true"),
         ]
 
     def max_new_tokens(self) -> Optional[int]:
@@ -163,7 +231,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: Optional[dict] = None  # logprob_format.py
     finish_reason: Optional[str] = None
     token_ids: Optional[list[int]] = None
 
@@ -185,7 +253,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: Optional[dict] = None  # logprob_format.py
     finish_reason: Optional[str] = None
 
 

@@ -2,7 +2,7 @@
 
     client = ReplicaClient(0, functools.partial(Engine, "smollm2"))   # spawns the process
     info = client.wait_ready(timeout=300)          # EngineInfo: tokenizer, model and scheduler configs
-    client.submit(rid, prompt_ids, sampling, sink) # False: the replica is dead (route elsewhere)
+    client.submit(rids, prompt_ids, sampling, sinks)  # False: the replica is dead (route elsewhere)
     client.abort(rid); client.call(fn) -> Future   # fn(engine) on the replica's engine thread (picklable fn)
     client.stop(); client.join(timeout)
 
@@ -120,8 +120,8 @@ def _replica_main(
         if msg is not None:
             kind = msg[0]
             if kind == "add":
-                _, rid, prompt_ids, sampling = msg
-                loop.submit(rid, prompt_ids, sampling, _RemoteSink(rid, fwd))
+                _, rids, prompt_ids, sampling = msg
+                loop.submit(rids, prompt_ids, sampling, [_RemoteSink(rid, fwd) for rid in rids])
             elif kind == "abort":
                 loop.abort(msg[1])
             elif kind == "call":
@@ -194,15 +194,16 @@ class ReplicaClient:
             raise ReplicaStartError(f"engine replica {self.index} failed to start: {self.error}")
         return self.info
 
-    def submit(self, rid: str, prompt_ids: list[int], sampling, sink) -> bool:
+    def submit(self, rids: list[str], prompt_ids: list[int], sampling, sinks: list) -> bool:
         with self._lock:
             if not self.alive:
                 return False
-            self._sinks[rid] = (sink, len(prompt_ids))
-        if self._send(("add", rid, prompt_ids, sampling)):
+            for rid, sink in zip(rids, sinks):
+                self._sinks[rid] = (sink, len(prompt_ids))
+        if self._send(("add", list(rids), prompt_ids, sampling)):
             return True
-        with self._lock:  # the replica is going; unless its death already answered the request, reroute it
-            return self._sinks.pop(rid, None) is None
+        with self._lock:  # the replica is going; unless its death already answered the requests, reroute them
+            return all(self._sinks.pop(rid, None) is None for rid in rids)
 
     def has(self, rid: str) -> bool:
         return rid in self._sinks

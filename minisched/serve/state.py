@@ -45,12 +45,15 @@ class Prepared:
 
 
 class RequestHandle:
-    """One request on the HTTP side: the queue its engine updates land in, and its timings."""
+    """One request (one choice of one prompt) on the HTTP side: its timings, and the call's queue
+    its engine updates land in, tagged with the choice's `index` in the response."""
 
-    def __init__(self, state: ServerState, rid: str, prompt_len: int):
-        self.state, self.rid, self.prompt_len = state, rid, prompt_len
+    def __init__(
+        self, state: ServerState, rid: str, prompt_len: int, index: int = 0, queue: Optional[asyncio.Queue] = None
+    ):
+        self.state, self.rid, self.prompt_len, self.index = state, rid, prompt_len, index
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Update]] = queue if queue is not None else asyncio.Queue()
         self.arrival = time.monotonic()
         self.created = int(time.time())
         self.first_token_at: Optional[float] = None
@@ -70,28 +73,46 @@ class RequestHandle:
         if upd.finish_reason is not None:
             self.final = upd
             self.state.request_done(self, now)
-        self.queue.put_nowait(upd)
+        self.queue.put_nowait((self.index, upd))
 
     @property
     def finished(self) -> bool:
         return self.final is not None
 
-    async def updates(self) -> AsyncIterator[Update]:
-        """Engine updates, those already waiting merged into one, until the finishing one."""
-        while True:
-            upd = await self.queue.get()
-            while not self.queue.empty() and upd.finish_reason is None:
-                nxt = self.queue.get_nowait()
-                nxt.token_ids = upd.token_ids + nxt.token_ids
-                upd = nxt
-            yield upd
-            if upd.finish_reason is not None:
-                return
-
     def abort_unless_finished(self) -> None:
         """The client went away (or the response ended early): release the request in the engine."""
         if self.final is None:
             self.state.engine_loop.abort(self.rid)
+
+
+class Call:
+    """One API call's requests: its prompts x n choices, handle i answering choice `index` i. Their
+    updates share one queue, so a stream interleaves choices as their tokens come."""
+
+    def __init__(self, handles: list[RequestHandle], queue: asyncio.Queue):
+        self.handles, self.queue = handles, queue
+        self.rid = handles[0].rid.rsplit("-", 1)[0]  # the call's id: the handles are <id>-<index>
+        self.created = handles[0].created
+
+    async def updates(self) -> AsyncIterator[tuple[int, Update]]:
+        """(choice index, update) until every choice has finished; a backlog of one choice's
+        running updates is merged into one."""
+        left = len(self.handles)
+        while left:
+            i, upd = await self.queue.get()
+            while upd.finish_reason is None and not self.queue.empty():
+                j, nxt = self.queue._queue[0]  # peek: merge only the same choice's updates
+                if j != i:
+                    break
+                self.queue.get_nowait()
+                upd = upd.merged(nxt)
+            if upd.finish_reason is not None:
+                left -= 1
+            yield i, upd
+
+    def abort_unfinished(self) -> None:
+        for h in self.handles:
+            h.abort_unless_finished()
 
 
 class ServerState:
@@ -136,18 +157,14 @@ class ServerState:
     def prepare(
         self,
         prompt_ids: list[int],
+        fields: dict,
         *,
         max_tokens: Optional[int],
         default_max_tokens: Optional[int],
-        temperature: Optional[float],
-        top_p: Optional[float],
-        top_k: Optional[int],
-        seed: Optional[int],
-        stop: tuple[str, ...],
-        ignore_eos: bool,
         param: str,
     ) -> Prepared:
-        """Check a tokenized prompt and build its SamplingParams; APIError(400) names the problem."""
+        """Check a tokenized prompt and build its SamplingParams from the request's sampling `fields`
+        (SamplingParams' names; None: the OpenAI default); APIError(400) names the problem."""
         n = len(prompt_ids)
         if n == 0:
             raise APIError(400, f"{param} is empty", param=param)
@@ -164,21 +181,17 @@ class ServerState:
                 code="context_length_exceeded",
             )
         want = max_tokens if max_tokens is not None else (default_max_tokens or room)
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+        given = {k: (defaults[k] if v is None and k in defaults else v) for k, v in fields.items()}
         try:
-            sampling = SamplingParams(
-                temperature=1.0 if temperature is None else temperature,
-                top_p=1.0 if top_p is None else top_p,
-                top_k=-1 if top_k is None else top_k,
-                seed=seed,
-                max_new_tokens=min(want, room),
-                stop=stop,
-                ignore_eos=ignore_eos,
-            )
+            sampling = SamplingParams(max_new_tokens=min(want, room), **given)
         except (InvalidRequest, ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from exc
         return Prepared(prompt_ids, sampling)
 
-    def admit(self, prepared: Prepared, kind: str) -> RequestHandle:
+    def admit(self, prompts: list[Prepared], kind: str, n: int = 1) -> Call:
+        """Hand a call's prompts (x n choices each) to the engine: one request per choice, ids
+        `<call id>-<index>`, index = prompt * n + choice (the response's order)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         if not self.engine_loop.is_alive():
@@ -192,12 +205,20 @@ class ServerState:
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after())},
             )
-        rid = f"{kind}-{self._prefix}{next(self._ids):x}"
-        handle = RequestHandle(self, rid, len(prepared.prompt_ids))
-        self.live[rid] = handle
-        self.queued += 1
-        self.engine_loop.submit(rid, prepared.prompt_ids, prepared.sampling, handle)
-        return handle
+        call_id = f"{kind}-{self._prefix}{next(self._ids):x}"
+        queue: asyncio.Queue = asyncio.Queue()
+        handles = []
+        for p, prepared in enumerate(prompts):
+            mine = [
+                RequestHandle(self, f"{call_id}-{p * n + j}", len(prepared.prompt_ids), p * n + j, queue)
+                for j in range(n)
+            ]
+            for h in mine:
+                self.live[h.rid] = h
+            self.queued += n
+            self.engine_loop.submit([h.rid for h in mine], prepared.prompt_ids, prepared.sampling, mine)
+            handles += mine
+        return Call(handles, queue)
 
     def retry_after(self) -> int:
         """Seconds until the queue has likely moved on: one mean e2e latency, at least 1 s."""

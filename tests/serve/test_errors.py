@@ -31,14 +31,12 @@ BAD_COMPLETIONS = [  # (id, body, status, param)
     ("wrong-type-max-tokens-bool", {"max_tokens": True}, 400, "max_tokens"),
     ("wrong-type-prompt", {"prompt": 5}, 400, "prompt"),
     ("wrong-type-stream", {"stream": "yes"}, 400, "stream"),
-    ("unknown-field", {"best_of_all": 2}, 400, "best_of_all"),
     ("missing-model", {"model": None}, 400, "model"),
     ("temperature-too-high", {"temperature": 2.5}, 400, "temperature"),
     ("temperature-negative", {"temperature": -1}, 400, "temperature"),
     ("top-p-zero", {"top_p": 0}, 400, "top_p"),
     ("top-p-above-one", {"top_p": 1.5}, 400, "top_p"),
     ("top-k-zero", {"top_k": 0}, 400, "top_k"),
-    ("max-tokens-zero", {"max_tokens": 0}, 400, "max_tokens"),
     ("seed-negative", {"seed": -1}, 400, "seed"),
     ("seed-too-big", {"seed": 2**64}, 400, "seed"),
     ("too-many-stops", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -48,10 +46,30 @@ BAD_COMPLETIONS = [  # (id, body, status, param)
     ("token-out-of-vocab", {"prompt": [5, 512]}, 400, "prompt"),
     ("negative-token", {"prompt": [5, -1]}, 400, "prompt"),
     ("prompt-longer-than-context", {"prompt": "x" * 2048}, 400, "prompt"),
-    ("n-above-one", {"n": 2}, 400, "n"),
-    ("logprobs", {"logprobs": 2}, 400, "logprobs"),
-    ("penalty", {"presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("batched-prompts", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("max-tokens-negative", {"max_tokens": -1}, 400, "max_tokens"),
+    ("n-zero", {"n": 0}, 400, "n"),
+    ("n-too-many", {"n": 65}, 400, "n"),
+    ("logprobs-above-five", {"logprobs": 6}, 400, "logprobs"),
+    ("penalty-out-of-range", {"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("repetition-penalty-zero", {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min-p-above-one", {"min_p": 1.5}, 400, "min_p"),
+    ("min-tokens-negative", {"min_tokens": -1}, 400, "min_tokens"),
+    ("logit-bias-not-an-id", {"logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
+    ("logit-bias-too-big", {"logit_bias": {"5": 101.0}}, 400, "logit_bias"),
+    ("stop-token-negative", {"stop_token_ids": [-3]}, 400, "stop_token_ids"),
+    ("best-of-above-n", {"best_of": 3}, 400, "best_of"),
+    ("suffix", {"suffix": "x"}, 400, "suffix"),
+    ("batched-prompt-empty", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("invalid-regex", {"regex": "[a-"}, 400, "regex"),
+    ("invalid-ebnf", {"ebnf": "root ::= "}, 400, "ebnf"),
+    (
+        "invalid-json-schema",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+        400,
+        "response_format",
+    ),
+    ("json-schema-missing", {"response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("two-grammars", {"regex": "a+", "ebnf": 'root ::= "a"'}, 400, "response_format"),
     ("unknown-model", {"model": "gpt-4"}, 404, "model"),
 ]
 
@@ -71,10 +89,11 @@ BAD_CHATS = [
     ("empty-messages", {"messages": []}, "messages"),
     ("no-messages", {"messages": None}, "messages"),
     ("bad-role", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ("message-unknown-field", {"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages.0.mood"),
     ("content-wrong-type", {"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
-    ("json-mode", {"response_format": {"type": "json_object"}}, "response_format.type"),
     ("tools", {"tools": [{"type": "function"}]}, "tools"),
+    ("top-logprobs-without-logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ("top-logprobs-above-twenty", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("response-format-unknown-type", {"response_format": {"type": "yaml"}}, "response_format.type"),
     ("chat-too-long", {"messages": [{"role": "user", "content": "y" * 2100}]}, "messages"),
 ]
 
@@ -200,12 +219,12 @@ def test_requests_after_the_engine_loop_stopped_are_answered():
     async def run():
         loop = EngineLoop(Engine("dummy:tiny", num_pages=64)).start()
         sinks = [Sink(asyncio.get_running_loop()) for _ in range(3)]
-        loop.submit("a", [5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True), sinks[0])
+        loop.submit(["a"], [5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True), [sinks[0]])
         loop.stop()
-        loop.submit("b", [5, 6, 7], SamplingParams(max_new_tokens=5), sinks[1])  # after the stop
+        loop.submit(["b"], [5, 6, 7], SamplingParams(max_new_tokens=5), [sinks[1]])  # after the stop
         late_call = loop.call(lambda e: 1)
         await asyncio.to_thread(loop.join, 10)
-        loop.submit("c", [5], SamplingParams(max_new_tokens=5), sinks[2])  # after the thread ended
+        loop.submit(["c"], [5], SamplingParams(max_new_tokens=5), [sinks[2]])  # after the thread ended
         await asyncio.sleep(0.05)  # the published updates run on this loop
         return sinks, late_call
 

@@ -108,11 +108,11 @@ def test_64_streaming_clients_with_disconnects():
 
         last, still_live = live.call(final_states)
         assert not still_live
-        for rid in left:
-            state, note, out_len = last[rid]
+        for rid in left:  # the engine's request id is <response id>-<choice index>
+            state, note, out_len = last[f"{rid}-0"]
             assert (state, note) == ("aborted", "abort") and out_len < LONG, (rid, last[rid])
         for r in done.values():
-            assert last[r["rid"]][:2] == ("finished", "max_new_tokens")
+            assert last[f"{r['rid']}-0"][:2] == ("finished", "max_new_tokens")
         assert not live.loop.invariant_errors, live.loop.invariant_errors
         free, cached, total = live.call(pool_whole)
         assert (free, cached) == (total, 0), "KV pages leaked"

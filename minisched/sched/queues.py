@@ -1,0 +1,39 @@
+"""`Queues`: the Scheduler's state and public methods as its collaborators see them.
+
+batch_builder.py, retraction.py and invariants.py are functions over a `Queues`; the Scheduler
+implements it (scheduler.py). Pure Python.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from minisched.sched.config import SchedulerConfig
+from minisched.sched.in_flight import InFlight
+from minisched.sched.kv_pool import KVPool
+from minisched.sched.policy import SchedulePolicy
+from minisched.sched.radix_cache import RadixCache
+from minisched.sched.req import FinishReason, Req, ReqStatus
+
+
+class Queues(Protocol):
+    config: SchedulerConfig
+    pool: KVPool
+    tree: RadixCache
+    policy: SchedulePolicy
+    waiting: list[Req]
+    running: list[Req]
+    chunked_req: Req | None
+    reqs: dict[str, Req]
+    in_flight: InFlight
+    new_token_ratio: float
+    prefill_rounds: int
+    stalled: int
+
+    def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None: ...
+
+    def end(self, req: Req, kv_len: int, status: ReqStatus, reason: FinishReason) -> None: ...
+
+    def retract(self, req: Req) -> None: ...
+
+    def finished_early(self, req: Req) -> None: ...

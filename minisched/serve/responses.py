@@ -1,0 +1,130 @@
+"""What the completion and chat routes share: a body's sampling fields, collecting a call's choices,
+server-sent events, usage and engine errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from minisched.sched.sampling_params import Grammar
+from minisched.serve import protocol as p
+from minisched.serve.state import OPENAI_FINISH, Call, RequestHandle, ServerState
+from minisched.serve.structured import check_grammar
+
+
+def check_common(state: ServerState, body) -> None:
+    state.check_model(body.model)
+    bad = body.unsupported()
+    if bad is not None:
+        raise p.APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    body.ignored_fields()
+
+
+def sampling_fields(body, *, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> dict:
+    """SamplingParams' fields from a request body (None: the OpenAI default, filled by `prepare`)."""
+    grammar = body.grammar()
+    if grammar is not None:
+        check_grammar(*grammar)  # a 400 now, never unconstrained output later
+    return dict(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        grammar=None if grammar is None else Grammar(*grammar),
+    )
+
+
+def finish_of(handle: RequestHandle) -> str:
+    return OPENAI_FINISH.get(handle.final.finish_reason, handle.final.finish_reason)
+
+
+def usage_of(call: Call, n: int) -> p.Usage:
+    """The prompts counted once each (their n choices share the prefill), every choice's tokens."""
+    firsts = call.handles[::n]
+    return p.usage(
+        sum(h.prompt_len for h in firsts),
+        sum(h.num_tokens for h in call.handles),
+        sum(h.final.cached_tokens if h.final else 0 for h in firsts),
+    )
+
+
+def engine_error(handle: RequestHandle) -> p.APIError:
+    upd = handle.final
+    if upd.error_type == "invalid_request_error":
+        return p.APIError(400, upd.error or "invalid request")
+    return p.APIError(500, f"the engine failed on this request: {upd.error}", type="server_error")
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(call: Call, request: Request) -> Optional[list[list]]:
+    """Every choice's updates (a list per choice, in index order); None if the client disconnected
+    first (then the unfinished choices are aborted). A failed choice raises its error."""
+    got: list[list] = [[] for _ in call.handles]
+
+    async def gather():
+        async for i, upd in call.updates():
+            got[i].append(upd)
+
+    result = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({result, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not result.done():
+            result.cancel()
+            call.abort_unfinished()
+    if not result.done() or result.cancelled():
+        return None
+    for h in call.handles:
+        if h.final.finish_reason == "error":
+            raise engine_error(h)
+    return got
+
+
+class EngineStream(StreamingResponse):
+    """Server-sent events; however the response ends (done, client gone, cancelled), the call's
+    requests are released in the engine unless they already finished."""
+
+    def __init__(self, content, call: Call):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": call.rid},
+        )
+        self.call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.abort_unfinished()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def sse_error(handle: RequestHandle) -> str:
+    return sse(engine_error(handle).body())
