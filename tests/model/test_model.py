@@ -230,7 +230,31 @@ def test_greedy_matches_transformers(engine, chat_prompts, hf_greedy_refs, mode)
         assert o.token_ids == want, f"prompt {o.index}: {engine.tokenizer.decode(chat_prompts[o.index])!r}"
 
 
-# -- the fast paths of LlamaModel.forward equal the plain formulas (issue 14) ---------------------------
+@pytest.mark.slow
+def test_logprobs_match_transformers(hf, engine, chat_prompts):
+    """Greedy output logprobs (top 5) and echoed prompt logprobs equal transformers' log_softmax of the same
+    positions to 1e-4 (fp32), through chunked prefill (chunks of 64 over 16-token pages)."""
+    _, model = hf
+    prompts = chat_prompts[:3]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=5, prompt_logprobs=5))
+    for o, p in zip(outs, prompts):
+        ids = p + o.token_ids
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        for k, e in enumerate(o.logprobs):
+            row = want[len(p) + k - 1]
+            assert e.token_id == o.token_ids[k] == int(row.argmax())
+            assert e.logprob == pytest.approx(float(row[e.token_id]), abs=1e-4)
+            top = torch.topk(row, 5)
+            assert [t for t, _ in e.top] == top.indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
+        got = torch.tensor([e.logprob for e in o.prompt_logprobs[1:]], dtype=torch.float64)
+        ref = want[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+# -- the fast paths of LlamaModel.forward equal the plain formulas ---------------------------------
 
 
 @pytest.mark.parametrize("n", [1, 7, 64])
