@@ -7,7 +7,25 @@ import argparse
 from minisched.observe.paths import unwritable
 from minisched.sched.req import SamplingParams
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "max_new_tokens",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "logprobs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 
 
 class CLIError(Exception):

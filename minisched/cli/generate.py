@@ -73,6 +73,10 @@ def _check_line(obj: dict, where: str) -> tuple[object, dict]:
             if not isinstance(v, list):
                 raise CLIError(f"{where}: 'stop_token_ids' must be a list of token ids, got {v!r}")
             v = tuple(v)
+        elif k == "logit_bias":  # JSON keys are strings: {"123": -5.0}
+            if not isinstance(v, dict) or not all(isinstance(t, str) and t.isdigit() for t in v):
+                raise CLIError(f"{where}: 'logit_bias' must map token ids to biases, got {v!r:.60}")
+            v = {int(t): b for t, b in v.items()}
         overrides[k] = v
     return prompt, overrides
 
