@@ -55,7 +55,9 @@ def start_server(port: int, log_path: str) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "minisched", "serve", "--port", str(port), "--served-model-name", "smollm2"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -73,18 +75,57 @@ def start_server(port: int, log_path: str) -> subprocess.Popen:
 
 def vllm_client(py: str, port: int, tok: str, backend: str, endpoint: str, work: str, n: int, conc: int) -> dict:
     name = f"vllm_{backend}.json"
-    cmd = [py, "-c", WRAPPER, "--backend", backend, "--base-url", f"http://127.0.0.1:{port}",
-           "--endpoint", endpoint, "--model", "smollm2", "--tokenizer", tok, "--dataset-name", "random",
-           "--random-input-len", "128", "--random-output-len", "32", "--num-prompts", str(n),
-           "--max-concurrency", str(conc), "--save-result", "--result-dir", work, "--result-filename", name]
+    cmd = [
+        py,
+        "-c",
+        WRAPPER,
+        "--backend",
+        backend,
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--endpoint",
+        endpoint,
+        "--model",
+        "smollm2",
+        "--tokenizer",
+        tok,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "128",
+        "--random-output-len",
+        "32",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(conc),
+        "--save-result",
+        "--result-dir",
+        work,
+        "--result-filename",
+        name,
+    ]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     out = {"backend": backend, "endpoint": endpoint, "rc": r.returncode, "seconds": round(time.monotonic() - t0, 1)}
     path = os.path.join(work, name)
     if r.returncode == 0 and os.path.exists(path):
         res = json.load(open(path))
-        out.update({k: res.get(k) for k in ("completed", "failed", "output_throughput", "request_throughput",
-                                             "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "total_output_tokens")})
+        out.update(
+            {
+                k: res.get(k)
+                for k in (
+                    "completed",
+                    "failed",
+                    "output_throughput",
+                    "request_throughput",
+                    "mean_ttft_ms",
+                    "median_ttft_ms",
+                    "mean_tpot_ms",
+                    "total_output_tokens",
+                )
+            }
+        )
         out["errors"] = [e for e in res.get("errors", []) if e][:3]
     else:
         out["tail"] = (r.stdout + r.stderr)[-2000:]
@@ -93,14 +134,32 @@ def vllm_client(py: str, port: int, tok: str, backend: str, endpoint: str, work:
 
 def lm_eval(bin_: str, port: int, tok: str, model: str, task: str, work: str, extra: list[str]) -> dict:
     route = "completions" if model == "local-completions" else "chat/completions"
-    args = (f"model=smollm2,base_url=http://127.0.0.1:{port}/v1/{route},tokenizer_backend=huggingface,"
-            f"tokenizer={tok},num_concurrent=2,max_retries=1,tokenized_requests={model == 'local-completions'}")
+    args = (
+        f"model=smollm2,base_url=http://127.0.0.1:{port}/v1/{route},tokenizer_backend=huggingface,"
+        f"tokenizer={tok},num_concurrent=2,max_retries=1,tokenized_requests={model == 'local-completions'}"
+    )
     out_dir = os.path.join(work, f"lm_{task}")
-    cmd = [bin_, "--model", model, "--model_args", args, "--tasks", task, "--include_path", str(TASKS),
-           "--log_samples", "--output_path", out_dir, "--batch_size", "4", *extra]
+    cmd = [
+        bin_,
+        "--model",
+        model,
+        "--model_args",
+        args,
+        "--tasks",
+        task,
+        "--include_path",
+        str(TASKS),
+        "--log_samples",
+        "--output_path",
+        out_dir,
+        "--batch_size",
+        "4",
+        *extra,
+    ]
     t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=TASKS, env={**os.environ,
-                                                                                       "HF_DATASETS_OFFLINE": "1"})
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1800, cwd=TASKS, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}
+    )
     out = {"task": task, "model": model, "rc": r.returncode, "seconds": round(time.monotonic() - t0, 1)}
     results = glob.glob(os.path.join(out_dir, "**", "results_*.json"), recursive=True)
     samples = glob.glob(os.path.join(out_dir, "**", f"samples_{task}_*.jsonl"), recursive=True)
@@ -122,8 +181,9 @@ def transformers_loglikelihoods(samples: list[dict], tok_dir: str) -> list[tuple
     from minisched.model.weights import default_gguf_path
 
     gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
+    )
     tok = AutoTokenizer.from_pretrained(tok_dir)
     pairs = []
     for s in samples:  # arguments: {"gen_args_<i>": {"arg_0": context, "arg_1": continuation}}; resps: [[[ll, greedy]]]
@@ -144,7 +204,9 @@ def transformers_loglikelihoods(samples: list[dict], tok_dir: str) -> list[tuple
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--lm-eval", default=None, help="the lm_eval executable of its venv")
     ap.add_argument("--tokenizer", required=True, help="an HF tokenizer directory of SmolLM2")
@@ -155,27 +217,45 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="minisched-clients-")
     port = free_port()
     server = start_server(port, os.path.join(work, "server.log"))
-    report = {"date": time.strftime("%Y-%m-%d"), "work": work,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip()}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "work": work,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+    }
     try:
         if args.vllm_python:
-            report["vllm"] = [vllm_client(args.vllm_python, port, args.tokenizer, b, e, work, args.num_prompts,
-                                          args.concurrency)
-                              for b, e in (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions"))]
+            report["vllm"] = [
+                vllm_client(args.vllm_python, port, args.tokenizer, b, e, work, args.num_prompts, args.concurrency)
+                for b, e in (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions"))
+            ]
             for row in report["vllm"]:
-                print(f"vLLM client {row['backend']:12s} rc {row['rc']} completed {row.get('completed')} "
-                      f"failed {row.get('failed')} out {row.get('output_throughput')} tok/s", flush=True)
+                print(
+                    f"vLLM client {row['backend']:12s} rc {row['rc']} completed {row.get('completed')} "
+                    f"failed {row.get('failed')} out {row.get('output_throughput')} tok/s",
+                    flush=True,
+                )
         if args.lm_eval:
             mc = lm_eval(args.lm_eval, port, args.tokenizer, "local-completions", "minisched_mc", work, [])
-            gen = lm_eval(args.lm_eval, port, args.tokenizer, "local-chat-completions", "minisched_gen", work,
-                          ["--apply_chat_template"])
+            gen = lm_eval(
+                args.lm_eval,
+                port,
+                args.tokenizer,
+                "local-chat-completions",
+                "minisched_gen",
+                work,
+                ["--apply_chat_template"],
+            )
             if "samples" in mc:
                 pairs = transformers_loglikelihoods(mc["samples"], args.tokenizer)
                 mc["loglikelihood_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
                 mc["loglikelihoods_compared"] = len(pairs)
-                print(f"lm-eval loglikelihoods vs transformers: {len(pairs)} compared, max |diff| "
-                      f"{mc['loglikelihood_max_abs_diff']:.2e}", flush=True)
+                print(
+                    f"lm-eval loglikelihoods vs transformers: {len(pairs)} compared, max |diff| "
+                    f"{mc['loglikelihood_max_abs_diff']:.2e}",
+                    flush=True,
+                )
             for row in (mc, gen):
                 row.pop("samples", None)
                 print(f"lm-eval {row['task']} ({row['model']}): rc {row['rc']} {row.get('metrics')}", flush=True)
@@ -186,7 +266,8 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     ok = all(r["rc"] == 0 and not r.get("failed") for r in report.get("vllm", [])) and all(
-        r["rc"] == 0 for r in report.get("lm_eval", []))
+        r["rc"] == 0 for r in report.get("lm_eval", [])
+    )
     if "lm_eval" in report:
         ok = ok and report["lm_eval"][0].get("loglikelihood_max_abs_diff", 1) <= 1e-4
     return 0 if ok else 1
