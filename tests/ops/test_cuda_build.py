@@ -174,7 +174,7 @@ def attention_occupancy(tmp_path) -> list:
 
 
 def test_decode_occupancy(tmp_path):
-    """The decode CTA (1 row warp x 4 KV warps, GQA <= 16) keeps >= 12 resident warps per SM (issue 15)."""
+    """The decode CTA (1 row warp x 4 KV warps, GQA <= 16) keeps >= 12 resident warps per SM."""
     rows = attention_occupancy(tmp_path)
     decode = [r for r in rows if r[2:5] == (1, 4, 1)]
     assert len(decode) == 4, "the 1 x 4 decode CTA for {bf16, fp16} x D {64, 128}"
@@ -184,7 +184,7 @@ def test_decode_occupancy(tmp_path):
 
 def test_prefill_occupancy(tmp_path):
     """The prefill / shared-prefix CTA (4 warps x 32 rows: 128-row tiles) keeps the resident rows per SM it was
-    sized for (NOTES.md round 4): D 128 2 CTAs (255 registers, 102 KB smem), D 64 3 CTAs (168 registers: the
+    sized for (NOTES.md, "Prefill kernel (mma.sync)"): D 128 2 CTAs (255 registers, 102 KB smem), D 64 3 CTAs (168 registers: the
     launch bounds' min-CTAs; 54 KB), i.e. at least the 16-row 4 x 1 CTA's warps per SM, with twice the rows."""
     rows = attention_occupancy(tmp_path)
     prefill = [r for r in rows if r[2:5] == (4, 1, 2)]
@@ -249,7 +249,7 @@ def test_prefill_tile_loop_shares_kv_fragments(tmp_path):
         assert c["LDSM"] <= 0.32 * c["HMMA"], f"{n}: {c['LDSM']} LDSM for {c['HMMA']} HMMA"
 
 
-# -- the Hopper wgmma prefill kernel (attention_wgmma.cu, NOTES.md round 5) ----------------------------------
+# -- the Hopper wgmma prefill kernel (attention_wgmma.cu, NOTES.md "Prefill kernel (wgmma)") ----------------------------------
 WGMMA_KERNEL = re.compile(r"paged_attention_wgmma_kernel<(\w+), (\d+)>")
 
 
