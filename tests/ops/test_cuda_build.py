@@ -30,6 +30,12 @@ def _cuda_home() -> str | None:
 
 
 def _cuobjdump() -> str | None:
+    """$CUOBJDUMP (device_check.sh exports its choice), $CUDA_HOME's, then Triton's bundled copy."""
+    if os.access(os.environ.get("CUOBJDUMP", ""), os.X_OK):
+        return os.environ["CUOBJDUMP"]
+    home = _cuda_home()
+    if home and os.access(os.path.join(home, "bin", "cuobjdump"), os.X_OK):
+        return os.path.join(home, "bin", "cuobjdump")
     try:
         import triton
 
@@ -38,9 +44,6 @@ def _cuobjdump() -> str | None:
             return cand
     except ImportError:
         pass
-    home = _cuda_home()
-    if home and os.access(os.path.join(home, "bin", "cuobjdump"), os.X_OK):
-        return os.path.join(home, "bin", "cuobjdump")
     return shutil.which("cuobjdump")
 
 
