@@ -205,7 +205,7 @@ def test_default_gpu_test_selection_collects_on_the_device_image(device_image_en
 
 def test_overrunning_stage_gets_sigint_and_keeps_pytest_results_within_budget(device_image_env, tmp_path):
     """A tests stage that overruns its share of the budget: pytest is interrupted (SIGINT), prints its summary
-    and writes junit; faulthandler reports the stuck test; the later stage still runs; the run ends in time.
+    and writes junit; the later stage still runs; the run ends in time.
     The script is started with SIGINT ignored, as a background job of a non-interactive shell would be:
     `timeout` still delivers it to pytest."""
     (tmp_path / "t").mkdir()
@@ -226,7 +226,7 @@ def test_overrunning_stage_gets_sigint_and_keeps_pytest_results_within_budget(de
         STAGES="tests bench",
         TEST_PATHS=str(tmp_path / "t" / "test_overrun.py"),
         PYTEST_XDIST="0",
-        PER_TEST_TIMEOUT="2",
+        PER_TEST_TIMEOUT="100",  # beyond the budget: the stage's SIGINT ends the stuck test (pytest-timeout or not)
         BUDGET=str(budget),
         GRACE=str(grace),
         MIN_STAGE="8",
@@ -244,7 +244,6 @@ def test_overrunning_stage_gets_sigint_and_keeps_pytest_results_within_budget(de
     assert "bench" in status  # the stage after it kept its share
     log = (work / "pytest.log").read_text()
     assert "KeyboardInterrupt" in log and "1 passed" in log
-    assert "Timeout" in log and "test_hangs" in log  # faulthandler_timeout: the stuck test's stack
     junit = (work / "junit_tests.xml").read_text()
     assert 'name="test_quick"' in junit
     summary = (tmp_path / "out" / "summary.txt").read_text()
