@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/serving/bench_dp.py [--model dummy:tiny] [--dp 2] [--rounds 3] [--num-requests 64]
                                             [--prefixes 4] [--rate 16] [--scale 0.5] [--num-pages 256]
 
-One `DataParallelLoop` (N replica processes) behind the HTTP server in this process; the
+One `EnginePool` (N replica processes) behind the HTTP server in this process; the
 client (`run_http_bench`, streaming, token-id prompts, `ignore_eos`) replays the shared-prefix
 workload: `--prefixes` system prefixes of 350-450 tokens (x `--scale`) + a 8-32-token question,
 outputs 16-64, Poisson arrivals at `--rate`. Each request's prefix is drawn at random -- with
@@ -13,7 +13,7 @@ cache-aware, round-robin on even rounds and the reverse on odd ones; before each
 replicas' radix caches and the router's trees are emptied.
 
 Hit rate = prompt tokens served from a replica's radix cache / prompt tokens, summed from each
-replica's finished requests (`DataParallelLoop.health()`); it does not depend on the machine's
+replica's finished requests (`EnginePool.health()`); it does not depend on the machine's
 speed. Throughput (output tokens / s) and TTFT do, and this machine is shared: the 1-minute load
 average is recorded before every run. JSON: benchmarks/results/dp_routing.json.
 """
@@ -37,7 +37,7 @@ from minisched.engine import Engine
 from minisched.observe.http_bench import run_http_bench
 from minisched.observe.workloads import BenchRequest
 from minisched.serve import create_app, make_server
-from minisched.serve.dp import DataParallelLoop
+from minisched.serve.pool import EnginePool
 from minisched.serve.router import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -63,7 +63,7 @@ def shared_prefix(n: int, prefixes: int, rate: float, vocab: int, seed: int, sca
     ]
 
 
-def serve(pool: DataParallelLoop):
+def serve(pool: EnginePool):
     app = create_app(pool.info, model_name="bench", engine_loop=pool, max_queued_requests=4096)
     server = make_server(app, grace_period=1.0, log_level="warning")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -78,7 +78,7 @@ def serve(pool: DataParallelLoop):
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
-def one_run(url: str, pool: DataParallelLoop, policy: str, workload: list[BenchRequest]) -> dict:
+def one_run(url: str, pool: EnginePool, policy: str, workload: list[BenchRequest]) -> dict:
     pool.set_policy(RouterConfig(policy))
     pool.flush_caches()
     before = [pool.replica_status(r) for r in pool.replicas]
@@ -120,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
 
     factory = functools.partial(Engine, args.model, num_pages=args.num_pages)
-    pool = DataParallelLoop([factory] * args.dp).start()
+    pool = EnginePool([factory] * args.dp).start()
     url, server, thread = serve(pool)
     runs = []
     try:

@@ -2,7 +2,12 @@
 
 minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KEY]
                 [--max-queued-requests 512] [--served-model-name NAME] [--grace-period 30]
-                [--dp N] [--router cache-aware|round-robin]
+                [--dp N] [--router cache-aware|round-robin] [--engine-heartbeat-timeout 10] ...
+
+The engine runs in a process of its own (N with --dp N), supervised: a dead or hung one is
+restarted (minisched/serve/pool.py). `--engine-in-process` keeps the engine on a thread of the
+server process instead (the layout before; for comparison); `--tp N` does so too (the engine's
+rank 0 spawns and watches its ranks itself).
 """
 
 from __future__ import annotations
@@ -63,6 +68,30 @@ def add_parser(sub) -> argparse.ArgumentParser:
     dp.add_argument(
         "--router-balance-rel-threshold", type=float, default=1.1, help="... and max exceeds this times min"
     )
+    sup = s.add_argument_group("engine processes")
+    sup.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine on a thread of the server process (no isolation, no restarts)",
+    )
+    sup.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat (sent every 0.5 s) before an engine process counts as hung",
+    )
+    sup.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one engine step may run before the process counts as hung",
+    )
+    sup.add_argument(
+        "--engine-max-restarts",
+        type=int,
+        default=5,
+        help="restarts of an engine process within 10 minutes before it is given up (0: never restart)",
+    )
     engine_args(s)
     return s
 
@@ -78,15 +107,17 @@ def cmd_serve(args) -> int:
         raise CLIError(f"--dp must be >= 1, got {args.dp}")
     if args.dp > 1 and getattr(args, "tp", 1) > 1:  # a replica is a daemon process: it cannot spawn TP workers
         raise CLIError("--dp with --tp is not supported yet: use one of them")
+    if args.engine_in_process and args.dp > 1:
+        raise CLIError("--engine-in-process runs one engine: not with --dp")
     from minisched.serve import create_app, run
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     name = args.served_model_name or args.model or "smollm2"
     config = engine_config(args)
-    if args.dp > 1:
-        engine, loop = _start_replicas(args, config)
-    else:
+    if args.engine_in_process or config.tp > 1:
         engine, loop = make_engine(config), None
+    else:
+        engine, loop = _start_pool(args, config)
     app = create_app(
         engine, model_name=name, api_key=args.api_key, max_queued_requests=args.max_queued_requests, engine_loop=loop
     )
@@ -116,11 +147,20 @@ def replica_config(config, index: int):
     return config.with_options(device=f"cuda:{base + index}")
 
 
-def _start_replicas(args, config):
-    """`--dp N`: N engine processes behind this server (minisched/serve/dp.py); returns (EngineInfo, pool)."""
-    from minisched.serve.dp import DataParallelLoop
+def _start_pool(args, config):
+    """The engine processes (`--dp N`: N) behind this server (minisched/serve/pool.py); returns (EngineInfo, pool)."""
+    from minisched.serve.pool import EnginePool, Supervision
     from minisched.serve.replica import ReplicaStartError
     from minisched.serve.router import RouterConfig
+
+    try:
+        supervision = Supervision(
+            heartbeat_timeout=args.engine_heartbeat_timeout,
+            step_timeout=args.engine_step_timeout,
+            max_restarts=args.engine_max_restarts,
+        )
+    except ValueError as exc:
+        raise CLIError(f"--engine-*: {exc}") from exc
 
     try:
         router = RouterConfig(
@@ -132,9 +172,9 @@ def _start_replicas(args, config):
     except ValueError as exc:
         raise CLIError(f"--router: {exc}") from exc
     factories = [functools.partial(make_engine, replica_config(config, i)) for i in range(args.dp)]
-    print(f"minisched serve: starting {args.dp} engine replicas ...", flush=True)
+    print(f"minisched serve: starting {args.dp} engine process{'es' if args.dp > 1 else ''} ...", flush=True)
     try:
-        pool = DataParallelLoop(factories, router).start()
+        pool = EnginePool(factories, router, supervision=supervision).start()
     except ReplicaStartError as exc:
         raise CLIError(str(exc)) from exc
     return pool.info, pool

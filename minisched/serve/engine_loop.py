@@ -63,6 +63,7 @@ class EngineLoop:
         self._step_errors = 0
         self._stopping = False
         self._stopped = False  # set by the engine thread as it ends
+        self._step_started: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name="minisched-engine", daemon=True)
 
     # -- any thread -----------------------------------------------------------------------------
@@ -121,30 +122,42 @@ class EngineLoop:
                 time.sleep(0.01)
 
     def _handle_messages(self, block: bool) -> None:
-        while True:
-            try:
-                msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            kind = msg[0]
-            if kind == "add":
-                if self.static_batch:
-                    self._held.append(msg[1:])
-                else:
-                    self._add(*msg[1:])
-            elif kind == "abort":
-                self._abort(msg[1])
-            elif kind == "call":
-                _, fn, fut = msg
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(self.engine))
-                    except BaseException as exc:  # noqa: BLE001 -- handed to the caller
-                        fut.set_exception(exc)
-            elif kind == "stop":
-                self._stopping = True
-                return  # what comes after the stop is answered by _abort_everything
+        changed = False
+        try:
+            while True:
+                try:
+                    msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+                except queue.Empty:
+                    return
+                block = False
+                changed |= msg[0] in ("add", "abort")
+                if self._handle(msg):
+                    return
+        finally:
+            if changed:  # an abort or an add between steps is a state change the next snapshot must show
+                self._update_stats(step=False)
+
+    def _handle(self, msg: tuple) -> bool:
+        """One inbox message; True for "stop" (what comes after it is answered by _abort_everything)."""
+        kind = msg[0]
+        if kind == "add":
+            if self.static_batch:
+                self._held.append(msg[1:])
+            else:
+                self._add(*msg[1:])
+        elif kind == "abort":
+            self._abort(msg[1])
+        elif kind == "call":
+            _, fn, fut = msg
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+                    fut.set_exception(exc)
+        elif kind == "stop":
+            self._stopping = True
+            return True
+        return False
 
     def _add(self, rids: list[str], prompt_ids: list[int], sampling: SamplingParams, sinks: list[Sink]) -> None:
         try:
@@ -196,12 +209,19 @@ class EngineLoop:
             elif msg[0] == "call" and msg[2].set_running_or_notify_cancel():
                 msg[2].set_exception(RuntimeError("the engine loop has stopped"))
 
+    def busy_for(self) -> float:
+        """Seconds the current engine step has been running (0 between steps): the step watchdog's input."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def _step(self) -> None:
         engine = self.engine
         before = engine.last_error
+        self._step_started = time.monotonic()
         try:
             engine.step()  # finished requests are found by their status below, whatever step() returned
         finally:
+            self._step_started = None
             if engine.last_error is not before:  # a failed step (its requests got errors)
                 self._step_errors += 1
             if self.check:
@@ -242,7 +262,8 @@ class EngineLoop:
             del self._live[rid]
         publish(out)
 
-    def _update_stats(self) -> None:
+    def _update_stats(self, step: bool = True) -> None:
+        """A new Stats snapshot (after a step, or after adds / aborts handled between steps)."""
         sched = self.engine.scheduler
         new = sched.step_stats[self._stats_seen :]
         self._retractions += sum(s.num_retracted for s in new)
@@ -252,7 +273,7 @@ class EngineLoop:
             self._stats_seen = 0
         tree = sched.tree
         self.stats = Stats(
-            steps=self.stats.steps + 1,
+            steps=self.stats.steps + step,
             running=len(sched.running),
             waiting=len(sched.waiting) + (sched.chunked_req is not None) + len(self._held),
             pages_total=sched.config.num_pages,

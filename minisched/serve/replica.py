@@ -1,27 +1,31 @@
-"""One engine replica in its own process, and the server's handle on it (data parallelism, `--dp N`).
+"""One engine in its own process, and the server's handle on it: every `minisched serve` runs its
+engine this way (`--dp N`: N of them; pool.py supervises them).
 
     client = ReplicaClient(0, functools.partial(Engine, "smollm2"))   # spawns the process
     info = client.wait_ready(timeout=300)          # EngineInfo: tokenizer, model and scheduler configs
-    client.submit(rids, prompt_ids, sampling, sinks)  # False: the replica is dead (route elsewhere)
+    client.submit(Group(rids, prompt_ids, sampling, sinks))  # False: the replica is dead (route elsewhere)
     client.abort(rid); client.call(fn) -> Future   # fn(engine) on the replica's engine thread (picklable fn)
-    client.stop(); client.join(timeout)
+    client.kill(); client.stop(); client.join(timeout)
 
 The replica process ('spawn' context, so no CUDA or thread state is inherited) builds its
 Engine from a picklable zero-argument factory and runs the ordinary `EngineLoop`. Its main
 thread reads the server's messages (add / abort / call / stop) from a `multiprocessing.Pipe`
-and hands them to the loop; the loop publishes each step's updates in ONE pipe message
-(`_ForwardingLoop` stands in for the asyncio loop a `Sink` normally names), and the main
-thread sends a `Stats` snapshot whenever it changed, at most every STATS_INTERVAL seconds.
+(pickled: measured against pyzmq in RESULTS.md, "Serving") and hands them to the loop; the loop
+publishes each step's updates -- every request's token deltas -- in ONE pipe message
+(`_ForwardingLoop` stands in for the asyncio loop a `Sink` normally names); the main thread
+sends a `Stats` snapshot whenever it changed (at most every STATS_INTERVAL seconds) and a
+heartbeat every BEAT_INTERVAL with how long the current step has run (the pool's watchdog).
 
 On the server side a reader thread per replica turns those messages back into `Update`s on
-the requests' own event loops (`loop.publish`: one `call_soon_threadsafe` per batch).
-A replica that dies -- killed, crashed, out of memory -- closes its end of the pipe: the
-reader's `recv` raises EOFError at once, every request still in flight there ends with a
-`server_error` update (HTTP 500, or an error event in the stream), and `on_death(index)`
-tells the pool to stop routing to it. Within a bounded time: the pipe's EOF needs no timeout.
-The replica in turn exits when the server's end closes (the server died), and ignores
-SIGINT and SIGTERM: Ctrl-C in a terminal (or `timeout`, or `kill -- -PGID`) signals the whole
-process group, and the server must drain its requests before it stops the replicas.
+the requests' own event loops (`loop.publish`: one `call_soon_threadsafe` per batch) and
+stamps `last_heard`. A replica that dies -- killed, crashed, out of memory, or killed by the
+pool for going quiet -- closes its end of the pipe: the reader's `recv` raises EOFError at
+once; every request of it that the client has seen something of ends with a `server_error`
+update (HTTP 500, or an error event in the stream); the groups nothing was delivered for yet
+go back to the pool (`on_death`), which routes them again, once. The replica in turn exits
+when the server's end closes (the server died), and ignores SIGINT and SIGTERM: Ctrl-C in a
+terminal (or `timeout`, or `kill -- -PGID`) signals the whole process group, and the server
+must drain its requests before it stops the replicas.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ from minisched.serve.messages import Stats, Update
 
 log = logging.getLogger("minisched.serve")
 STATS_INTERVAL = 0.05  # seconds between the replica's Stats messages (only when they changed)
+BEAT_INTERVAL = 0.5  # seconds between heartbeats (the supervisor's timeout is several of them)
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,19 @@ class EngineInfo:
 
 class ReplicaStartError(RuntimeError):
     pass
+
+
+@dataclass(eq=False)
+class Group:
+    """One submit: a prompt's choices (one request each). Kept until every choice has finished, so
+    that a group nothing was delivered for yet can be retried elsewhere when its replica dies."""
+
+    rids: list[str]
+    prompt_ids: list[int]
+    sampling: Any
+    sinks: list
+    retried: bool = False
+    delivered: bool = False  # some choice got tokens or a finish: the client saw it, no retry then
 
 
 # -- the replica process -------------------------------------------------------------------------
@@ -110,13 +129,17 @@ def _replica_main(
     loop = EngineLoop(engine, check_invariants=check_invariants).start()
     fwd = _ForwardingLoop(out)
     out.send(("ready", EngineInfo(engine.tokenizer, engine.cfg, engine.sched_config)))
-    sent_stats = None
+    sent_stats, beat = None, 0.0
     while True:
         try:
             ready = conn.poll(STATS_INTERVAL)
             msg = conn.recv() if ready else None
         except (EOFError, OSError):  # the server is gone
             break
+        now = time.monotonic()
+        if now - beat >= BEAT_INTERVAL:  # the server's supervisor kills a replica that goes quiet
+            beat = now
+            out.send(("beat", loop.busy_for()))
         if msg is not None:
             kind = msg[0]
             if kind == "add":
@@ -152,7 +175,7 @@ class ReplicaClient:
         index: int,
         factory: Callable[[], Any],
         *,
-        on_death: Optional[Callable[[int], None]] = None,
+        on_death: Optional[Callable[[int, bool, list[Group]], None]] = None,
         cpus: Optional[list[int]] = None,
         check_invariants: bool = False,
     ):
@@ -173,9 +196,11 @@ class ReplicaClient:
         self.alive = False
         self.error: Optional[str] = None  # why it failed to start or died
         self.requests = self.prompt_tokens = self.cached_tokens = self.failed = 0
-        self._lock = threading.Lock()  # guards _sinks, alive, the counters
+        self._lock = threading.Lock()  # guards _live, alive, the counters
         self._send_lock = threading.Lock()  # never taken by the reader: no cycle with a full pipe
-        self._sinks: dict[str, tuple[Any, int]] = {}  # rid -> (sink, prompt length)
+        self._live: dict[str, tuple[Group, Any]] = {}  # rid -> (its group, its sink), until it finished
+        self.last_heard = time.monotonic()  # any message from the replica (heartbeats every BEAT_INTERVAL)
+        self.busy_for = 0.0  # the replica's current step has been running this long (its last heartbeat)
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count()
         self._stopping = False
@@ -185,7 +210,7 @@ class ReplicaClient:
 
     @property
     def in_flight(self) -> int:
-        return len(self._sinks)
+        return len(self._live)
 
     def wait_ready(self, timeout: float) -> EngineInfo:
         if not self._ready.wait(timeout):
@@ -194,19 +219,33 @@ class ReplicaClient:
             raise ReplicaStartError(f"engine replica {self.index} failed to start: {self.error}")
         return self.info
 
-    def submit(self, rids: list[str], prompt_ids: list[int], sampling, sinks: list) -> bool:
+    def submit(self, group: Group) -> bool:
         with self._lock:
             if not self.alive:
                 return False
-            for rid, sink in zip(rids, sinks):
-                self._sinks[rid] = (sink, len(prompt_ids))
-        if self._send(("add", list(rids), prompt_ids, sampling)):
+            for rid, sink in zip(group.rids, group.sinks):
+                self._live[rid] = (group, sink)
+        if self._send(("add", list(group.rids), group.prompt_ids, group.sampling)):
             return True
-        with self._lock:  # the replica is going; unless its death already answered the requests, reroute them
-            return all(self._sinks.pop(rid, None) is None for rid in rids)
+        with self._lock:  # the replica is going; unless its death already took the group, route it again
+            return all(self._live.pop(rid, None) is None for rid in group.rids)
 
     def has(self, rid: str) -> bool:
-        return rid in self._sinks
+        return rid in self._live
+
+    def live_rids(self) -> list[str]:
+        with self._lock:
+            return list(self._live)
+
+    @property
+    def started(self) -> bool:
+        """It has said "ready" or "failed", or died."""
+        return self._ready.is_set()
+
+    def kill(self) -> None:
+        """SIGKILL (also ends a process stopped by SIGSTOP); the reader then sees EOF."""
+        if self.process.is_alive():
+            self.process.kill()
 
     def abort(self, rid: str) -> None:
         if self.alive:
@@ -257,8 +296,11 @@ class ReplicaClient:
             except Exception:  # an unpicklable message: a bug, not a dead replica; keep reading
                 log.error("replica %d sent a bad message:\n%s", self.index, traceback.format_exc())
                 continue
+            self.last_heard = time.monotonic()
             kind = msg[0]
-            if kind == "updates":
+            if kind == "beat":
+                self.busy_for = msg[1]
+            elif kind == "updates":
                 self._deliver(msg[1])
             elif kind == "stats":
                 self.stats, self.invariant_errors = msg[1], msg[2]
@@ -279,15 +321,18 @@ class ReplicaClient:
         out = []
         with self._lock:
             for rid, upd in items:
-                entry = self._sinks.get(rid)
+                entry = self._live.get(rid)
                 if entry is None:
                     continue
+                group, sink = entry
+                if upd.token_ids or upd.finish_reason is not None:
+                    group.delivered = True
                 if upd.finish_reason is not None:
-                    del self._sinks[rid]
+                    del self._live[rid]
                     self.requests += 1
-                    self.prompt_tokens += entry[1]
+                    self.prompt_tokens += len(group.prompt_ids)
                     self.cached_tokens += upd.cached_tokens
-                out.append((entry[0], upd))
+                out.append((sink, upd))
         publish(out)
 
     def _died(self) -> None:
@@ -301,22 +346,33 @@ class ReplicaClient:
             how = f"exited with status {code}"
         with self._lock:
             was_alive, self.alive = self.alive, False
-            pending, self._sinks = self._sinks, {}
+            pending, self._live = self._live, {}
             calls, self._calls = self._calls, {}
-            self.failed += len(pending)
         if self.error is None:
             self.error = f"engine replica {self.index} {how}"
-        expected = self._stopping or not was_alive
-        if not expected:
-            log.error("%s; %d request(s) in flight there failed", self.error, len(pending))
+        groups = list({id(g): g for g, _ in pending.values()}.values())
+        # a group nothing was delivered for may run again elsewhere, once; the others fail now
+        retry = [g for g in groups if not g.delivered and not g.retried and not self._stopping]
+        again = {id(g) for g in retry}
+        failing = [(sink, rid) for rid, (g, sink) in pending.items() if id(g) not in again]
+        self.failed += len(failing)
+        if not (self._stopping or not was_alive):
+            log.error(
+                "%s; %d request(s) in flight there failed, %d not started yet to be retried",
+                self.error,
+                len(failing),
+                sum(len(g.rids) for g in retry),
+            )
         upd = (
             (lambda: Update([], "abort"))
             if self._stopping
             else (lambda: Update([], "error", self.error, "server_error"))
         )
-        publish([(sink, upd()) for sink, _ in pending.values()])
+        publish([(sink, upd()) for sink, _ in failing])
         for fut in calls.values():
             fut.set_exception(RuntimeError(self.error))
         self._ready.set()
-        if was_alive and not self._stopping and self.on_death is not None:
-            self.on_death(self.index)
+        if self.on_death is not None and not self._stopping:
+            self.on_death(self.index, was_alive, retry)  # the pool: restart, and route the retries again
+        else:
+            publish([(sink, upd()) for g in retry for sink in g.sinks])

@@ -193,6 +193,12 @@ class Router:
         self.load[i] = 0
         self.trees[i].clear()
 
+    def add(self, i: int) -> None:
+        """Replica i serves again (restarted): routable, with an empty tree like its cache."""
+        self.alive[i] = True
+        self.load[i] = 0
+        self.trees[i].clear()
+
     def reset(self) -> None:
         """Forget every tree (the replicas' caches were flushed)."""
         for t in self.trees:

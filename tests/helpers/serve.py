@@ -69,3 +69,41 @@ def pool_whole(engine) -> tuple[int, int, int]:
     sched.check_invariants()
     sched.pool.free(sched.tree.evict(sched.tree.total_pages))
     return sched.pool.num_free, sched.tree.total_pages, engine.sched_config.num_pages
+
+
+@contextlib.contextmanager
+def pool_server(factories, *, router=None, supervision=None, start_timeout: float = 120.0):
+    """An EnginePool (engine processes) behind a live server; yields (base URL, pool). At the end every
+    replica process must be gone and none may have broken the scheduler's invariants."""
+    from minisched.serve.pool import EnginePool, Supervision
+    from minisched.serve.router import RouterConfig
+
+    pool = EnginePool(
+        factories,
+        router or RouterConfig(),
+        check_invariants=True,
+        start_timeout=start_timeout,
+        supervision=supervision or Supervision(),
+    ).start()
+    server = None
+    try:
+        app = create_app(pool.info, model_name="tiny", engine_loop=pool)
+        server = make_server(app, grace_period=2.0, log_level="warning")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", pool
+    finally:
+        if server is not None:
+            server.should_exit = True
+            thread.join(30)
+            sock.close()
+        pool.stop()
+        pool.join(20)
+        assert not any(r.process.is_alive() for r in pool.replicas), "a replica process outlived the server"
+    assert all(r.invariant_errors == 0 for r in pool.replicas)

@@ -8,23 +8,20 @@ serving; a replica that cannot start fails the start with a one-line reason.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import os
 import signal
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
+from helpers.serve import pool_server
 from minisched.engine import Engine
 from minisched.sched.req import SamplingParams
-from minisched.serve import create_app, make_server
-from minisched.serve.dp import DataParallelLoop
+from minisched.serve.pool import EnginePool
 from minisched.serve.replica import ReplicaStartError
 from minisched.serve.router import RouterConfig
 
@@ -33,31 +30,8 @@ SYS_A = "You are a careful assistant. Answer in one short sentence. "  # 59 byte
 SYS_B = "Translate the following text into French, keeping the tone. "
 
 
-@contextlib.contextmanager
 def dp_server(n: int = 2, router: RouterConfig = RouterConfig()):
-    pool = DataParallelLoop([TINY] * n, router, check_invariants=True, start_timeout=120).start()
-    server = None
-    try:
-        app = create_app(pool.info, model_name="tiny", engine_loop=pool)
-        server = make_server(app, grace_period=2.0, log_level="warning")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", pool
-    finally:
-        if server is not None:
-            server.should_exit = True
-            thread.join(30)
-            sock.close()
-        pool.stop()
-        pool.join(20)
-        assert not any(r.process.is_alive() for r in pool.replicas), "a replica process outlived the server"
-    assert all(r.invariant_errors == 0 for r in pool.replicas)
+    return pool_server([TINY] * n, router=router)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +133,7 @@ def test_killed_replica_fails_its_requests_and_the_other_keeps_serving():
                 ]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
                 victim, survivor = pool.replicas[1], pool.replicas[0]
-                doomed = {rid.rsplit("-", 1)[0] for rid in victim._sinks}  # engine ids: <response id>-<choice>
+                doomed = {rid.rsplit("-", 1)[0] for rid in victim.live_rids()}  # engine ids: <response id>-<choice>
                 assert doomed and survivor.in_flight > 0, "the requests did not spread over both replicas"
                 killed_at = time.monotonic()
                 os.kill(victim.process.pid, signal.SIGKILL)
@@ -202,7 +176,7 @@ def test_killed_replica_fails_its_requests_and_the_other_keeps_serving():
 
 
 def test_a_replica_that_cannot_start_fails_the_start_cleanly():
-    pool = DataParallelLoop([TINY, functools.partial(Engine, "dummy:nope")], start_timeout=120)
+    pool = EnginePool([TINY, functools.partial(Engine, "dummy:nope")], start_timeout=120)
     with pytest.raises(ReplicaStartError, match=r"replica 1 failed to start: ValueError: unknown model preset 'nope'"):
         pool.start()
     assert not any(r.process.is_alive() for r in pool.replicas)
