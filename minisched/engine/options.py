@@ -36,9 +36,19 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def available_bytes(device: torch.device) -> int:
+def available_bytes(device: torch.device, meminfo: str = "/proc/meminfo") -> int:
+    """Memory a KV pool may take: free device memory on CUDA; on the CPU the kernel's MemAvailable
+    (free pages plus the page cache it can drop -- free pages alone were 0.35 of 12 GiB available
+    after a few model loads, and a restarted engine refused to start), else the free pages."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

@@ -167,3 +167,16 @@ def test_abort(tiny):
     assert sorted(r.rid for r in done) == sorted([reqs[0].rid, reqs[2].rid])
     assert reqs[1].finish_reason.value == "abort"
     engine.scheduler.check_invariants()
+
+
+def test_cpu_pool_sizing_counts_reclaimable_memory(tmp_path):
+    """Regression: the CPU pool check read only free pages (SC_AVPHYS_PAGES), so after model loads filled
+    the page cache a restarted engine refused a 0.7 GiB pool with 12 GiB available."""
+    import torch
+
+    from minisched.engine.options import available_bytes
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemFree:          350000 kB\nMemAvailable:   12000000 kB\n")
+    assert available_bytes(torch.device("cpu"), str(info)) == 12000000 * 1024
+    assert available_bytes(torch.device("cpu"), str(tmp_path / "missing")) > 0  # no /proc: the free pages
