@@ -1,0 +1,214 @@
+"""Served throughput against the offline engine, at 1, 8 and 64 streams, with the engine in its own
+process (the default) and on a thread of the server process (`--engine-in-process`, the layout
+before), and client-side TTFT against the server's.
+
+    python benchmarks/serving/bench_served_vs_offline.py [--model smollm2] [--streams 1 8 64] [--rounds 2]
+
+Per round and stream count S, interleaved (offline, thread, process; the order rotates by round):
+- offline: `Engine.generate` on S x k requests with `max_running_requests=S` in this process;
+- served: `minisched serve` (subprocess, same engine options) and S light streaming clients
+  (httpx, closed loop: each sends k requests one after another): output tok/s over the run.
+Prompts are 64 random token ids, 32 greedy output tokens (`ignore_eos`). Ratio: served / offline of
+the same round. TTFT: each client's first streamed chunk (chat, where a role chunk at admission
+used to arrive before prefill) against the server's own histogram (`/metrics`, admission to first
+token); target: within 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+NEW, PROMPT = 32, 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(PROMPT)] for _ in range(n)]
+
+
+def offline(model: str, streams: int, ps: list[list[int]]) -> dict:
+    from minisched import Engine, SamplingParams
+
+    engine = Engine(model, max_running_requests=streams)
+    t0 = time.perf_counter()
+    outs = engine.generate(ps, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    return {"output_tok_s": sum(len(o.token_ids) for o in outs) / dt, "seconds": dt}
+
+
+async def stream_client(c: httpx.AsyncClient, mine: list[list[int]], chat: bool, ttfts: list) -> int:
+    n = 0
+    for p in mine:
+        t0 = time.monotonic()
+        if chat:
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": " ".join(map(str, p[:40]))}],
+                "max_tokens": NEW,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            path = "/v1/chat/completions"
+        else:
+            body = {
+                "model": "m",
+                "prompt": p,
+                "max_tokens": NEW,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            path = "/v1/completions"
+        first = None
+        async with c.stream("POST", path, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and first is None:
+                    first = time.monotonic() - t0
+                if line.startswith("data: {") and not chat:
+                    n += len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+        ttfts.append(first)
+        if chat:
+            n += NEW
+    return n
+
+
+def served(model: str, streams: int, ps: list[list[int]], in_process: bool, chat_ttft: bool) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "minisched",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+        "--max-running-requests",
+        str(streams),
+        "--log-level",
+        "warning",
+    ]
+    if in_process:
+        cmd.append("--engine-in-process")
+    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.5)
+
+        async def run(chat: bool, work):
+            ttfts: list = []
+            limits = httpx.Limits(max_connections=streams + 2)
+            async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+                t0 = time.perf_counter()
+                counts = await asyncio.gather(
+                    *(stream_client(c, work[i::streams], chat, ttfts) for i in range(streams))
+                )
+                return sum(counts), time.perf_counter() - t0, ttfts
+
+        tokens, dt, _ = asyncio.run(run(False, ps))
+        out = {"output_tok_s": tokens / dt, "seconds": dt}
+        if chat_ttft:
+            text = httpx.get(url + "/metrics", timeout=5).text
+            s0 = float(re.search(r"^minisched_time_to_first_token_seconds_sum (\S+)", text, re.M).group(1))
+            n0 = float(re.search(r"^minisched_time_to_first_token_seconds_count (\S+)", text, re.M).group(1))
+            _, _, ttfts = asyncio.run(run(True, ps[: max(streams, 8)]))
+            text = httpx.get(url + "/metrics", timeout=5).text
+            s1 = float(re.search(r"^minisched_time_to_first_token_seconds_sum (\S+)", text, re.M).group(1))
+            n1 = float(re.search(r"^minisched_time_to_first_token_seconds_count (\S+)", text, re.M).group(1))
+            out["client_ttft_s"] = statistics.mean(ttfts)
+            out["server_ttft_s"] = (s1 - s0) / (n1 - n0)
+        return out
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=str(ROOT / "benchmarks/results/served_vs_offline.json"))
+    args = ap.parse_args()
+    k = {1: 8, 8: 4}
+    rows = []
+    for r in range(args.rounds):
+        for s in args.streams:
+            ps = prompts(s * k.get(s, 2), seed=100 * r + s)
+            modes = ["offline", "thread", "process"]
+            modes = modes[r % 3 :] + modes[: r % 3]
+            for mode in modes:
+                load = os.getloadavg()[0]
+                res = (
+                    offline(args.model, s, ps)
+                    if mode == "offline"
+                    else served(args.model, s, ps, mode == "thread", chat_ttft=(s == 8))
+                )
+                rows.append({"round": r, "streams": s, "mode": mode, "load": load, **res})
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'streams':>7}{'thread/offline':>16}{'process/offline':>17}{'client/server TTFT':>20}")
+    summary = {}
+    for s in args.streams:
+        ratio = {}
+        for mode in ("thread", "process"):
+            ratio[mode] = statistics.median(
+                next(x["output_tok_s"] for x in rows if x["round"] == r and x["streams"] == s and x["mode"] == mode)
+                / next(
+                    x["output_tok_s"] for x in rows if x["round"] == r and x["streams"] == s and x["mode"] == "offline"
+                )
+                for r in range(args.rounds)
+            )
+        tt = [
+            x["client_ttft_s"] / x["server_ttft_s"]
+            for x in rows
+            if x["streams"] == s and "client_ttft_s" in x and x["mode"] == "process"
+        ]
+        summary[s] = {**ratio, "ttft_client_over_server": statistics.median(tt) if tt else None}
+        ttft = summary[s]["ttft_client_over_server"]
+        print(f"{s:>7}{ratio['thread']:>16.3f}{ratio['process']:>17.3f}{'-' if ttft is None else f'{ttft:.3f}':>20}")
+    Path(args.json).write_text(
+        json.dumps(
+            {"benchmark": "bench_served_vs_offline", "model": args.model, "rows": rows, "summary": summary}, indent=1
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
