@@ -121,6 +121,18 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "(default: on for a float32 model on the CPU without --quantize or --tp)",
     )
     g.add_argument(
+        "--host-kv-pages",
+        type=int,
+        default=0,
+        help="a host-memory KV tier of this many pages under the radix cache: evicted prefixes go there and "
+        "come back on a match instead of being recomputed (0: off)",
+    )
+    g.add_argument(
+        "--host-kv-write-through",
+        action="store_true",
+        help="copy each new cached prefix to the host tier at once (default: on eviction, write-back)",
+    )
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -184,6 +196,8 @@ def engine_config(args):
             cuda_graph=args.cuda_graph,
             quantize=args.quantize,
             pack_weights=args.pack_weights,
+            host_kv_pages=args.host_kv_pages,
+            host_kv_write_through=args.host_kv_write_through,
             tp=args.tp,
             tp_timeout=args.tp_timeout,
             scheduler=sched,
@@ -204,6 +218,7 @@ FLAGS = {
     "page_size": "--page-size",
     "chunk_size": "--chunk-size",
     "max_running_requests": "--max-running-requests",
+    "host_kv_pages": "--host-kv-pages",
     "tensor parallelism": "--tp",
 }
 

@@ -53,6 +53,8 @@ class EngineConfig:
     seed: int = 0  # dummy weights
     tp: int = 1  # tensor-parallel ranks (cli/common.py starts them)
     tp_timeout: float = 60.0
+    host_kv_pages: int = 0  # the host tier under the radix cache, in pages (0: off; engine/kv_tier.py)
+    host_kv_write_through: bool = False  # copy new cache nodes to the host at once, not on eviction
     scheduler: SchedulerConfig = field(default_factory=default_scheduler)
 
     def __post_init__(self) -> None:
@@ -97,6 +99,13 @@ class EngineConfig:
         need(is_int(self.seed), f"seed must be an int, got {self.seed!r}")
         need(is_int(self.tp) and self.tp >= 1, f"tp must be an int >= 1, got {self.tp!r}")
         need(is_real(self.tp_timeout) and self.tp_timeout > 0, f"tp_timeout must be > 0, got {self.tp_timeout!r}")
+        need(
+            is_int(self.host_kv_pages) and self.host_kv_pages >= 0,
+            f"host_kv_pages must be an int >= 0, got {self.host_kv_pages!r}",
+        )
+        need(isinstance(self.host_kv_write_through, bool), "host_kv_write_through must be a bool")
+        if self.host_kv_pages and self.tp != 1:
+            raise ValueError("the host KV tier with tensor parallelism is not supported (each rank has its own pool)")
         need(isinstance(self.scheduler, SchedulerConfig), "scheduler must be a SchedulerConfig")
         if self.quantize != "none" and self.tp != 1:
             raise ValueError("quantize with tensor parallelism is not supported (the ranks shard fp32 weights)")

@@ -31,6 +31,7 @@ from minisched.base.values import is_int
 from minisched.engine.config import EngineConfig
 from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.generate import generate, stream
+from minisched.engine.kv_tier import HostKVMover
 from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
@@ -44,6 +45,7 @@ from minisched.model.llama import LlamaModel
 from minisched.model.packed import pack_model, want_packed
 from minisched.model.quant import QuantConfig, quantize_model
 from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
+from minisched.sched.host_tier import HostTier
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler
 
@@ -166,7 +168,14 @@ class Engine:
             thread_tuner=tuner if self.device.type == "cpu" else None,
             cuda_graphs=graphs,
         )
-        self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit)
+        self.host_tier = None  # the host KV tier under the radix cache (engine/kv_tier.py)
+        if config.host_kv_pages:
+            if runner_factory is not None:
+                raise ValueError("the host KV tier runs with the plain runner (not tensor parallelism)")
+            mover = HostKVMover(self.kv_cache, self.backend)
+            self.host_tier = HostTier(config.host_kv_pages, mover, write_through=config.host_kv_write_through)
+            self.runner.kv_mover = mover
+        self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier)
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
@@ -304,6 +313,10 @@ class Engine:
             self.last_error = exc
             done = self.scheduler.take_finished()
         finally:
+            if self.scheduler.unrun_loads:  # a failed step's host-tier loads: their nodes' pages must hold their K/V
+                loads, self.scheduler.unrun_loads = self.scheduler.unrun_loads, []
+                for handle, pages in loads:
+                    self.runner.kv_mover.to_device(handle, pages)
             self.step_times.append((t0, time.monotonic()))
         return done
 

@@ -80,6 +80,7 @@ class ForwardJob:
     future_slots: Optional[torch.Tensor]  # int64: where each sampled row's token goes in the future map
     plan: LogitsPlan  # the rows whose logits are computed (sampling, prompt logprobs)
     reqs: list[Req]  # the sampled rows' requests (structured outputs: their grammar matchers)
+    loads: list  # host tier: (host copy, device pages) to copy in before the forward
     history: Optional[list[Optional[RowHistory]]]  # per sampled row, for penalties and min_tokens
 
 
@@ -110,6 +111,7 @@ class ModelRunner:
         self.num_cascade_steps = 0
         self._futures: Optional[torch.Tensor] = None  # overlap: tokens sampled for placeholder ids
         self.matchers = Matchers(model.cfg.vocab_size)  # structured outputs (engine/structured.py)
+        self.kv_mover = None  # the host KV tier's (engine/kv_tier.py): a batch's loads run first
 
     def health(self) -> Optional[str]:
         """None while this runner can run steps (a tensor-parallel runner says why it cannot)."""
@@ -213,6 +215,7 @@ class ModelRunner:
             slots,
             plan,
             reqs,
+            batch.loads,
             history,
         )
 
@@ -229,6 +232,8 @@ class ModelRunner:
         if tuner is not None:
             tuner.before_step(job.num_tokens)
             t0 = time.perf_counter()
+        for handle, pages in job.loads:  # host-tier hits back into their device pages, before anything reads them
+            self.kv_mover.to_device(handle, pages)
         input_ids = job.input_ids
         if job.has_futures:
             fut = self._future_map()

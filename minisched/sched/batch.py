@@ -40,6 +40,7 @@ class Batch:
     sampled: list[bool] = field(default_factory=list)  # does row b produce a kept token?
     num_decode: int = 0  # decode requests (the last rows of a MIXED batch; all of a DECODE one)
     future_ids: list[int] = field(default_factory=list)  # overlap: placeholder of each row's token (launch)
+    loads: list = field(default_factory=list)  # host tier: (host copy, device pages) to copy in before the forward
 
     def __post_init__(self) -> None:
         if not self.sampled:

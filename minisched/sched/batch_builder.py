@@ -82,10 +82,9 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
     sched.chunked_req = adder.new_chunked_req
     if not adder.can_run:
         return None, adder.cache_hit_tokens
-    return (
-        Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size),
-        adder.cache_hit_tokens,
-    )
+    batch = Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size)
+    batch.loads = adder.loads
+    return batch, adder.cache_hit_tokens
 
 
 def mix(sched: Queues, batch: Batch) -> Batch:
@@ -94,7 +93,7 @@ def mix(sched: Queues, batch: Batch) -> Batch:
     if not decode_fits(sched) or not sched.pool.alloc_for_decode(running):
         return batch
     n = len(running)
-    return Batch(
+    mixed = Batch(
         ForwardMode.MIXED,
         batch.reqs + running,
         batch.prefix_lens + [r.kv_len for r in running],
@@ -103,6 +102,8 @@ def mix(sched: Queues, batch: Batch) -> Batch:
         batch.sampled + [True] * n,
         n,
     )
+    mixed.loads = batch.loads
+    return mixed
 
 
 def decode_batch(sched: Queues, n_retracted: int) -> Batch:

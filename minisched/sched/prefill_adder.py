@@ -59,6 +59,7 @@ class PrefillAdder:
     extend_lens: list[int] = field(default_factory=list)
     new_chunked_req: Req | None = None
     cache_hit_tokens: int = 0
+    loads: list = field(default_factory=list)  # (host copy, device pages) to run before the forward
 
     def __post_init__(self) -> None:
         clip = self.clip_estimate
@@ -73,6 +74,11 @@ class PrefillAdder:
     @property
     def rem_total_tokens(self) -> float:
         return (self.pool.num_free + self.tree.evictable_pages) * self.pool.page_size - self.reserved
+
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        if n > self.pool.num_free:
+            self.pool.free(self.tree.evict(n - self.pool.num_free))
+        return self.pool.alloc(n)
 
     def _alloc(self, req: Req, n_tokens: int) -> bool:
         need = self.pool.pages_needed(req, n_tokens)
@@ -129,33 +135,49 @@ class PrefillAdder:
             return AddResult.OTHER
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
             return AddResult.OTHER
+        ps, tree = self.pool.page_size, self.tree
         key = req.fill_ids if req.output_ids else req.prompt_ids
         limit = req.seq_len - 1 if req.logits_from is None else min(req.seq_len - 1, req.logits_from)
-        pages, node = self.tree.match_prefix(key, limit)
-        prefix = len(pages) * self.pool.page_size
+        pages, node = tree.match_prefix(key, limit)
+        on_host = tree.match_host(key, node, limit)  # host-tier hits: loaded back below
+        n_host = sum(len(h.key) for h in on_host) // ps
+        prefix = (len(pages) + n_host) * ps
         if self.defer is not None and self.defer.should_defer(key[: req.seq_len - 1], prefix):
             return AddResult.DEFERRED
         n, truncated = self._chunk_len(req.seq_len - prefix)
         if self.can_run and n > self.rem_input_tokens:
             return AddResult.OTHER
-        self.tree.inc_lock_ref(node)
-        need_pages = cdiv(prefix + n, self.pool.page_size) - len(pages)
-        need_tokens = need_pages * self.pool.page_size
+        tree.inc_lock_ref(node)
+        need_pages = cdiv(prefix + n, ps) - len(pages)  # the host hits need device pages too
+        need_tokens = need_pages * ps
         if not truncated:
             need_tokens += self._future(req)
         first = not self.can_run and not self.running
         fits = need_tokens <= self.rem_total_tokens
-        if not fits and not (first and need_pages <= self.pool.num_free + self.tree.evictable_pages):
-            self.tree.dec_lock_ref(node)
+        if not fits and not (first and need_pages <= self.pool.num_free + tree.evictable_pages):
+            tree.dec_lock_ref(node)
             return AddResult.NO_TOKEN
-        req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = list(pages), len(pages), node, prefix
-        if not self._alloc(req, n):  # cannot happen: the budget counted free + evictable pages
-            self.tree.dec_lock_ref(node)
-            req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
-            return AddResult.NO_TOKEN
-        req.cache_hit_tokens = min(
-            prefix, req.prompt_len
-        )  # prompt tokens only (a retracted request also hits its own output)
+        tree.pinned.update(id(h) for h in on_host)  # evictions below must not drop them
+        try:
+            host_pages = self._alloc_pages(n_host) if n_host else []
+            req.page_ids, req.n_cached_pages, req.last_node = list(pages) + (host_pages or []), len(pages), node
+            req.kv_len = prefix
+            if host_pages is None or not self._alloc(req, n):  # cannot happen: the budget counted free + evictable
+                if host_pages:
+                    self.pool.free(host_pages)
+                tree.dec_lock_ref(node)
+                req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
+                return AddResult.NO_TOKEN
+        finally:
+            tree.pinned.difference_update(id(h) for h in on_host)
+        if on_host:  # the host copies come back into their new pages before this batch's forward
+            self.loads += tree.load(on_host, host_pages)
+            tree.inc_lock_ref(on_host[-1])
+            tree.dec_lock_ref(node)
+            req.last_node, req.n_cached_pages = on_host[-1], len(pages) + n_host
+            tree.host.stats.host_hit_tokens += n_host * ps
+        req.cache_hit_tokens = min(prefix, req.prompt_len)  # prompt tokens (a retracted one also hits its output)
+        req.host_hit_tokens = min(n_host * ps, req.cache_hit_tokens)
         self.cache_hit_tokens += prefix
         self._admit(req, prefix, n, truncated)
         return AddResult.OTHER if truncated else AddResult.CONTINUE

@@ -1,18 +1,25 @@
-"""Radix cache over whole KV pages (SGLang's RadixCache, page-aligned).
+"""Radix cache over whole KV pages (SGLang's RadixCache, page-aligned), with an optional host tier.
 
-Keys are token-id lists cut to a multiple of `page_size`; each node holds a key
-segment and the pages whose K/V belong to it (`len(key) == len(pages) * page_size`),
-so only full pages are ever shared and no copy-on-write is needed.
+Keys are token-id lists cut to a multiple of `page_size`; each node holds a key segment and
+where the K/V of its `len(key) / page_size` pages lives: `pages` (device page ids; empty when
+the node is on the host only) and `host` (a host copy from host_tier.py, or None). Only full
+pages are ever shared. The device-resident nodes form a subtree at the root (a node on the
+device has its parent on the device), and only they are locked.
 
-- `match_prefix(key) -> (pages, node)`: the longest cached page-aligned prefix;
+- `match_prefix(key) -> (pages, node)`: the longest page-aligned prefix cached on the device;
   splits a node when the match ends inside it. Refreshes LRU times on the path.
-- `insert(key, pages) -> n_cached_tokens`: adds the key; returns how many leading
-  tokens were already cached, whose pages in `pages` are duplicates the caller frees.
-- `evict(n_pages) -> list[int]`: frees least recently used unlocked leaves (cascading
-  up to parents that become leaves) until n_pages are released; the caller returns
-  them to the pool.
-- `inc_lock_ref(node)` / `dec_lock_ref(node)`: lock the path root..node for a live
-  request, moving its size between `evictable_pages` and `protected_pages`.
+- `match_host(key, node)`: the host-only nodes that continue a device match (the host tier's
+  hits); `load(nodes, pages)` gives them these device pages and returns the copies to run
+  before the forward that reads them (`Batch.loads`).
+- `insert(key, pages) -> duplicates`: adds the key; returns the pages of `pages` the caller must
+  free because the tree already had those tokens on the device (a host-only node on the way
+  adopts the new pages instead).
+- `evict(n_pages) -> list[int]`: frees device pages of least recently used unlocked nodes that
+  have no device child, until n_pages are released. With a host tier each goes to the host first
+  (write-back; a copy only if it is not there yet) and stays in the tree; without one, or when the
+  host is full even after its own LRU eviction, the node is dropped (with its host-only subtree).
+- `inc_lock_ref(node)` / `dec_lock_ref(node)`: lock the path root..node for a live request,
+  moving its size between `evictable_pages` and `protected_pages` (device pages only).
 - `RadixCache(page_size, disable=True)`: matches nothing, stores nothing.
 """
 
@@ -21,22 +28,33 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
+
+from minisched.sched.host_tier import HostTier
 
 
 @dataclass(eq=False)
 class TreeNode:
     key: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # device pages; [] when on the host only
     parent: TreeNode | None = None
     children: dict = field(default_factory=dict)  # first page of the child's key (tuple) -> node
     lock_ref: int = 0
     last_access: int = 0
+    host: Any = None  # the host copy (host tier), or None
+
+    def on_device(self) -> bool:
+        return bool(self.pages)
+
+    def device_leaf(self) -> bool:
+        return bool(self.pages) and not any(c.pages for c in self.children.values())
 
 
 class RadixCache:
-    def __init__(self, page_size: int, disable: bool = False) -> None:
+    def __init__(self, page_size: int, disable: bool = False, host: HostTier | None = None) -> None:
         self.page_size = page_size
         self.disable = disable
+        self.host = host
         self._clock = itertools.count(1)
         self.reset()
 
@@ -44,24 +62,31 @@ class RadixCache:
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
         self.evictable_pages = 0
         self.protected_pages = 0
-        # lazy LRU heap of (last_access, seq, node) eviction candidates; stale entries
-        # (touched, locked, inner or removed nodes) are re-checked when popped
+        # lazy LRU heaps of (last_access, seq, node) candidates -- device eviction and host eviction;
+        # stale entries (touched, locked, inner or removed nodes) are re-checked when popped
         self._heap: list[tuple[int, int, TreeNode]] = []
+        self._host_heap: list[tuple[int, int, TreeNode]] = []
         self._seq = itertools.count()
+        self.pinned: set[int] = set()  # id() of host-only nodes a request is about to load: not dropped
 
-    def _push(self, node: TreeNode) -> None:
-        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-        if len(self._heap) > 2 * self.total_pages + 1024:  # drop stale entries now and then
-            self._heap = [
-                (nd.last_access, next(self._seq), nd)
-                for nd in self._iter_nodes()
-                if not nd.children and nd.lock_ref == 0
+    def _push(self, node: TreeNode, heap: list | None = None) -> None:
+        heap = self._heap if heap is None else heap
+        heapq.heappush(heap, (node.last_access, next(self._seq), node))
+        if len(heap) > 2 * (self.total_pages + self.host_nodes) + 1024:  # drop stale entries now and then
+            keep = TreeNode.device_leaf if heap is self._heap else (lambda nd: not nd.pages and not nd.children)
+            heap[:] = [
+                (nd.last_access, next(self._seq), nd) for nd in self._iter_nodes() if nd.lock_ref == 0 and keep(nd)
             ]
-            heapq.heapify(self._heap)
+            heapq.heapify(heap)
 
     @property
     def total_pages(self) -> int:
+        """Device pages held by the tree."""
         return self.evictable_pages + self.protected_pages
+
+    @property
+    def host_nodes(self) -> int:
+        return 0 if self.host is None else self.host.used
 
     # -- helpers --------------------------------------------------------------
     def _page_key(self, key: list[int], i: int = 0) -> tuple:
@@ -86,41 +111,76 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
+        if node.host is not None:
+            upper.host, node.host = self.host.mover.split(node.host, npg)
         upper.children[self._page_key(node.key, n)] = node
         node.parent.children[self._page_key(node.key)] = upper
         node.key, node.pages, node.parent = node.key[n:], node.pages[npg:], upper
         return upper
 
-    # -- public API -----------------------------------------------------------
-    def match_prefix(self, key: list[int], max_len: int | None = None) -> tuple[list[int], TreeNode]:
-        """Longest cached page-aligned prefix of key[:max_len]: (its pages, its last node)."""
-        if self.disable:
-            return [], self.root
-        n = len(key) if max_len is None else min(len(key), max_len)
-        n -= n % self.page_size
-        node, pos, pages = self.root, 0, []
-        t = next(self._clock)
-        node.last_access = t
+    def _walk(self, key: list[int], n: int, node: TreeNode, pos: int, t: int, device: bool):
+        """Follow key[pos:n] from `node` through device nodes (`device`) or host-only ones; yields them."""
         while pos < n:
             child = node.children.get(self._page_key(key, pos))
-            if child is None:
-                break
+            if child is None or child.on_device() != device:
+                return
             m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = t
-            pages.extend(child.pages)
+            yield child
             node, pos = child, pos + m
+
+    # -- public API -----------------------------------------------------------
+    def match_prefix(self, key: list[int], max_len: int | None = None) -> tuple[list[int], TreeNode]:
+        """Longest page-aligned prefix of key[:max_len] on the device: (its pages, its last node)."""
+        if self.disable:
+            return [], self.root
+        n = len(key) if max_len is None else min(len(key), max_len)
+        n -= n % self.page_size
+        t = next(self._clock)
+        self.root.last_access = t
+        node, pages = self.root, []
+        for node in self._walk(key, n, self.root, 0, t, device=True):
+            pages.extend(node.pages)
         return pages, node
 
-    def insert(self, key: list[int], pages: list[int]) -> int:
-        """Insert a page-aligned key; returns the number of tokens already cached."""
+    def match_host(self, key: list[int], node: TreeNode, max_len: int | None = None) -> list[TreeNode]:
+        """The host-only nodes continuing the device match that ended at `node` (depth = its length)."""
+        if self.disable or self.host is None:
+            return []
+        depth, up = 0, node
+        while up is not self.root:
+            depth, up = depth + len(up.key), up.parent
+        n = len(key) if max_len is None else min(len(key), max_len)
+        n -= n % self.page_size
+        return list(self._walk(key, n, node, depth, next(self._clock), device=False))
+
+    def load(self, nodes: list[TreeNode], pages: list[int]) -> list[tuple[Any, list[int]]]:
+        """Give host-only `nodes` (a path, from `match_host`) these device pages; returns the copies
+        (host copy, device pages) the forward must run first. The host copies stay (a later device
+        eviction of these nodes then costs no copy)."""
+        loads, i = [], 0
+        for nd in nodes:
+            k = len(nd.key) // self.page_size
+            nd.pages = pages[i : i + k]
+            i += k
+            loads.append((nd.host, nd.pages))
+            self.evictable_pages += k
+            self._push(nd)
+            self.host.stats.loads += 1
+            self.host.stats.load_pages += k
+        return loads
+
+    def insert(self, key: list[int], pages: list[int]) -> list[int]:
+        """Insert a page-aligned key; returns the given pages that duplicate device pages already
+        cached (the caller frees them)."""
         if self.disable:
-            return 0
+            return []
         ps = self.page_size
         n = min(len(key) - len(key) % ps, len(pages) * ps)
         key = key[:n]
-        node, pos = self.root, 0
+        node, pos, dup = self.root, 0, []
         t = next(self._clock)
         while pos < n:
             child = node.children.get(self._page_key(key, pos))
@@ -129,32 +189,108 @@ class RadixCache:
                 node.children[self._page_key(key, pos)] = new
                 self.evictable_pages += len(new.pages)
                 self._push(new)
-                return pos
+                self._write_through(new)
+                return dup
             m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = t
+            given = list(pages[pos // ps : (pos + m) // ps])
+            if child.on_device():
+                dup += [g for g, have in zip(given, child.pages) if g != have]
+            else:  # on the host only: it adopts the new pages (its parent is on the device: the path so far)
+                child.pages = given
+                self.evictable_pages += len(given)
+                self._push(child)
             node, pos = child, pos + m
-        return pos
+        return dup
+
+    def _write_through(self, node: TreeNode) -> None:
+        """The write-through policy: a new node is copied to the host at once (if it fits)."""
+        host = self.host
+        if host is not None and host.write_through and node.host is None and self._host_room(len(node.pages), node):
+            node.host = host.mover.to_host(node.pages)
+            host.take(len(node.pages))
+            host.stats.write_backs += 1
+            host.stats.write_back_pages += len(node.pages)
 
     def evict(self, n_pages: int) -> list[int]:
+        """Free at least n_pages device pages if unlocked ones exist (see the module docstring)."""
         freed: list[int] = []
         heap = self._heap
         while heap and len(freed) < n_pages:
             t, _, node = heapq.heappop(heap)
-            if node.parent is None or node.children or node.lock_ref:
-                continue  # removed, inner or locked: pushed again when it becomes a free leaf
+            if node.parent is None or node.lock_ref or not node.device_leaf():
+                continue  # removed, locked, inner or on the host only: pushed again when it qualifies
             if node.last_access != t:
                 self._push(node)  # touched since it was pushed
                 continue
+            k = len(node.pages)
             freed.extend(node.pages)
-            self.evictable_pages -= len(node.pages)
+            self.evictable_pages -= k
             parent = node.parent
-            del parent.children[self._page_key(node.key)]
-            node.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            host = self.host
+            if host is not None and (node.host is not None or self._host_room(k, node)):
+                if node.host is None:  # write-back: copy it out before its pages are reused
+                    node.host = host.mover.to_host(node.pages)
+                    host.take(k)
+                    host.stats.write_backs += 1
+                    host.stats.write_back_pages += k
+                else:
+                    host.stats.kept += 1
+                node.pages = []
+                if not node.children:
+                    self._push(node, self._host_heap)
+            else:
+                self._drop(node)
+            if parent is not self.root and parent.lock_ref == 0 and parent.device_leaf():
                 self._push(parent)
         return freed
+
+    def _host_room(self, k: int, keep: TreeNode) -> bool:
+        """Make room for k pages on the host by its LRU eviction (never `keep` or its ancestors)."""
+        host = self.host
+        if k > host.capacity:
+            return False
+        protect = set(self.pinned)
+        up = keep
+        while up is not None:
+            protect.add(id(up))
+            up = up.parent
+        heap = self._host_heap
+        skipped = []
+        while host.free < k and heap:
+            t, _, node = heapq.heappop(heap)
+            if node.parent is None or node.pages or node.children or node.host is None:
+                continue
+            if id(node) in protect:
+                skipped.append(node)
+                continue
+            if node.last_access != t:
+                self._push(node, heap)
+                continue
+            parent = node.parent
+            self._drop(node)
+            if parent is not self.root and not parent.pages and not parent.children:
+                self._push(parent, heap)
+        for node in skipped:
+            self._push(node, heap)
+        return host.free >= k
+
+    def _drop(self, node: TreeNode) -> None:
+        """Remove `node` (unlocked, no device pages left to keep) and its host-only subtree for good."""
+        stack = [node]
+        while stack:
+            nd = stack.pop()
+            stack.extend(nd.children.values())
+            if nd.host is not None:
+                k = len(nd.key) // self.page_size
+                self.host.give(k)
+                self.host.mover.free(nd.host)
+                self.host.stats.dropped_pages += k
+                nd.host = None
+        del node.parent.children[self._page_key(node.key)]
+        node.parent = None
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -172,7 +308,7 @@ class RadixCache:
             if node.lock_ref <= 0:
                 raise RuntimeError("RadixCache: unbalanced dec_lock_ref")
             node.lock_ref -= 1
-            if node.lock_ref == 0 and not node.children:
+            if node.lock_ref == 0 and node.device_leaf():
                 self._push(node)
             node = node.parent
 
@@ -185,8 +321,7 @@ class RadixCache:
             pool.free(req.page_ids)
         else:
             n_full = req.kv_len // self.page_size
-            already = self.insert(req.fill_ids[: n_full * self.page_size], req.page_ids[:n_full])
-            pool.free(req.page_ids[req.n_cached_pages : already // self.page_size])
+            pool.free(self.insert(req.fill_ids[: n_full * self.page_size], req.page_ids[:n_full]))
             pool.free(req.page_ids[n_full:])
             if req.last_node is not None:
                 self.dec_lock_ref(req.last_node)
@@ -202,8 +337,7 @@ class RadixCache:
         if self.disable or n_full <= req.n_cached_pages:
             return
         key = req.fill_ids[: n_full * ps]
-        already = self.insert(key, req.page_ids[:n_full])
-        pool.free(req.page_ids[req.n_cached_pages : already // ps])
+        pool.free(self.insert(key, req.page_ids[:n_full]))
         pages, node = self.match_prefix(key)
         req.page_ids[:n_full] = pages
         self.inc_lock_ref(node)
@@ -220,6 +354,7 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def all_pages(self) -> list[int]:
+        """Every device page the tree holds."""
         return [p for nd in self._iter_nodes() for p in nd.pages]
 
     def path_pages(self, node: TreeNode) -> list[int]:
@@ -230,15 +365,18 @@ class RadixCache:
         return [p for c in reversed(chunks) for p in c]
 
     def check(self, expected_locks: dict[int, int] | None = None) -> None:
-        """Structural invariants, and lock refs equal to `expected_locks` (id(node) -> count)
-        when given; raises AssertionError."""
-        ps, ev, pr = self.page_size, 0, 0
+        """Structural invariants, lock refs equal to `expected_locks` (id(node) -> count) when given,
+        and the host tier's accounting; raises AssertionError."""
+        ps, ev, pr, on_host = self.page_size, 0, 0, 0
         for nd in self._iter_nodes():
-            assert nd.key and len(nd.key) == len(nd.pages) * ps, (
-                f"node key/pages mismatch {len(nd.key)} vs {len(nd.pages)}"
-            )
+            k = len(nd.key) // ps
+            assert nd.key and len(nd.key) == k * ps, f"node key of {len(nd.key)} tokens is not whole pages"
+            assert len(nd.pages) in (0, k), f"node of {k} pages holds {len(nd.pages)} device pages"
+            assert nd.pages or nd.host is not None, "a node neither on the device nor on the host"
+            assert not nd.pages or nd.parent is self.root or nd.parent.pages, "a device node under a host-only one"
             assert nd.parent.children.get(self._page_key(nd.key)) is nd, "child indexed under the wrong key"
             assert nd.lock_ref >= 0, "negative lock_ref"
+            assert nd.pages or nd.lock_ref == 0, "a host-only node is locked"
             if expected_locks is not None:
                 assert nd.lock_ref == expected_locks.get(id(nd), 0), (
                     f"lock_ref {nd.lock_ref} != {expected_locks.get(id(nd), 0)} live requests locking the node"
@@ -250,6 +388,11 @@ class RadixCache:
                 pr += len(nd.pages)
             else:
                 ev += len(nd.pages)
+            on_host += k if nd.host is not None else 0
         assert (ev, pr) == (self.evictable_pages, self.protected_pages), (
             f"size accounting: counted evictable/protected {ev}/{pr}, recorded {self.evictable_pages}/{self.protected_pages}"
         )
+        if self.host is not None:
+            assert on_host == self.host.used <= self.host.capacity, (
+                f"host tier: nodes hold {on_host} pages, accounted {self.host.used} of {self.host.capacity}"
+            )

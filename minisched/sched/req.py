@@ -71,7 +71,8 @@ class Req:
     arrival_seq: int = 0  # order of arrival at the scheduler
     overtaken: int = 0  # prefill rounds that admitted a later arrival while this one waited (aging)
     num_retractions: int = 0
-    cache_hit_tokens: int = 0  # prefix tokens reused from the radix cache at admission
+    cache_hit_tokens: int = 0  # prompt tokens reused from the radix cache at admission (device + host)
+    host_hit_tokens: int = 0  # of those, the ones loaded back from the host tier
     error: str | None = None  # why it ended with FinishReason.ERROR
     # log-probabilities, when the sampling params ask for them (step_output.TokenLogprob)
     output_logprobs: list | None = None  # one per output token

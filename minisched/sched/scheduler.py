@@ -88,13 +88,15 @@ class ModelRunner(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, stop_checker: Callable[[Req], bool] | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, stop_checker: Callable[[Req], bool] | None = None, host_tier=None
+    ) -> None:
         if config.num_pages is None or config.max_context_len is None:
             raise ValueError("Scheduler: num_pages and max_context_len must be set (the engine sizes them)")
         self.config = config
         self.stop_checker = stop_checker
         self.pool = KVPool(config.num_pages, config.page_size)
-        self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache)
+        self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache, host=host_tier)
         self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_rounds)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -108,6 +110,7 @@ class Scheduler:
         self.prefill_rounds = 0  # prefill-only rounds since the last decode
         self.stalled = 0  # consecutive steps with work but no batch
         self._finished_early: list[Req] = []  # ended outside resolve, not reported yet
+        self.unrun_loads: list = []  # host-tier loads of failed batches (fail_in_flight): the engine runs them
         self._num_arrivals = 0
 
     # -- requests -------------------------------------------------------------
@@ -304,6 +307,8 @@ class Scheduler:
         the caller lets the worker finish what it runs first (its results are dropped).
         Returns the failed requests, also reported by `take_finished()`."""
         batches = self.in_flight.take_all()
+        # their host-tier loads may not have run: the caller runs them again (a copy, so harmless if they had)
+        self.unrun_loads += [load for b in batches for load in b.loads]
         valid: dict[int, int] = {}
         for batch in batches:
             for r, p in zip(batch.reqs, batch.prefix_lens):

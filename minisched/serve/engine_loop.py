@@ -282,4 +282,20 @@ class EngineLoop:
             pages_evictable=tree.evictable_pages,
             retractions=self._retractions,
             step_errors=self._step_errors,
+            **host_stats(sched.tree.host),
         )
+
+
+def host_stats(host) -> dict:
+    """The host tier's gauges and counters for Stats (none when the tier is off)."""
+    if host is None:
+        return {}
+    st = host.stats
+    return dict(
+        host_pages_total=host.capacity,
+        host_pages_used=host.used,
+        host_loads=st.loads,
+        host_load_pages=st.load_pages,
+        host_hit_tokens=st.host_hit_tokens,
+        host_write_back_pages=st.write_back_pages,
+    )

@@ -53,3 +53,9 @@ class Stats:
     pages_evictable: int = 0
     retractions: int = 0
     step_errors: int = 0
+    host_pages_total: int = 0  # the host KV tier (0 pages: off)
+    host_pages_used: int = 0
+    host_loads: int = 0  # host-only cache nodes brought back to the device
+    host_load_pages: int = 0
+    host_hit_tokens: int = 0  # prompt tokens found on the host (also in the cached tokens)
+    host_write_back_pages: int = 0

@@ -43,6 +43,20 @@ class _EngineCollector:
             ("minisched_cache_hit_rate", "cached prompt tokens / prompt tokens", self.hit_rate()),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.host_pages_total:
+            yield GaugeMetricFamily(
+                "minisched_host_kv_pages_total", "pages of the host KV tier", value=s.host_pages_total
+            )
+            yield GaugeMetricFamily(
+                "minisched_host_kv_pages_used", "host-tier pages holding cached prefixes", value=s.host_pages_used
+            )
+            for name, doc, value in (
+                ("minisched_host_kv_loads", "cached prefixes loaded back from the host tier", s.host_loads),
+                ("minisched_host_kv_load_pages", "pages loaded back from the host tier", s.host_load_pages),
+                ("minisched_host_kv_hit_tokens", "prompt tokens found in the host tier", s.host_hit_tokens),
+                ("minisched_host_kv_write_back_pages", "pages written back to the host tier", s.host_write_back_pages),
+            ):
+                yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("minisched_retractions", "requests retracted under KV pressure", value=s.retractions)
         yield CounterMetricFamily("minisched_engine_steps", "engine steps", value=s.steps)
         yield CounterMetricFamily(

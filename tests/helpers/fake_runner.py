@@ -39,9 +39,12 @@ class FakeRunner:
         self.tok = np.full(num_pages * page_size, -1, dtype=np.int64)
         self.pos = np.full(num_pages * page_size, -1, dtype=np.int64)
         self.num_forward = 0
+        self.mover = FakeMover(self)
 
     def forward(self, batch: Batch) -> list[int]:
         self.num_forward += 1
+        for handle, pages in batch.loads:  # host-tier hits come back before the forward reads them
+            self.mover.to_device(handle, pages)
         ps, n = self.ps, batch.num_tokens
         ids, pos, slots = batch.input_ids(), batch.positions(), batch.out_slots()
         assert len(ids) == len(pos) == len(slots) == n and n > 0
@@ -64,6 +67,52 @@ class FakeRunner:
             assert hist.tolist() == want, f"{req.rid}: KV content differs from the request's tokens"
             out.append(next_token(hist, self.vocab))
         return out
+
+
+class FakeMover:
+    """The host tier's mover for the fake KV: copies a page's (token, position) slots out and back. With
+    `poison_freed`, a freed page's slots are garbage, so a forgotten or misplaced load fails the runner's check."""
+
+    def __init__(self, runner: FakeRunner) -> None:
+        self.runner = runner
+        self.to_host_calls = self.to_device_calls = 0
+
+    def _slots(self, pages: list[int]) -> np.ndarray:
+        ps = self.runner.ps
+        return (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).ravel()
+
+    def to_host(self, pages: list[int]):
+        self.to_host_calls += 1
+        s, r = self._slots(pages), self.runner
+        return r.tok[s].copy(), r.pos[s].copy()
+
+    def to_device(self, handle, pages: list[int]) -> None:
+        self.to_device_calls += 1
+        s, r = self._slots(pages), self.runner
+        assert len(s) == len(handle[0]), "a load of the wrong size"
+        r.tok[s], r.pos[s] = handle
+
+    def split(self, handle, n_pages: int):
+        k = n_pages * self.runner.ps
+        return (handle[0][:k], handle[1][:k]), (handle[0][k:], handle[1][k:])
+
+    def free(self, handle) -> None:
+        pass
+
+
+def poison_freed(sched: Scheduler, runner: FakeRunner) -> None:
+    """Make every page the pool takes back garbage in the fake KV (as a real pool's reused pages are): a page
+    read after it was freed and before it was written again -- a use after free, a skipped load -- fails."""
+    free = sched.pool.free
+
+    def poisoning_free(pages):
+        pages = list(pages)
+        if pages:
+            s = runner.mover._slots(pages)
+            runner.tok[s], runner.pos[s] = -7, -7
+        free(pages)
+
+    sched.pool.free = poisoning_free
 
 
 def run(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, check: bool = True) -> dict:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
+from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, poison_freed, run
+from minisched.sched.host_tier import HostTier
 from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -28,8 +29,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_prefill=st.sampled_from([16, 64, 512]),
         ratio=st.sampled_from([0.7, 0.2, 0.05]),
         defer=st.sampled_from([None, 4, 32]),
+        host=st.sampled_from([0, 0, 3, 64]),  # host-tier pages (0: off)
     )
-    def setup(self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio, defer):
+    def setup(
+        self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio, defer, host
+    ):
         self.cfg = SchedulerConfig(
             page_size=page_size,
             num_pages=max(1, pool_tokens // page_size),
@@ -48,8 +52,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             in_batch_prefix_defer_tokens=defer,
             clip_max_new_tokens_estimation=64,
         )
-        self.sched = Scheduler(self.cfg)
         self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
+        self.sched = Scheduler(self.cfg, host_tier=HostTier(host, self.runner.mover) if host else None)
+        poison_freed(self.sched, self.runner)
         self.added: dict[str, tuple[list[int], SamplingParams]] = {}
         self.ended: dict[str, object] = {}
         self.n = 0

@@ -14,7 +14,7 @@ def test_empty_and_disabled():
     tree = RadixCache(4)
     assert tree.match_prefix([1, 2, 3, 4]) == ([], tree.root)
     off = RadixCache(4, disable=True)
-    assert off.insert([1, 2, 3, 4], [0]) == 0
+    assert off.insert([1, 2, 3, 4], [0]) == []
     assert off.match_prefix([1, 2, 3, 4])[0] == [] and off.total_pages == 0
 
 
@@ -23,7 +23,7 @@ def test_insert_match_split(page_size):
     ps = page_size
     tree = RadixCache(ps)
     key = list(range(4 * ps))
-    assert tree.insert(key, [10, 11, 12, 13]) == 0
+    assert tree.insert(key, [10, 11, 12, 13]) == []
     assert tree.evictable_pages == 4
     pages, node = tree.match_prefix(key)
     assert pages == [10, 11, 12, 13]
@@ -32,8 +32,8 @@ def test_insert_match_split(page_size):
     pages, node = tree.match_prefix(other)
     assert pages == [10, 11] and len(node.key) == 2 * ps and len(node.children) == 1
     tree.check()
-    # inserting the divergent key reports the shared part as already cached
-    assert tree.insert(other, [10, 11, 20, 21]) == 2 * ps
+    # the divergent key shares the tree's own pages 10, 11: nothing to free
+    assert tree.insert(other, [10, 11, 20, 21]) == []
     assert tree.total_pages == 6
     assert tree.match_prefix(other)[0] == [10, 11, 20, 21]
     assert tree.match_prefix(key)[0] == [10, 11, 12, 13]
@@ -49,12 +49,12 @@ def test_page_alignment():
     tree.check()
 
 
-def test_insert_duplicate_returns_cached_len():
+def test_insert_returns_the_duplicate_pages():
     tree = RadixCache(2)
-    assert tree.insert([1, 2, 3, 4], [5, 6]) == 0
-    assert tree.insert([1, 2, 3, 4, 5, 6], [7, 8, 9]) == 4  # caller frees its pages 7, 8
+    assert tree.insert([1, 2, 3, 4], [5, 6]) == []
+    assert tree.insert([1, 2, 3, 4, 5, 6], [7, 8, 9]) == [7, 8]  # the caller frees them
     assert tree.match_prefix([1, 2, 3, 4, 5, 6])[0] == [5, 6, 9]
-    assert tree.insert([1, 2], [3]) == 2
+    assert tree.insert([1, 2], [3]) == [3]
     assert tree.total_pages == 3
 
 
@@ -124,8 +124,7 @@ def test_random_against_dict(page_size):
             pool.free(tree.evict(n // ps))
             continue
         pages = cached + new
-        already = tree.insert(key, pages)
-        assert already == len(cached) * ps
+        assert tree.insert(key, pages) == []  # its cached pages are the tree's own
         for i, p in enumerate(new):
             content[p] = tuple(key[: (len(cached) + i + 1) * ps])
         tree.check()

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from helpers.fake_runner import FakeRunner, greedy_reference
+from helpers.fake_runner import FakeRunner, greedy_reference, poison_freed
 from helpers.scheduler_machine import VOCAB, SchedulerMachine
 from minisched.sched.batch import Batch
 from minisched.sched.req import FinishReason, Req, SamplingParams
@@ -94,6 +94,10 @@ class OverlapMachine(SchedulerMachine):
         if not hasattr(self, "launched"):
             self.runner = FutureFakeRunner(self.cfg.num_pages, self.cfg.page_size, VOCAB)
             self.launched: deque = deque()
+            if self.sched.tree.host is not None:  # the host tier copies the fake KV of the runner in use
+                self.sched.tree.host.mover = self.runner.mover
+            self.sched.pool.free = self.sched.pool.__class__.free.__get__(self.sched.pool)  # the old runner's
+            poison_freed(self.sched, self.runner)
 
     @rule(n=st.integers(1, 6))
     def step(self, n):
