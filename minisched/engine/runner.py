@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from minisched import ops
 from minisched.base.page_table import build_csr
 from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
@@ -81,6 +82,7 @@ class ForwardJob:
     plan: LogitsPlan  # the rows whose logits are computed (sampling, prompt logprobs)
     reqs: list[Req]  # the sampled rows' requests (structured outputs: their grammar matchers)
     loads: list  # host tier: (host copy, device pages) to copy in before the forward
+    copies: list  # n > 1: (source page, page) copy-on-write of a forked prompt's last page, before the forward
     history: Optional[list[Optional[RowHistory]]]  # per sampled row, for penalties and min_tokens
 
 
@@ -216,6 +218,7 @@ class ModelRunner:
             plan,
             reqs,
             batch.loads,
+            batch.copies,
             history,
         )
 
@@ -234,6 +237,9 @@ class ModelRunner:
             t0 = time.perf_counter()
         for handle, pages in job.loads:  # host-tier hits back into their device pages, before anything reads them
             self.kv_mover.to_device(handle, pages)
+        if job.copies:  # all layers, K and V, one launch
+            src, dst = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in zip(*job.copies))
+            ops.copy_kv_pages(self.kv_cache, src, dst, backend=self.backend, check=False)
         input_ids = job.input_ids
         if job.has_futures:
             fut = self._future_map()

@@ -41,6 +41,8 @@ class Batch:
     num_decode: int = 0  # decode requests (the last rows of a MIXED batch; all of a DECODE one)
     future_ids: list[int] = field(default_factory=list)  # overlap: placeholder of each row's token (launch)
     loads: list = field(default_factory=list)  # host tier: (host copy, device pages) to copy in before the forward
+    copies: list = field(default_factory=list)  # n > 1: (source page, page) copy-on-write before the forward
+    free_after: list = field(default_factory=list)  # pages freed when it resolves (its copies' last sources)
 
     def __post_init__(self) -> None:
         if not self.sampled:

@@ -62,6 +62,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
         cfg.clip_max_new_tokens_estimation,
         mixed,
         defer,
+        forks=sched.forks,
     )
     carried, sched.chunked_req = sched.chunked_req, None
     if carried is not None and not adder.add_chunked_req(carried):
@@ -83,7 +84,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
     if not adder.can_run:
         return None, adder.cache_hit_tokens
     batch = Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size)
-    batch.loads = adder.loads
+    batch.loads, batch.copies, batch.free_after = adder.loads, adder.copies, adder.free_after
     return batch, adder.cache_hit_tokens
 
 
@@ -102,7 +103,7 @@ def mix(sched: Queues, batch: Batch) -> Batch:
         batch.sampled + [True] * n,
         n,
     )
-    mixed.loads = batch.loads
+    mixed.loads, mixed.copies, mixed.free_after = batch.loads, batch.copies, batch.free_after
     return mixed
 
 

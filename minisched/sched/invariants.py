@@ -51,4 +51,5 @@ def check_scheduler(sched: Queues) -> None:
                     node = node.parent
             held.extend(r.page_ids[r.n_cached_pages :])
     tree.check(locks)
-    sched.pool.check_partition(tree.all_pages(), held)
+    pending = [p for b in flight.launched for p in b.free_after]  # copy sources of launched batches
+    sched.pool.check_partition(tree.all_pages(), held + sched.forks.pages() + pending)

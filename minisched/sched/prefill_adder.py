@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from minisched.base.values import cdiv
 from minisched.sched.deferral import InBatchPrefixes
+from minisched.sched.forks import ForkPages
 from minisched.sched.kv_pool import KVPool
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import Req
@@ -60,6 +61,9 @@ class PrefillAdder:
     new_chunked_req: Req | None = None
     cache_hit_tokens: int = 0
     loads: list = field(default_factory=list)  # (host copy, device pages) to run before the forward
+    forks: ForkPages | None = None  # n > 1: the prompts' kept last pages (forks.py)
+    copies: list = field(default_factory=list)  # (source page, page) copies to run before the forward
+    free_after: list = field(default_factory=list)  # pages to free once the batch has run (copy sources)
 
     def __post_init__(self) -> None:
         clip = self.clip_estimate
@@ -74,6 +78,20 @@ class PrefillAdder:
     @property
     def rem_total_tokens(self) -> float:
         return (self.pool.num_free + self.tree.evictable_pages) * self.pool.page_size - self.reserved
+
+    def _fork_source(self, req: Req, key: list[int], prefix: int) -> int | None:
+        """For an n > 1 choice's first admission: the page holding its prompt's last page (the leader's kept
+        partial page, or the radix cache's last full page) when copying it saves at least one token."""
+        ps, n = self.pool.page_size, req.prompt_len
+        if self.forks is None or req.after is None or req.forked or req.output_ids or ps == 1 or n % ps == 1:
+            return None
+        if n % ps:
+            return self.forks.source(req) if prefix == n - n % ps else None
+        if prefix == n - ps:
+            last, _ = self.tree.match_prefix(key, n)
+            if len(last) * ps == n:
+                return last[-1]
+        return None
 
     def _alloc_pages(self, n: int) -> list[int] | None:
         if n > self.pool.num_free:
@@ -142,6 +160,9 @@ class PrefillAdder:
         on_host = tree.match_host(key, node, limit)  # host-tier hits: loaded back below
         n_host = sum(len(h.key) for h in on_host) // ps
         prefix = (len(pages) + n_host) * ps
+        cow = None if on_host else self._fork_source(req, key, prefix)
+        if cow is not None:  # an n > 1 choice: it copies the prompt's last page and computes the last token only
+            prefix = req.prompt_len - 1
         if self.defer is not None and self.defer.should_defer(key[: req.seq_len - 1], prefix):
             return AddResult.DEFERRED
         n, truncated = self._chunk_len(req.seq_len - prefix)
@@ -159,19 +180,26 @@ class PrefillAdder:
             return AddResult.NO_TOKEN
         tree.pinned.update(id(h) for h in on_host)  # evictions below must not drop them
         try:
-            host_pages = self._alloc_pages(n_host) if n_host else []
-            req.page_ids, req.n_cached_pages, req.last_node = list(pages) + (host_pages or []), len(pages), node
+            # device pages for the host hits, or for the copied last page (never both: see _fork_source's caller)
+            extra = self._alloc_pages(n_host + (cow is not None)) if n_host or cow is not None else []
+            req.page_ids, req.n_cached_pages, req.last_node = list(pages) + (extra or []), len(pages), node
             req.kv_len = prefix
-            if host_pages is None or not self._alloc(req, n):  # cannot happen: the budget counted free + evictable
-                if host_pages:
-                    self.pool.free(host_pages)
+            if extra is None or not self._alloc(req, n):  # cannot happen: the budget counted free + evictable
+                if extra:
+                    self.pool.free(extra)
                 tree.dec_lock_ref(node)
                 req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
                 return AddResult.NO_TOKEN
         finally:
             tree.pinned.difference_update(id(h) for h in on_host)
+        if cow is not None:
+            self.copies.append((cow, extra[0]))
+            self.forks.copied += 1
+            last = self.forks.release(req)
+            if last is not None:
+                self.free_after.append(last)
         if on_host:  # the host copies come back into their new pages before this batch's forward
-            self.loads += tree.load(on_host, host_pages)
+            self.loads += tree.load(on_host, extra)
             tree.inc_lock_ref(on_host[-1])
             tree.dec_lock_ref(node)
             req.last_node, req.n_cached_pages = on_host[-1], len(pages) + n_host

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from minisched.sched.config import SchedulerConfig
+from minisched.sched.forks import ForkPages
 from minisched.sched.in_flight import InFlight
 from minisched.sched.kv_pool import KVPool
 from minisched.sched.policy import SchedulePolicy
@@ -29,6 +30,7 @@ class Queues(Protocol):
     new_token_ratio: float
     prefill_rounds: int
     stalled: int
+    forks: ForkPages
 
     def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None: ...
 

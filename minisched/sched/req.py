@@ -79,6 +79,8 @@ class Req:
     prompt_logprobs: list | None = None  # prompt positions from sampling.prompt_logprob_start (position 0: None)
     after: Req | None = None  # n > 1: the request prefilling the shared prompt; admitted once it has ended
     gate: Any = None  # a future (structured outputs: the compiling grammar); admitted once it is done
+    forks: int = 0  # n > 1 leader: its choices (forks.py)
+    forked: bool = False  # n > 1 choice: it has copied (or given up) its leader's last page
     # timing (time.monotonic())
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

@@ -69,6 +69,7 @@ from minisched.sched import batch_builder
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.config import SchedulerConfig
 from minisched.sched.events import Event, StepStats
+from minisched.sched.forks import ForkPages
 from minisched.sched.in_flight import InFlight
 from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool
@@ -96,6 +97,7 @@ class Scheduler:
         self.config = config
         self.stop_checker = stop_checker
         self.pool = KVPool(config.num_pages, config.page_size)
+        self.forks = ForkPages(self.pool)
         self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache, host=host_tier)
         self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_rounds)
         self.waiting: list[Req] = []
@@ -124,6 +126,8 @@ class Scheduler:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
         req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
         req.after, req.gate = after, gate
+        if after is not None:
+            after.forks += 1
         req.arrival_seq = self._num_arrivals
         self._num_arrivals += 1
         self.reqs[rid] = req
@@ -249,6 +253,7 @@ class Scheduler:
             self._finished_early[:0] = finished
             raise
         flight.launched.pop(0)
+        self.pool.free(batch.free_after)  # pages its copies read from (forks.py): free once it has run
         return finished
 
     def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
@@ -309,6 +314,8 @@ class Scheduler:
         batches = self.in_flight.take_all()
         # their host-tier loads may not have run: the caller runs them again (a copy, so harmless if they had)
         self.unrun_loads += [load for b in batches for load in b.loads]
+        for b in batches:
+            self.pool.free(b.free_after)
         valid: dict[int, int] = {}
         for batch in batches:
             for r, p in zip(batch.reqs, batch.prefix_lens):
@@ -342,6 +349,11 @@ class Scheduler:
         req.pending_ids.clear()
         req.kv_len = kv_len
         self.in_flight.aborted.discard(id(req))
+        if status is ReqStatus.FINISHED and req.max_new_tokens == 0:
+            self.forks.keep(req)  # an n > 1 prefill: its choices copy its partial last page (forks.py)
+        last = self.forks.release(req)  # a choice ending before it copied the kept page
+        if last is not None:
+            self.pool.free([last])
         self.tree.cache_finished_req(req, self.pool)  # KV into the radix cache, locks dropped, rest freed
         req.finish_reason = reason
         req.finish_time = time.monotonic()

@@ -85,9 +85,11 @@ def test_n_choices_prefill_the_prompt_once(tiny, overlap):
     assert [o.choice for o in outs] == [0, 1, 2] and all(o.index == 0 for o in outs)
     assert all(o.token_ids == reference(tiny, p, NEW) for o in outs)
     prefill = sum(s.num_prefill_tokens for s in engine.scheduler.step_stats)
-    # once in full, then per choice only the partial last page (30 = 7 pages + 2 tokens)
-    assert prefill == 30 + 3 * (30 - 28), prefill
-    assert all(o.cached_tokens == 28 for o in outs)
+    # once in full; then each choice copies the partial last page (30 = 7 pages + 2 tokens) and computes
+    # the last token only, whose logits sample its first token
+    assert prefill == 30 + 3 * 1, prefill
+    assert engine.scheduler.forks.copied == 3 and not engine.scheduler.forks.pages()
+    assert all(o.cached_tokens == 29 for o in outs)  # 7 pages from the cache + 1 copied page (2 tokens)
     engine.scheduler.check_invariants()
 
 

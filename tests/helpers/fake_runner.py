@@ -45,6 +45,9 @@ class FakeRunner:
         self.num_forward += 1
         for handle, pages in batch.loads:  # host-tier hits come back before the forward reads them
             self.mover.to_device(handle, pages)
+        for src, dst in batch.copies:  # copy-on-write of a forked prompt's last page
+            s, d = self.mover._slots([src]), self.mover._slots([dst])
+            self.tok[d], self.pos[d] = self.tok[s], self.pos[s]
         ps, n = self.ps, batch.num_tokens
         ids, pos, slots = batch.input_ids(), batch.positions(), batch.out_slots()
         assert len(ids) == len(pos) == len(slots) == n and n > 0
@@ -71,7 +74,7 @@ class FakeRunner:
 
 class FakeMover:
     """The host tier's mover for the fake KV: copies a page's (token, position) slots out and back. With
-    `poison_freed`, a freed page's slots are garbage, so a forgotten or misplaced load fails the runner's check."""
+    `poison_freed`, a reallocated page's slots are garbage, so a forgotten or misplaced load fails the runner's check."""
 
     def __init__(self, runner: FakeRunner) -> None:
         self.runner = runner
@@ -101,18 +104,18 @@ class FakeMover:
 
 
 def poison_freed(sched: Scheduler, runner: FakeRunner) -> None:
-    """Make every page the pool takes back garbage in the fake KV (as a real pool's reused pages are): a page
-    read after it was freed and before it was written again -- a use after free, a skipped load -- fails."""
-    free = sched.pool.free
+    """Make every page the pool hands out again garbage in the fake KV (as a real pool's reused pages are):
+    a page read before its new owner wrote it -- a skipped load or copy, a use after free -- fails the check."""
+    alloc = sched.pool.alloc
 
-    def poisoning_free(pages):
-        pages = list(pages)
+    def poisoning_alloc(n):
+        pages = alloc(n)
         if pages:
             s = runner.mover._slots(pages)
             runner.tok[s], runner.pos[s] = -7, -7
-        free(pages)
+        return pages
 
-    sched.pool.free = poisoning_free
+    sched.pool.alloc = poisoning_alloc
 
 
 def run(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, check: bool = True) -> dict:

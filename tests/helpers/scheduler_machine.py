@@ -85,6 +85,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         for n in sorted(lens):
             self._add(DOC[:n], max_new, False)
 
+    @rule(base=st.integers(0, 2), own=st.integers(1, 30), n=st.integers(2, 4), max_new=st.integers(1, 20))
+    def add_fork(self, base, own, n, max_new):
+        """n > 1: a prefill-only leader and n choices that wait for it, then copy its last page (forks.py)."""
+        prompt = BASES[base][:24] + [(self.n * 13 + k) % VOCAB for k in range(own)]
+        if len(prompt) >= self.cfg.max_context_len or len(prompt) > self.cfg.num_pages * self.cfg.page_size:
+            return
+        lead = self.sched.add_request(f"r{self.n}", prompt, SamplingParams(max_new_tokens=0))
+        self.added[lead.rid] = (prompt, lead.sampling)
+        self.n += 1
+        sp = SamplingParams(max_new_tokens=max_new)
+        for _ in range(n):
+            self.sched.add_request(f"r{self.n}", prompt, sp, after=lead)
+            self.added[f"r{self.n}"] = (prompt, sp)
+            self.n += 1
+
     def _add(self, prompt, max_new, stop):
         rid = f"r{self.n}"
         self.n += 1

@@ -96,7 +96,7 @@ class OverlapMachine(SchedulerMachine):
             self.launched: deque = deque()
             if self.sched.tree.host is not None:  # the host tier copies the fake KV of the runner in use
                 self.sched.tree.host.mover = self.runner.mover
-            self.sched.pool.free = self.sched.pool.__class__.free.__get__(self.sched.pool)  # the old runner's
+            self.sched.pool.alloc = self.sched.pool.__class__.alloc.__get__(self.sched.pool)  # the old runner's
             poison_freed(self.sched, self.runner)
 
     @rule(n=st.integers(1, 6))

@@ -1,0 +1,54 @@
+"""Copy-on-write of a forked prompt's last page (n > 1), with the fake runner (which checks every KV slot a
+step reads against the request's tokens, and poisons reallocated pages): the choices copy the leader's partial
+last page -- or the radix cache's last page when the prompt fills it -- and compute the last token only;
+the kept page is freed when the last choice has copied it or ended."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.fake_runner import FakeRunner, greedy_reference, poison_freed, run
+from minisched.sched.req import SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 50
+
+
+def fork(prompt_len: int, n: int, page_size: int = 4, abort: int = 0):
+    sched = Scheduler(SchedulerConfig(page_size=page_size, num_pages=64, max_context_len=200, chunk_size=None))
+    runner = FakeRunner(64, page_size, VOCAB)
+    poison_freed(sched, runner)
+    prompt = [(3 * i + 1) % VOCAB for i in range(prompt_len)]
+    lead = sched.add_request("lead", prompt, SamplingParams(max_new_tokens=0))
+    choices = [
+        sched.add_request(f"c{j}", prompt, SamplingParams(max_new_tokens=5, ignore_eos=True), after=lead)
+        for j in range(n)
+    ]
+    for j in range(abort):
+        sched.abort(f"c{j}")
+    done = run(sched, runner)  # invariants (the kept page counted) after every step
+    for c in choices[abort:]:
+        assert done[c.rid].output_ids == greedy_reference(prompt, 5, VOCAB)
+    prefill = sum(s.num_prefill_tokens for s in sched.step_stats)
+    return sched, prefill
+
+
+@pytest.mark.parametrize("prompt_len", [10, 11, 12, 13])
+def test_choices_copy_the_last_page_and_compute_one_token(prompt_len):
+    sched, prefill = fork(prompt_len, 3)
+    copied = prompt_len % 4 != 1  # a last page holding only the last token saves nothing: not copied
+    assert prefill == prompt_len + 3 * 1, prefill  # either way each choice computes the last token only
+    assert sched.forks.copied == (3 if copied else 0)
+    assert not sched.forks.pages()  # the kept page went back to the pool
+
+
+def test_without_a_copy_each_choice_recomputes_the_partial_page():
+    sched, prefill = fork(13, 3, page_size=1)  # page size 1: nothing partial, nothing to copy
+    assert sched.forks.copied == 0 and prefill == 13 + 3
+
+
+def test_choices_that_end_first_release_the_kept_page():
+    sched, prefill = fork(11, 3, abort=2)
+    assert sched.forks.copied == 1 and not sched.forks.pages()
+    sched.pool.free(sched.tree.evict(64))
+    assert sched.pool.num_free == 64
