@@ -17,15 +17,25 @@ from minisched.sched.req import Req
 
 
 class ForkPages:
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: KVPool, enabled: bool = True) -> None:
+        self.pool, self.enabled = pool, enabled  # (without the radix cache the choices share nothing to copy onto)
         self._kept: dict[int, list] = {}  # id(leader) -> [page, choices that have not copied it yet]
         self.copied = 0  # pages copied instead of recomputed (statistics)
 
     def keep(self, leader: Req) -> None:
-        """The leader ends: keep its partly filled last page for its choices (taken off its page table)."""
-        if leader.forks and leader.kv_len % self.pool.page_size and leader.page_ids:
+        """The leader ends: keep its partly filled last page for its choices (taken off its page table) when
+        copying it saves at least one token."""
+        left = leader.kv_len % self.pool.page_size
+        if self.enabled and leader.forks and left > 1 and leader.page_ids:
             self._kept[id(leader)] = [leader.page_ids.pop(), leader.forks]
+
+    def reclaim(self, keep: set[int] = frozenset()) -> int:
+        """The pool is short: give the kept pages back (those choices recompute the page instead), but for
+        `keep` (sources of copies in the batch being built: a page copied from is no copy's destination)."""
+        gone = [leader for leader, k in self._kept.items() if k[0] not in keep]
+        pages = [self._kept.pop(leader)[0] for leader in gone]
+        self.pool.free(pages)
+        return len(pages)
 
     def source(self, choice: Req) -> int | None:
         """The page holding the forked prompt's partial last page, for this choice's first admission."""

@@ -77,7 +77,10 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> float:
-        return (self.pool.num_free + self.tree.evictable_pages) * self.pool.page_size - self.reserved
+        return (self.pool.num_free + self.tree.evictable_pages + self._kept()) * self.pool.page_size - self.reserved
+
+    def _kept(self) -> int:
+        return len(self.forks.pages()) if self.forks is not None else 0  # reclaimable (`_make_room`)
 
     def _fork_source(self, req: Req, key: list[int], prefix: int) -> int | None:
         """For an n > 1 choice's first admission: the page holding its prompt's last page (the leader's kept
@@ -93,15 +96,19 @@ class PrefillAdder:
                 return last[-1]
         return None
 
+    def _make_room(self, need: int) -> None:
+        """Free pages for `need`: evict the radix cache, then give back the pages kept for forks."""
+        if need > self.pool.num_free:
+            self.pool.free(self.tree.evict(need - self.pool.num_free))
+        if need > self.pool.num_free and self.forks is not None:
+            self.forks.reclaim(keep={src for src, _ in self.copies})
+
     def _alloc_pages(self, n: int) -> list[int] | None:
-        if n > self.pool.num_free:
-            self.pool.free(self.tree.evict(n - self.pool.num_free))
+        self._make_room(n)
         return self.pool.alloc(n)
 
     def _alloc(self, req: Req, n_tokens: int) -> bool:
-        need = self.pool.pages_needed(req, n_tokens)
-        if need > self.pool.num_free:
-            self.pool.free(self.tree.evict(need - self.pool.num_free))
+        self._make_room(self.pool.pages_needed(req, n_tokens))
         return self.pool.alloc_for_extend(req, n_tokens)
 
     def _chunk_len(self, extend: int) -> tuple[int, bool]:
@@ -175,7 +182,7 @@ class PrefillAdder:
             need_tokens += self._future(req)
         first = not self.can_run and not self.running
         fits = need_tokens <= self.rem_total_tokens
-        if not fits and not (first and need_pages <= self.pool.num_free + tree.evictable_pages):
+        if not fits and not (first and need_pages <= self.pool.num_free + tree.evictable_pages + self._kept()):
             tree.dec_lock_ref(node)
             return AddResult.NO_TOKEN
         tree.pinned.update(id(h) for h in on_host)  # evictions below must not drop them
@@ -195,8 +202,9 @@ class PrefillAdder:
         if cow is not None:
             self.copies.append((cow, extra[0]))
             self.forks.copied += 1
+        if self.forks is not None and req.after is not None and not req.forked:  # its one chance to copy: used
             last = self.forks.release(req)
-            if last is not None:
+            if last is not None:  # (another choice of this batch may copy from it: freed when the batch ran)
                 self.free_after.append(last)
         if on_host:  # the host copies come back into their new pages before this batch's forward
             self.loads += tree.load(on_host, extra)

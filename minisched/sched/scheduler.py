@@ -97,7 +97,7 @@ class Scheduler:
         self.config = config
         self.stop_checker = stop_checker
         self.pool = KVPool(config.num_pages, config.page_size)
-        self.forks = ForkPages(self.pool)
+        self.forks = ForkPages(self.pool, enabled=config.enable_radix_cache)
         self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache, host=host_tier)
         self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_rounds)
         self.waiting: list[Req] = []

@@ -52,3 +52,26 @@ def test_choices_that_end_first_release_the_kept_page():
     assert sched.forks.copied == 1 and not sched.forks.pages()
     sched.pool.free(sched.tree.evict(64))
     assert sched.pool.num_free == 64
+
+
+@pytest.mark.parametrize("radix", [False, True])
+def test_a_kept_page_never_stalls_a_tight_pool(radix):
+    """Found by the state machine: 25-token prompts, two choices each, a 7-page pool of 4 tokens, one running
+    at a time: the kept page must give way (or not be kept: no radix cache to copy onto) instead of leaving
+    the choices 6 free pages for 7."""
+    cfg = SchedulerConfig(page_size=4, num_pages=7, max_context_len=96, chunk_size=None, max_running_requests=1,
+                          max_prefill_tokens=16, enable_radix_cache=radix, in_batch_prefix_defer_tokens=None)
+    sched = Scheduler(cfg)
+    runner = FakeRunner(7, 4, VOCAB)
+    poison_freed(sched, runner)
+    prompts = [[(7 * k + j) % VOCAB for j in range(25)] for k in range(2)]
+    for k, prompt in enumerate(prompts):
+        lead = sched.add_request(f"lead{k}", prompt, SamplingParams(max_new_tokens=0))
+        for j in range(2):
+            sched.add_request(f"c{k}{j}", prompt, SamplingParams(max_new_tokens=1), after=lead)
+    done = run(sched, runner)
+    for k, prompt in enumerate(prompts):
+        for j in range(2):
+            r = done[f"c{k}{j}"]
+            assert r.error is None and r.output_ids == greedy_reference(prompt, 1, VOCAB), r.error
+    assert not sched.forks.pages()
