@@ -80,6 +80,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                 sched.set_status(req, ReqStatus.PREFILLING)
+    adder.finish()
     sched.chunked_req = adder.new_chunked_req
     if not adder.can_run:
         return None, adder.cache_hit_tokens

@@ -64,6 +64,8 @@ class PrefillAdder:
     forks: ForkPages | None = None  # n > 1: the prompts' kept last pages (forks.py)
     copies: list = field(default_factory=list)  # (source page, page) copies to run before the forward
     free_after: list = field(default_factory=list)  # pages to free once the batch has run (copy sources)
+    sources: set = field(default_factory=set)  # copy sources of this batch: neither reclaimed nor evicted
+    source_nodes: list = field(default_factory=list)  # radix nodes holding such sources, locked until `finish`
 
     def __post_init__(self) -> None:
         clip = self.clip_estimate
@@ -80,28 +82,62 @@ class PrefillAdder:
         return (self.pool.num_free + self.tree.evictable_pages + self._kept()) * self.pool.page_size - self.reserved
 
     def _kept(self) -> int:
-        return len(self.forks.pages()) if self.forks is not None else 0  # reclaimable (`_make_room`)
+        """Kept fork pages `_make_room` may reclaim (not this batch's copy sources)."""
+        return sum(p not in self.sources for p in self.forks.pages()) if self.forks is not None else 0
 
-    def _fork_source(self, req: Req, key: list[int], prefix: int) -> int | None:
-        """For an n > 1 choice's first admission: the page holding its prompt's last page (the leader's kept
-        partial page, or the radix cache's last full page) when copying it saves at least one token."""
+    def finish(self) -> None:
+        """The batch is built: the radix pages it copies from may be evicted again (any later writer of such
+        a page runs after this batch's copies, which come first in its forward)."""
+        for node in self.source_nodes:
+            self.tree.dec_lock_ref(node)
+        self.source_nodes.clear()
+
+    def _fork_source(self, req: Req, key: list[int], prefix: int) -> tuple[int, object] | None:
+        """For an n > 1 choice's first admission: the page holding its prompt's last page and the radix node
+        holding it (the leader's kept partial page: None, or the radix cache's last full page) when copying
+        it saves at least one token."""
         ps, n = self.pool.page_size, req.prompt_len
         if self.forks is None or req.after is None or req.forked or req.output_ids or ps == 1 or n % ps == 1:
             return None
         if n % ps:
-            return self.forks.source(req) if prefix == n - n % ps else None
+            page = self.forks.source(req) if prefix == n - n % ps else None
+            return None if page is None else (page, None)
         if prefix == n - ps:
-            last, _ = self.tree.match_prefix(key, n)
+            last, node = self.tree.match_prefix(key, n)
             if len(last) * ps == n:
-                return last[-1]
+                return last[-1], node
         return None
+
+    def _use_source(self, source: tuple[int, object] | None) -> None:
+        """Protect a copy source from the evictions and reclaims of this batch's allocations."""
+        if source is not None:
+            self.sources.add(source[0])
+            if source[1] is not None:
+                self.tree.inc_lock_ref(source[1])
+                self.source_nodes.append(source[1])
+
+    def _drop_source(self, source: tuple[int, object] | None) -> None:
+        if source is not None:
+            if not any(src == source[0] for src, _ in self.copies):
+                self.sources.discard(source[0])
+            if source[1] is not None:
+                self.tree.dec_lock_ref(source[1])
+                self.source_nodes.remove(source[1])
+
+    def _no_room(self, req: Req, source: tuple[int, object] | None) -> AddResult:
+        """Out of KV budget; a choice that would have copied its last page tries again without the copy (its
+        source may then be reclaimed)."""
+        if source is None:
+            return AddResult.NO_TOKEN
+        self._drop_source(source)
+        return self.add_one_req(req, copy=False)
 
     def _make_room(self, need: int) -> None:
         """Free pages for `need`: evict the radix cache, then give back the pages kept for forks."""
         if need > self.pool.num_free:
             self.pool.free(self.tree.evict(need - self.pool.num_free))
         if need > self.pool.num_free and self.forks is not None:
-            self.forks.reclaim(keep={src for src, _ in self.copies})
+            self.forks.reclaim(keep=self.sources)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
         self._make_room(n)
@@ -155,7 +191,9 @@ class PrefillAdder:
                 break
         return admitted
 
-    def add_one_req(self, req: Req) -> AddResult:
+    def add_one_req(self, req: Req, copy: bool = True) -> AddResult:
+        """Admit `req` if the budgets allow. An n > 1 choice that cannot copy its prompt's last page (its
+        page and the copy's would not both fit) is offered again without the copy (`copy=False`)."""
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
@@ -167,13 +205,17 @@ class PrefillAdder:
         on_host = tree.match_host(key, node, limit)  # host-tier hits: loaded back below
         n_host = sum(len(h.key) for h in on_host) // ps
         prefix = (len(pages) + n_host) * ps
-        cow = None if on_host else self._fork_source(req, key, prefix)
+        source = None if on_host or not copy else self._fork_source(req, key, prefix)
+        cow = None if source is None else source[0]
         if cow is not None:  # an n > 1 choice: it copies the prompt's last page and computes the last token only
             prefix = req.prompt_len - 1
+            self._use_source(source)
         if self.defer is not None and self.defer.should_defer(key[: req.seq_len - 1], prefix):
+            self._drop_source(source)
             return AddResult.DEFERRED
         n, truncated = self._chunk_len(req.seq_len - prefix)
         if self.can_run and n > self.rem_input_tokens:
+            self._drop_source(source)
             return AddResult.OTHER
         tree.inc_lock_ref(node)
         need_pages = cdiv(prefix + n, ps) - len(pages)  # the host hits need device pages too
@@ -184,19 +226,19 @@ class PrefillAdder:
         fits = need_tokens <= self.rem_total_tokens
         if not fits and not (first and need_pages <= self.pool.num_free + tree.evictable_pages + self._kept()):
             tree.dec_lock_ref(node)
-            return AddResult.NO_TOKEN
+            return self._no_room(req, source)
         tree.pinned.update(id(h) for h in on_host)  # evictions below must not drop them
         try:
             # device pages for the host hits, or for the copied last page (never both: see _fork_source's caller)
             extra = self._alloc_pages(n_host + (cow is not None)) if n_host or cow is not None else []
             req.page_ids, req.n_cached_pages, req.last_node = list(pages) + (extra or []), len(pages), node
             req.kv_len = prefix
-            if extra is None or not self._alloc(req, n):  # cannot happen: the budget counted free + evictable
+            if extra is None or not self._alloc(req, n):  # the budget counted free + evictable + reclaimable pages
                 if extra:
                     self.pool.free(extra)
                 tree.dec_lock_ref(node)
                 req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
-                return AddResult.NO_TOKEN
+                return self._no_room(req, source)
         finally:
             tree.pinned.difference_update(id(h) for h in on_host)
         if cow is not None:

@@ -59,8 +59,16 @@ def test_a_kept_page_never_stalls_a_tight_pool(radix):
     """Found by the state machine: 25-token prompts, two choices each, a 7-page pool of 4 tokens, one running
     at a time: the kept page must give way (or not be kept: no radix cache to copy onto) instead of leaving
     the choices 6 free pages for 7."""
-    cfg = SchedulerConfig(page_size=4, num_pages=7, max_context_len=96, chunk_size=None, max_running_requests=1,
-                          max_prefill_tokens=16, enable_radix_cache=radix, in_batch_prefix_defer_tokens=None)
+    cfg = SchedulerConfig(
+        page_size=4,
+        num_pages=7,
+        max_context_len=96,
+        chunk_size=None,
+        max_running_requests=1,
+        max_prefill_tokens=16,
+        enable_radix_cache=radix,
+        in_batch_prefix_defer_tokens=None,
+    )
     sched = Scheduler(cfg)
     runner = FakeRunner(7, 4, VOCAB)
     poison_freed(sched, runner)
@@ -74,4 +82,33 @@ def test_a_kept_page_never_stalls_a_tight_pool(radix):
         for j in range(2):
             r = done[f"c{k}{j}"]
             assert r.error is None and r.output_ids == greedy_reference(prompt, 1, VOCAB), r.error
+    assert not sched.forks.pages()
+
+
+@pytest.mark.parametrize("prompt_len,pages", [(25, 2), (26, 2), (32, 2), (48, 3), (50, 4)])
+def test_a_copy_source_is_never_reclaimed_or_evicted_for_its_own_copy(prompt_len, pages):
+    """Found by the state machine: pages of 16, a pool of `pages`, one running at a time. The choice's own
+    allocation had reclaimed the kept page (or evicted the radix cache's last page, a prompt filling it) and
+    got it back as the copy's destination -- a copy onto itself of poisoned KV. The source is protected now;
+    a choice whose copy does not fit beside its source recomputes the page instead."""
+    cfg = SchedulerConfig(
+        page_size=16,
+        num_pages=pages,
+        max_context_len=200,
+        chunk_size=None,
+        max_running_requests=1,
+        max_prefill_tokens=16,
+        in_batch_prefix_defer_tokens=None,
+    )
+    sched = Scheduler(cfg)
+    runner = FakeRunner(pages, 16, VOCAB)
+    poison_freed(sched, runner)
+    prompt = [(5 * j + 2) % VOCAB for j in range(prompt_len)]
+    lead = sched.add_request("lead", prompt, SamplingParams(max_new_tokens=0))
+    for j in range(2):
+        sched.add_request(f"c{j}", prompt, SamplingParams(max_new_tokens=1), after=lead)
+    done = run(sched, runner, max_steps=500)
+    for j in range(2):
+        r = done[f"c{j}"]
+        assert r.error is None and r.output_ids == greedy_reference(prompt, 1, VOCAB), r.error
     assert not sched.forks.pages()
