@@ -7,6 +7,8 @@
 // 12 ymm accumulators (MT rows x NP panels x 2 halves) busy on the FMA units while each weight
 // vector loaded feeds MT FMAs: 60-90 GFLOP/s per core from 4 rows on, and the weights are read once
 // per step for up to 6 rows (benchmarks/kernels/bench_linear.py, benchmarks/RESULTS.md "Packed fp32 linear").
+// On AVX-512 machines the variant in packed_linear_avx512.cpp does 16 columns per FMA with up to 24
+// zmm accumulators; both give the same bits (one FMA chain per output, k in order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +16,8 @@
 #include <algorithm>
 
 #include "checks.h"
+#include "cpu/cpu_isa.h"
+#include "cpu/isa_kernels.h"
 #include "cpu/packed_microkernel.h"
 
 namespace minisched::cpu {
@@ -33,7 +37,8 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Te
   const float* w = w_packed.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const int np = packed::panels_per_call(M);
+  const bool wide = use_avx512();
+  const int np = wide ? avx512::packed_panels_per_call(M) : packed::panels_per_call(M);
   const int64_t groups = (P + np - 1) / np;
   // At least ~64K FMAs per task, so a thread wake-up is paid for (a 576 x 16 panel at one row is 9K).
   const int64_t grain = std::max<int64_t>(1, 65536 / (np * kPanel * K * M));
@@ -44,7 +49,10 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Te
       const int64_t ncols = std::min(np_here * kPanel, N - p * kPanel);
       const float* wp = w + p * K * kPanel;
       // Panel outer, rows inner: the panel (K x 16 floats) stays in L1/L2 while the row blocks pass.
-      packed::panel_rows(xp, M, ldx, wp, np_here, K, o + p * kPanel, N, ncols);
+      if (wide)
+        avx512::packed_panel_rows(xp, M, ldx, wp, np_here, K, o + p * kPanel, N, ncols);
+      else
+        packed::panel_rows(xp, M, ldx, wp, np_here, K, o + p * kPanel, N, ncols);
     }
   });
 }

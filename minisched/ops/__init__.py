@@ -23,6 +23,14 @@ from typing import Literal, Optional
 import torch
 
 from minisched.ops import checks, reference
+from minisched.ops.cpu import (  # noqa: F401  (re-exported: the CPU kernels' ISA dispatch)
+    CPU_ISAS,
+    cpu_features,
+    cpu_isa,
+    set_cpu_isa,
+    supported_cpu_isas,
+    use_cpu_isa,
+)
 from minisched.ops.table import OPS, OpSpec  # noqa: F401  (OpSpec: for readers of OPS)
 
 Backend = Literal["native", "triton", "torch"]

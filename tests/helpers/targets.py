@@ -73,6 +73,20 @@ def targets(family: str, *, float64: bool = False) -> list:
     return params
 
 
+CPU_ISAS: list[str] = ops.supported_cpu_isas() if ops.native_available() else []
+
+
+def cpu_backends() -> list:
+    """The backends of a CPU-only op (packed_linear, int8_linear, rms_norm): the torch reference, and
+    the native kernels once per ISA variant this machine runs (`native-cpu-avx2`, `native-cpu-avx512`,
+    ...; the `cpu_isa` mark makes tests/conftest.py run the test under `ops.use_cpu_isa`), so the AVX2
+    path stays tested on an AVX-512 machine."""
+    params = [pytest.param("torch", id="torch-cpu")]
+    if not ops.native_available():
+        return params + [pytest.param("native", id="native-cpu", marks=pytest.mark.skip(reason=str(ops.NATIVE_ERROR)))]
+    return params + [pytest.param("native", id=f"native-cpu-{isa}", marks=pytest.mark.cpu_isa(isa)) for isa in CPU_ISAS]
+
+
 def poison(t: torch.Tensor) -> torch.Tensor:
     """Fill an output buffer with NaN (or a sentinel for integers) so unwritten rows are caught."""
     return t.fill_(float("nan") if t.is_floating_point() else -7)

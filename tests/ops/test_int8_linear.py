@@ -5,18 +5,13 @@ poisoned outputs, strided rows, edge cases; quantize_int8's error bound; the op'
 import pytest
 import torch
 
-from helpers.targets import poison
+from helpers.targets import cpu_backends, poison
 from minisched import ops
 from minisched.ops import reference
 
 # A CPU op (weight-only int8 for bandwidth-bound CPU decode): no CUDA or Triton kernel to test;
 # asking the triton backend for it is a clear error (test_triton_backend_is_a_clear_error).
-BACKENDS = [
-    pytest.param("torch", id="torch-cpu"),
-    pytest.param(
-        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
-    ),
-]
+BACKENDS = cpu_backends()  # torch, and native once per ISA variant this machine runs
 
 
 def random_weights(n, k, group, gen):

@@ -6,17 +6,12 @@ batch around a row and the thread count; pack/unpack round-trips; the op's input
 import pytest
 import torch
 
-from helpers.targets import poison
+from helpers.targets import CPU_ISAS, cpu_backends, poison
 from minisched import ops
 from minisched.ops import reference
 
 # A CPU op (the CPU's small-batch projections; GPUs use cuBLAS): no CUDA or Triton kernel to test.
-BACKENDS = [
-    pytest.param("torch", id="torch-cpu"),
-    pytest.param(
-        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
-    ),
-]
+BACKENDS = cpu_backends()  # torch, and native once per ISA variant this machine runs
 NATIVE = BACKENDS[1:]
 
 
@@ -72,6 +67,21 @@ def test_row_results_do_not_depend_on_the_batch(backend, gen):
     whole = run(x, w, backend)
     for m0, m1 in ((0, 1), (5, 7), (3, 6), (10, 18), (0, 23)):
         assert torch.equal(run(x[m0:m1], w, backend), whole[m0:m1]), (m0, m1)
+
+
+@pytest.mark.skipif(len(CPU_ISAS) < 2, reason="one ISA variant on this machine")
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 23, 64])
+def test_every_isa_gives_the_same_bits(m, gen):
+    """Every variant computes each output as the same FMA chain (k in order, from zero): AVX-512's
+    16-wide panels and 8-row blocks give AVX2's bits exactly."""
+    x = torch.randn(m, 576, generator=gen)
+    w = torch.randn(200, 576, generator=gen)  # 12.5 panels: a partial last one
+    got = {}
+    for isa in CPU_ISAS:
+        with ops.use_cpu_isa(isa):
+            got[isa] = run(x, w, "native")
+    for isa in CPU_ISAS[1:]:
+        assert torch.equal(got[isa], got[CPU_ISAS[0]]), isa
 
 
 @pytest.mark.parametrize("backend", NATIVE)

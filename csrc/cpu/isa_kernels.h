@@ -1,0 +1,43 @@
+// Entry points of the CPU kernels' ISA variants (csrc/cpu/*_avx512.cpp, *_avx2vnni.cpp): plain
+// functions on raw pointers, framework-free. Declared plainly: each is compiled for its ISA by the
+// `#pragma GCC target` region of its file (cpu_isa.h says why not an attribute). The ATen glue
+// (<op>.cpp) picks one by cpu::isa().
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/cpu_isa.h"
+
+namespace minisched::cpu {
+
+namespace avx512 {
+
+// -- packed_linear (packed_linear_avx512.cpp) --
+constexpr int64_t kPackedMaxRows = 8;  // activation rows per micro-kernel call
+
+// Rows per block for M rows: balanced blocks of at most kPackedMaxRows (9 rows: 5 + 4, not 8 + 1).
+constexpr int64_t packed_rows_per_block512(int64_t m) {
+  const int64_t blocks = (m + kPackedMaxRows - 1) / kPackedMaxRows;
+  return blocks == 0 ? 1 : (m + blocks - 1) / blocks;
+}
+
+// Panels per micro-kernel call for M rows: 8 FMA chains at one row, at most 24 accumulators of the
+// 32 zmm registers otherwise (rows x panels: 1 x 8, 2..6 x 4, 7..8 x 3).
+constexpr int packed_panels_per_call(int64_t m) {
+  const int64_t rows = packed_rows_per_block512(m);
+  return rows == 1 ? 8 : (rows <= 6 ? 4 : 3);
+}
+
+// Rows [0, M) of x against `np_here` (<= packed_panels_per_call(M)) consecutive panels at wp,
+// whose first `ncols` columns are written to out (row stride ldo).
+void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t np_here, int64_t K, float* out,
+                       int64_t ldo, int64_t ncols);
+
+// -- rms_norm (rms_norm_avx512.cpp) --
+// Rows [m0, m1) of x [M, D]: x += delta (when not null), then out = x / rms(x) * w.
+void rms_norm_rows(float* x, const float* delta, const float* w, float eps, float* out, int64_t D, int64_t m0,
+                   int64_t m1);
+
+}  // namespace avx512
+
+}  // namespace minisched::cpu
