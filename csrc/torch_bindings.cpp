@@ -33,8 +33,9 @@ TORCH_LIBRARY(minisched, m) {
   m.def(
       "merge_attention_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b, "
       "Tensor(a!) v_out, Tensor(b!) lse_out) -> ()");
-  // Weight-only int8 matmul (CPU): out [M, N] = x [M, K] @ (w_q [N, K] int8 * group scales [N, K/G]).T
-  m.def("int8_linear(Tensor x, Tensor w_q, Tensor scales, Tensor(a!) out) -> ()");
+  // int8 matmul (CPU): out [M, N] = x [M, K] @ W.T, W = int8 values * group scales in 16-column panels
+  // (ops.pack_int8_weight: w_packed [ceil(N/16), K/2, 32], s_packed [ceil(N/16), K/G, 16]); x quantized per row to int16
+  m.def("int8_linear(Tensor x, Tensor w_packed, Tensor s_packed, Tensor(a!) out) -> ()");
   // Packed float32 matmul (CPU): out [M, N] = x [M, K] @ w.T, w packed as [ceil(N/16), K, 16] panels
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor(a!) out) -> ()");
   // RMSNorm (CPU, float32): with delta, x += delta first (the residual add); out = x / rms(x) * weight

@@ -1,6 +1,6 @@
-"""Weight-only int8 (`--quantize int8`) against fp32 -- not a test.
+"""int8 weights (`--quantize int8`) against fp32 -- not a test.
 
-    python benchmarks/kernels/bench_int8.py [--rounds 3] [--threads 1 2] [--json benchmarks/results/int8.json]
+    python benchmarks/kernels/bench_int8.py [--rounds 3] [--threads 1 2] [--cpu-isa avx2] [--json benchmarks/results/int8.json]
 
 Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same machine load:
   kernels    F.linear (fp32 sgemm/sgemv), packed_linear (fp32, the engine default) and
@@ -9,7 +9,7 @@ Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same m
              (ignore_eos): output tok/s of the whole generate;
   agreement  int8 vs fp32 on chat prompts: teacher-forced top-1 agreement along fp32's own greedy
              continuation, and how many generated tokens are identical before the first divergence.
-Every row carries the load average.
+Every row carries the load average and the CPU kernels' ISA variant (--cpu-isa: another one, e.g. avx2).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run_kernels(args) -> list[dict]:
         torch.set_num_threads(threads)
         for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k, generator=gen) * 0.05
-            w_q, scales = ops.quantize_int8(w, 64)
+            q_packed, s_packed = ops.pack_int8_weight(*ops.quantize_int8(w, 64))
             w_packed = ops.pack_linear_weight(w)
             for m in args.rows:
                 x = torch.randn(m, k, generator=gen)
@@ -77,7 +77,7 @@ def run_kernels(args) -> list[dict]:
                 fns = {
                     "fp32": lambda: F.linear(x, w),
                     "packed": lambda: torch.ops.minisched.packed_linear(x, w_packed, out),
-                    "int8": lambda: torch.ops.minisched.int8_linear(x, w_q, scales, out),
+                    "int8": lambda: torch.ops.minisched.int8_linear(x, q_packed, s_packed, out),
                 }
                 times = {key: [] for key in fns}
                 for r in range(args.rounds):
@@ -179,9 +179,12 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--engine-threads", type=int, default=None, help="engines' num_threads (default: tuned)")
     p.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "agreement"])
+    p.add_argument("--cpu-isa", default=None, help="the CPU kernels' ISA variant (default: the best supported)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    result = dict(loadavg_start=loadavg(), cpu_count=os.cpu_count())
+    if args.cpu_isa:
+        ops.set_cpu_isa(args.cpu_isa)
+    result = dict(loadavg_start=loadavg(), cpu_count=os.cpu_count(), cpu_isa=ops.cpu_isa())
     if "kernels" not in args.skip:
         result["kernels"] = run_kernels(args)
     if not {"decode", "agreement"} <= set(args.skip):

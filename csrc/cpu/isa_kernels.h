@@ -38,6 +38,22 @@ void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, 
 void rms_norm_rows(float* x, const float* delta, const float* w, float eps, float* out, int64_t D, int64_t m0,
                    int64_t m1);
 
+// -- int8_linear (int8_linear_avx512.cpp; layout and arithmetic in int8_microkernel.h) --
+// Rows [0, M) of the int16 activations q (row stride ldq, row scales sx) against np_here (<=
+// packed_panels_per_call(M)) consecutive panels of w_packed at w (K * 16 bytes each) with their group
+// scales at ws (K / G * 16 floats each); the first ncols columns go to out (row stride ldo).
+void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, const int8_t* w, const float* ws,
+                     int64_t np_here, int64_t K, int64_t G, float* out, int64_t ldo, int64_t ncols);
+
 }  // namespace avx512
+
+namespace avx2vnni {
+
+// int8_linear's ymm micro-kernel with AVX-VNNI (int8_linear_avx2vnni.cpp); panels per call as
+// int8k::panels_per_call (int8_microkernel.h).
+void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, const int8_t* w, const float* ws,
+                     int64_t np_here, int64_t K, int64_t G, float* out, int64_t ldo, int64_t ncols);
+
+}  // namespace avx2vnni
 
 }  // namespace minisched::cpu

@@ -15,6 +15,8 @@
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on _mm512_undefined_ps (PR 105593)
 
 namespace minisched::cpu::avx512 {
 namespace {
@@ -151,6 +153,7 @@ void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, 
 
 }  // namespace minisched::cpu::avx512
 
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #else  // not x86: never called (isa() is never avx512 there)
 void minisched::cpu::avx512::packed_panel_rows(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*,

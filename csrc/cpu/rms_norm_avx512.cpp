@@ -10,6 +10,8 @@
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on _mm512_undefined_ps (PR 105593)
 
 namespace minisched::cpu::avx512 {
 
@@ -55,6 +57,7 @@ void rms_norm_rows(float* x, const float* delta, const float* w, float eps, floa
 
 }  // namespace minisched::cpu::avx512
 
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #else  // not x86: never called
 void minisched::cpu::avx512::rms_norm_rows(float*, const float*, const float*, float, float*, int64_t, int64_t,

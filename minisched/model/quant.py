@@ -1,11 +1,15 @@
-"""Weight-only int8 for the CPU (`--quantize int8`): the projections and the LM head hold int8
-values with one float32 scale per group of input channels; activations, norms, the embedding
-lookup and the KV cache stay float32.
+"""int8 weights for the CPU (`--quantize int8`): the projections and the LM head hold int8
+values with one float32 scale per group of input channels, in 16-column panels (the layout of
+minisched's `int8_linear`, csrc/cpu/int8_linear.cpp); norms, the embedding lookup and the KV
+cache stay float32. Each projection quantizes its input rows to int16 on the fly (one scale per
+row) and sums the products in int32 with the CPU's integer dot-product instructions.
 
 Why: single-stream CPU decode reads every weight once per token, so it is bound by memory
 bandwidth; int8 reads a quarter of the bytes (SmolLM2-135M: 540 MB -> ~150 MB per token).
-It is an option, not the default: fp32 matches transformers, int8 does not exactly (the
-agreement with fp32 greedy output is measured in benchmarks/RESULTS.md).
+Prefill and large batches are bound by arithmetic, where vpdpwssd (AVX-VNNI / AVX512-VNNI) does
+twice the fp32 FMA rate. It is an option, not the default: fp32 matches transformers, int8 does
+not exactly (the agreement with fp32 greedy output is measured in benchmarks/RESULTS.md; 16-bit
+activations keep it where weight-only int8 was, 8-bit ones would not).
 """
 
 from __future__ import annotations
@@ -40,22 +44,30 @@ class QuantConfig:
 
 
 class Int8Weight(nn.Module):
-    """An [N, K] weight as int8 values + float32 group scales; `linear(x)` is x @ W.T in float32."""
+    """An [N, K] weight as int8 values + float32 group scales, packed for int8_linear; `linear(x)` is
+    x @ W.T in float32."""
 
     def __init__(self, weight: torch.Tensor, group_size: int):
         super().__init__()
-        w_q, scales = ops.quantize_int8(weight, group_size)
-        self.register_buffer("w_q", w_q)
-        self.register_buffer("scales", scales)
+        self.n, self.k = weight.shape
+        w_packed, s_packed = ops.pack_int8_weight(*ops.quantize_int8(weight, group_size))
+        self.register_buffer("w_packed", w_packed)
+        self.register_buffer("s_packed", s_packed)
 
     @property
     def shape(self) -> torch.Size:
-        return self.w_q.shape
+        return torch.Size((self.n, self.k))
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_q int8 [N, K], scales float32 [N, K // G]): the quantized weight in row order."""
+        return ops.reference.unpack_int8_weight(self.w_packed, self.s_packed, self.n)
 
     def linear(self, x: torch.Tensor, backend: str) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return ops.int8_linear(x, self.w_q, self.scales, backend="native" if backend == "native" else "torch")
+        return ops.int8_linear(
+            x, self.w_packed, self.s_packed, self.n, backend="native" if backend == "native" else "torch"
+        )
 
 
 def group_size_for(k: int, group_size: int) -> int:

@@ -34,7 +34,9 @@ def test_quantized_paged_forward_matches_dense(tie, backend):
     cached = [0, 16, 9]
     got = paged_logits(q, seqs, cached, 16, backend)
     want = torch.cat([dense_forward(q, torch.tensor(s))[c:] for s, c in zip(seqs, cached)])
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    # Each projection rounds its input rows to int16 (a step of 2^-15 of the row's largest value):
+    # the float32-rounding differences of the two attention paths flip a few of those roundings.
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     exact = torch.cat([dense_forward(fp32, torch.tensor(s))[c:] for s, c in zip(seqs, cached)])
     err = (got - exact).abs().max().item()
     assert 0 < err < 0.05 * exact.abs().max().item()  # quantized, but close
@@ -44,9 +46,10 @@ def test_quantized_weights_are_the_reference_dequantization():
     fp32 = model_of(True)
     q = quantize_model(copy.deepcopy(fp32), QuantConfig("int8", group_size=64))
     w = q.layers[1].gate_up
-    back = reference.dequantize_int8(w.w_q, w.scales)
-    assert w.scales.shape == (fp32.layers[1].gate_up.shape[0], 128 // 64)
-    bound = w.scales.repeat_interleave(64, dim=1) / 2 + 1e-7
+    w_q, scales = w.unpacked()
+    back = reference.dequantize_int8(w_q, scales)
+    assert scales.shape == (fp32.layers[1].gate_up.shape[0], 128 // 64)
+    bound = scales.repeat_interleave(64, dim=1) / 2 + 1e-7
     assert ((back - fp32.layers[1].gate_up).abs() <= bound).all()
     total = sum(b.numel() * b.element_size() for b in q.buffers() if b.dtype == torch.int8)
     assert (
