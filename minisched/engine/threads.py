@@ -66,7 +66,10 @@ class ThreadTuner:
     probe waits at least `cost_factor` times as long as the last one took, so probing costs at most
     ~1/cost_factor of the time even when steps are long (three 1-second 512-token prefills at the wrong
     count every 3 s cost a third of prefill throughput); a probe step 1.5x slower than the current
-    count's mean ends the probe at once. On a quiet machine all cores win; when other processes take
+    count's mean ends the probe at once. Steps that take longer than `max_probe_seconds` (a long
+    prefill) are never probed: one probe step at half the threads would be a whole request's
+    prefill at half speed, and long matmuls lose little to a busy core (each barrier waits once per
+    kernel, not once per microsecond of work). On a quiet machine all cores win; when other processes take
     cores, fork/join barriers wait for descheduled threads and fewer threads win -- 3x at batch 8 with
     one busy process on 2 cores (benchmarks/RESULTS.md, "CPU threads"). Thread counts do not change the
     model's numbers (the kernels split work by rows, not by sums; tests/engine checks it)."""
@@ -78,10 +81,11 @@ class ThreadTuner:
         probe_steps: int = 3,
         margin: float = 0.1,
         cost_factor: float = 20.0,
+        max_probe_seconds: float = 0.25,
     ):
         self.max_threads = max_threads
         self.interval, self.probe_steps, self.margin = interval, probe_steps, margin
-        self.cost_factor = cost_factor
+        self.cost_factor, self.max_probe_seconds = cost_factor, max_probe_seconds
         self.classes: dict[int, _SizeClass] = {}
         self.switches = 0
         self.threads = max_threads  # the count set now
@@ -107,7 +111,8 @@ class ThreadTuner:
             and time.monotonic() >= c.next_probe
             and len(c.recent) >= self.probe_steps
             and max(sizes + [tokens]) <= 1.5 * max(1, min(sizes + [tokens]))
-        ):  # steady steps only
+            and sum(sec for _, sec in c.recent) <= self.max_probe_seconds * len(c.recent)
+        ):  # steady, short steps only
             cand = max(1, c.current // 2) if c.go_down else min(self.max_threads, c.current * 2)
             if cand == c.current:  # at a bound: try the other way
                 c.go_down = not c.go_down
