@@ -423,13 +423,13 @@ inline void check_int8_linear(const at::Tensor& x, const at::Tensor& w_packed, c
   }
 }
 
-// Packed float32 linear: x [M, K] float32 (rows may be strided, elements contiguous), w_packed
-// [P, K, 16] float32 (panels of 16 output columns, P = ceil(N / 16)), out [M, N] float32.
+// Packed linear: x [M, K] float32 (rows may be strided, elements contiguous), w_packed [P, K, 16] float32
+// or bfloat16 (panels of 16 output columns, P = ceil(N / 16)), out [M, N] float32.
 inline void check_packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& out) {
   const char* op = "packed_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dim(op, "x", x, 2);
-  check_dtype(op, "w_packed", w_packed, {at::kFloat});
+  check_dtype(op, "w_packed", w_packed, {at::kFloat, at::kBFloat16});
   check_dim(op, "w_packed", w_packed, 3);
   check_dtype(op, "out", out, {at::kFloat});
   check_dim(op, "out", out, 2);

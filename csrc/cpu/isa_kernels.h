@@ -29,9 +29,12 @@ constexpr int packed_panels_per_call(int64_t m) {
 }
 
 // Rows [0, M) of x against `np_here` (<= packed_panels_per_call(M)) consecutive panels at wp,
-// whose first `ncols` columns are written to out (row stride ldo).
+// whose first `ncols` columns are written to out (row stride ldo). The weights are float32 or
+// bfloat16 (uint16_t bits, widened as they are loaded: the float32 kernel's bits on the rounded weight).
 void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t np_here, int64_t K, float* out,
                        int64_t ldo, int64_t ncols);
+void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t np_here, int64_t K,
+                       float* out, int64_t ldo, int64_t ncols);
 
 // -- rms_norm (rms_norm_avx512.cpp) --
 // Rows [m0, m1) of x [M, D]: x += delta (when not null), then out = x / rms(x) * w.

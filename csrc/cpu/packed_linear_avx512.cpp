@@ -23,6 +23,13 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 
+// 16 consecutive weights as float32 (a bf16 weight: its bits shifted into the top half).
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const uint16_t* w) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
+}
+
 // Store mask of panel p of a call whose panels hold `ncols` valid columns.
 inline __mmask16 panel_mask(int64_t ncols, int p) {
   const int64_t c = std::clamp<int64_t>(ncols - p * kPanel, 0, kPanel);
@@ -31,8 +38,8 @@ inline __mmask16 panel_mask(int64_t ncols, int p) {
 
 // MT activation rows against NP consecutive panels over the whole K (loops fully unrolled: the
 // accumulators stay in registers).
-template <int MT, int NP>
-inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo, int64_t ncols) {
+template <int MT, int NP, typename W>
+inline void micro(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t ldo, int64_t ncols) {
   __m512 acc[MT][NP];
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
@@ -43,7 +50,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[NP];
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_ps(w + p * panel + k * kPanel);
+    for (int p = 0; p < NP; ++p) wv[p] = load16(w + p * panel + k * kPanel);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
@@ -71,12 +78,12 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
 template <int MT, int NP>
 constexpr bool kShape = MT == 1 || (MT <= 6 && NP <= 4) || NP <= 3;
 
-template <int NP>
-void rows_block(int64_t mt, const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
+template <int NP, typename W>
+void rows_block(int64_t mt, const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t ldo,
                 int64_t ncols) {
   auto run = [&]<int MT>() {
     if constexpr (kShape<MT, NP>) {
-      micro<MT, NP>(x, ldx, w, K, out, ldo, ncols);
+      micro<MT, NP, W>(x, ldx, w, K, out, ldo, ncols);
       return true;
     }
     return false;
@@ -113,10 +120,9 @@ void rows_block(int64_t mt, const float* x, int64_t ldx, const float* w, int64_t
   if (!ran) __builtin_trap();  // a shape packed_panels_per_call never asks for
 }
 
-}  // namespace
-
-void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t np_here, int64_t K, float* out,
-                       int64_t ldo, int64_t ncols) {
+template <typename W>
+void panel_rows(const float* x, int64_t M, int64_t ldx, const W* wp, int64_t np_here, int64_t K, float* out,
+                int64_t ldo, int64_t ncols) {
   const int64_t rows = packed_rows_per_block512(M);
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
     const int64_t mt = std::min(rows, M - m0);
@@ -124,31 +130,43 @@ void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, 
     float* om = out + m0 * ldo;
     switch (np_here) {
       case 8:
-        rows_block<8>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<8, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
       case 7:
-        rows_block<7>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<7, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
       case 6:
-        rows_block<6>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<6, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
       case 5:
-        rows_block<5>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<5, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
       case 4:
-        rows_block<4>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<4, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
       case 3:
-        rows_block<3>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<3, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
       case 2:
-        rows_block<2>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<2, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
       default:
-        rows_block<1>(mt, xm, ldx, wp, K, om, ldo, ncols);
+        rows_block<1, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
         break;
     }
   }
+}
+
+}  // namespace
+
+void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t np_here, int64_t K, float* out,
+                       int64_t ldo, int64_t ncols) {
+  panel_rows(x, M, ldx, wp, np_here, K, out, ldo, ncols);
+}
+
+void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t np_here, int64_t K,
+                       float* out, int64_t ldo, int64_t ncols) {
+  panel_rows(x, M, ldx, wp, np_here, K, out, ldo, ncols);
 }
 
 }  // namespace minisched::cpu::avx512
@@ -158,6 +176,10 @@ void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, 
 #else  // not x86: never called (isa() is never avx512 there)
 void minisched::cpu::avx512::packed_panel_rows(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*,
                                                int64_t, int64_t) {
+  __builtin_trap();
+}
+void minisched::cpu::avx512::packed_panel_rows(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                               float*, int64_t, int64_t) {
   __builtin_trap();
 }
 #endif

@@ -23,7 +23,7 @@ from minisched import ops
 from minisched.model.linear import plain
 from minisched.model.packed import PackedWeight
 
-QUANT_MODES = ("none", "int8")
+QUANT_MODES = ("none", "int8", "bf16")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -75,11 +75,24 @@ def group_size_for(k: int, group_size: int) -> int:
     return group_size if k % group_size == 0 else k
 
 
+def _weight(w: torch.Tensor, cfg: QuantConfig) -> nn.Module:
+    if cfg.mode == "bf16":
+        return PackedWeight(w, torch.bfloat16)
+    return Int8Weight(w, group_size_for(w.shape[1], cfg.group_size))
+
+
+def _converted(w, cfg: QuantConfig) -> bool:
+    if cfg.mode == "bf16":
+        return isinstance(w, PackedWeight) and w.dtype == torch.bfloat16
+    return isinstance(w, Int8Weight)
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
-    """Replace the model's projection weights and LM head by Int8Weight, in place (after the
-    weights are loaded). The fp32 embedding stays for the token lookup; a tied LM head gets its
-    own int8 copy as `model.lm_head`."""
+    """Replace the model's projection weights and LM head by Int8Weight (`int8`) or bfloat16
+    PackedWeight (`bf16`: the weights rounded to bfloat16, half the bytes of float32, activations and
+    sums still float32), in place (after the weights are loaded). The fp32 embedding stays for the
+    token lookup; a tied LM head gets its own copy as `model.lm_head`."""
     if not cfg.enabled:
         return model
     if model.device.type != "cpu" or model.embed.dtype != torch.float32:
@@ -89,19 +102,21 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
     for layer in model.layers:
         for name in PROJECTIONS:
             w = getattr(layer, name)
-            if isinstance(w, Int8Weight):
+            if _converted(w, cfg):
                 continue
-            w, k = plain(w), w.shape[1]
+            if isinstance(w, Int8Weight):
+                raise ValueError(f"--quantize {cfg.mode}: the model's weights are int8 already")
+            w, k = plain(w).float(), w.shape[1]
             if k % 32:
                 raise ValueError(f"--quantize {cfg.mode}: {name} has {k} input channels, not a multiple of 32")
-            q = Int8Weight(w, group_size_for(k, cfg.group_size))
+            q = _weight(w, cfg)
             layer._parameters.pop(name, None)
             layer._modules.pop(name, None)
             setattr(layer, name, q)
-    if isinstance(model.lm_head, Int8Weight):
+    if _converted(model.lm_head, cfg):
         return model
-    head = plain(model.embed if model.lm_head is None else model.lm_head)
-    head_q = Int8Weight(head, group_size_for(head.shape[1], cfg.group_size))
+    head = plain(model.embed if model.lm_head is None else model.lm_head).float()
+    head_q = _weight(head, cfg)
     if isinstance(model.embed, PackedWeight):  # a packed tied model: the lookup needs its own fp32 table
         model._modules.pop("embed")
         model.embed = nn.Parameter(head.clone(), requires_grad=False)

@@ -428,11 +428,11 @@ def int8_linear(x: torch.Tensor, w_packed: torch.Tensor, s_packed: torch.Tensor,
 
 
 def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> None:
-    """x [M, K] float32 (rows may be strided), w_packed [ceil(N / 16), K, 16] float32 (16-column panels),
-    out [M, N] float32 (csrc/checks.h: check_packed_linear)."""
+    """x [M, K] float32 (rows may be strided), w_packed [ceil(N / 16), K, 16] float32 or bfloat16
+    (16-column panels), out [M, N] float32 (csrc/checks.h: check_packed_linear)."""
     op = "packed_linear"
     check_dtype(op, "x", x, (torch.float32, torch.float64))
-    check_dtype(op, "w_packed", w_packed, (torch.float32, torch.float64))
+    check_dtype(op, "w_packed", w_packed, (torch.float32, torch.bfloat16, torch.float64))
     check_dtype(op, "out", out, (torch.float32, torch.float64))
     for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("out", out, 2)):
         if t.dim() != dims:

@@ -84,6 +84,23 @@ def test_every_isa_gives_the_same_bits(m, gen):
         assert torch.equal(got[isa], got[CPU_ISAS[0]]), isa
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", [1, 3, 8, 15, 16, 17, 64])  # the widening in registers, and from 16 rows in buffers
+@pytest.mark.parametrize("n,k", [(16, 64), (61, 1536), (200, 576)])
+def test_bf16_weights_are_the_float32_kernel_on_the_rounded_weight(backend, m, n, k, gen):
+    """bfloat16 panels (`--quantize bf16`) are widened as they are read: the result is packed_linear's on
+    the bf16-rounded float32 weight, bit for bit on the native backend."""
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    got = run(x, w, backend)
+    assert ops.pack_linear_weight(w).dtype == torch.bfloat16
+    want = run(x, w.float(), backend)
+    if backend == "native":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("backend", NATIVE)
 def test_thread_count_does_not_change_bits(backend, gen):
     x = torch.randn(9, 576, generator=gen)
@@ -121,7 +138,7 @@ def test_wrapper(backend, gen):
     "case,exc,words",
     [
         ("x_dtype", TypeError, "dtype"),
-        ("w_dtype", TypeError, "dtype"),
+        ("w_dtype", TypeError, "dtype"),  # float16 panels: only float32 and bfloat16
         ("w_dims", ValueError, "dims"),
         ("k_mismatch", ValueError, "w_packed has shape"),
         ("panels", ValueError, "w_packed has shape"),
