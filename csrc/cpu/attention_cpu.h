@@ -12,7 +12,8 @@
 // kv_len keys sees positions <= kv_len - qo_len + t. Items are pulled from an atomic counter
 // by at::get_num_threads() workers (dynamic scheduling; causal tiles differ in cost).
 // Inputs are fp32 / bf16 / fp16; 16-bit K/V blocks are widened to fp32 once per block.
-// The block math (scores, softmax step, P.V; AVX2 where available) is in attention_kernels.h.
+// The block math (scores, softmax step, P.V; AVX2 where available) is in attention_kernels.h; on
+// AVX-512 machines the two block products run attention_avx512.cpp's variants (head_dim % 16 == 0).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -22,6 +23,8 @@
 #include <c10/util/Half.h>
 
 #include "cpu/attention_kernels.h"
+#include "cpu/cpu_isa.h"
+#include "cpu/isa_kernels.h"
 
 #include <atomic>
 #include <cmath>
@@ -95,7 +98,7 @@ struct Scratch {
         vp(kBlock) {}
 };
 
-template <typename scalar_t>
+template <typename scalar_t, bool kWide>
 void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
   const int64_t d = p.d, g = p.hq / p.hkv, ps = p.page_size;
   const int64_t q0 = p.qo_indptr ? p.qo_indptr[it.b] : it.b;
@@ -162,7 +165,10 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
     int64_t r0 = 0;
     while (r0 < rows && w.lim[r0] < j0) ++r0;
     float* S = w.s.data();
-    block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock);
+    if constexpr (kWide)
+      avx512::attn_block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock, kBlock);
+    else
+      block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock);
     for (int64_t r = r0; r < rows; ++r) {                    // online softmax: scores -> probabilities in place
       const int64_t valid = std::min(n, w.lim[r] - j0 + 1);  // causal: keys past lim are masked
       float sum = 0.f;
@@ -177,7 +183,10 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
       w.m[r] = m_new;
       w.l[r] += sum;
     }
-    block_accumulate(w.acc.data() + r0 * d, rows - r0, d, S + r0 * kBlock, w.vp.data(), n);
+    if constexpr (kWide)
+      avx512::attn_block_accumulate(w.acc.data() + r0 * d, rows - r0, d, S + r0 * kBlock, kBlock, w.vp.data(), n);
+    else
+      block_accumulate(w.acc.data() + r0 * d, rows - r0, d, S + r0 * kBlock, w.vp.data(), n);
   }
 
   // -- normalize and write out ---------------------------------------------------------------
@@ -227,10 +236,15 @@ void paged_attention(const AttnParams& p) {
   }
   const int64_t workers = work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
   std::atomic<int64_t> next{0};
+  const bool wide = use_avx512() && p.d % 16 == 0;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(rows, p.d);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
-      run_item<scalar_t>(p, items[i], tq, w);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      if (wide)
+        run_item<scalar_t, true>(p, items[i], tq, w);
+      else
+        run_item<scalar_t, false>(p, items[i], tq, w);
+    }
   });
 }
 

@@ -48,6 +48,14 @@ void rms_norm_rows(float* x, const float* delta, const float* w, float eps, floa
 void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, const int8_t* w, const float* ws,
                      int64_t np_here, int64_t K, int64_t G, float* out, int64_t ldo, int64_t ncols);
 
+// -- the attention loop's block products (attention_avx512.cpp; the loop is attention_cpu.h) --
+// S[r * lds + j] = <q_r, k_j> for `rows` query rows q [rows, d] and n keys (row pointers); d % 16 == 0.
+void attn_block_scores(const float* q, int64_t rows, int64_t d, const float* const* k, int64_t n, float* S,
+                       int64_t lds);
+// acc_r += sum_j P[r * ldp + j] v_j for `rows` accumulator rows [rows, d] and n values; d % 16 == 0.
+void attn_block_accumulate(float* acc, int64_t rows, int64_t d, const float* P, int64_t ldp, const float* const* v,
+                           int64_t n);
+
 }  // namespace avx512
 
 namespace avx2vnni {

@@ -82,3 +82,19 @@ def test_wide_registers_only_in_the_variants_own_code():
             (wide if "avx512::" in current else offenders).add(current)
     assert not offenders, sorted(offenders)[:10]
     assert any("packed_panel_rows" in name or "micro" in name for name in wide)  # the check sees the variants
+
+
+@pytest.mark.cpu_isa("avx2")
+def test_the_cpu_isa_mark_runs_the_test_as_that_variant():
+    assert ops.cpu_isa() == "avx2"
+
+
+def test_op_targets_carry_their_variant():
+    from helpers.targets import CPU_ISAS, targets
+
+    params = [
+        p for p in targets("paged_prefill_attention") if p.values[0].backend == "native" and p.values[0].device == "cpu"
+    ]
+    assert sorted({p.values[0].isa for p in params}) == sorted(i for i in CPU_ISAS if i in ("avx2", "avx512"))
+    for p in params:
+        assert any(m.name == "cpu_isa" and m.args == (p.values[0].isa,) for m in p.marks), p.id
