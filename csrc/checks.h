@@ -392,39 +392,44 @@ inline void check_merge_attention_states(const at::Tensor& v_a, const at::Tensor
   }
 }
 
-// Weight-only int8 linear: x [M, K] float32 (rows may be strided, elements contiguous), w_q [N, K] int8,
-// scales [N, K / G] float32 (G = group size, a multiple of 32 dividing K), out [M, N] float32.
-inline void check_int8_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& scales,
+// int8 linear: x [M, K] float32 (rows may be strided, elements contiguous), w_packed [P, K / 2, 32] int8
+// and s_packed [P, K / G, 16] float32 (P = ceil(N / 16) panels, G = group size, a multiple of 32 dividing
+// K), out [M, N] float32.
+inline void check_int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& s_packed,
                               const at::Tensor& out) {
   const char* op = "int8_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dim(op, "x", x, 2);
-  check_dtype(op, "w_q", w_q, {at::kChar});
-  check_dim(op, "w_q", w_q, 2);
-  check_dtype(op, "scales", scales, {at::kFloat});
-  check_dim(op, "scales", scales, 2);
-  const int64_t m = x.size(0), n = w_q.size(0), k = w_q.size(1), groups = scales.size(1);
-  TORCH_CHECK_VALUE(x.size(1) == k, op, ": x has shape ", shape_str(x.sizes()), ", expected (", m, ", ", k,
-                    ") to match w_q ", shape_str(w_q.sizes()));
-  TORCH_CHECK_VALUE(scales.size(0) == n && groups >= 1 && k % groups == 0 && (k / groups) % 32 == 0, op,
-                    ": scales has shape ", shape_str(scales.sizes()), "; expected (", n,
-                    ", K / group_size) with a group_size that divides K=", k, " and is a multiple of 32");
-  check_shape(op, "out", out, {m, n});
+  check_dtype(op, "w_packed", w_packed, {at::kChar});
+  check_dim(op, "w_packed", w_packed, 3);
+  check_dtype(op, "s_packed", s_packed, {at::kFloat});
+  check_dim(op, "s_packed", s_packed, 3);
   check_dtype(op, "out", out, {at::kFloat});
+  check_dim(op, "out", out, 2);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = (n + 15) / 16, groups = s_packed.size(1);
+  TORCH_CHECK_VALUE(k % 2 == 0 && w_packed.size(0) == panels && w_packed.size(1) == k / 2 && w_packed.size(2) == 32, op,
+                    ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k / 2,
+                    ", 32) for x ", shape_str(x.sizes()), " and out ", shape_str(out.sizes()));
+  TORCH_CHECK_VALUE(
+      s_packed.size(0) == panels && s_packed.size(2) == 16 && groups >= 1 && k % groups == 0 && (k / groups) % 32 == 0,
+      op, ": s_packed has shape ", shape_str(s_packed.sizes()), "; expected (", panels,
+      ", K / group_size, 16) with a group_size that divides K=", k, " and is a multiple of 32");
+  check_shape(op, "out", out, {m, n});
   TORCH_CHECK_VALUE(x.stride(1) == 1, op, ": x must have contiguous rows (stride(1) == 1)");
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_q", &w_q}, {"scales", &scales}, {"out", &out}}) {
+  for (auto [name, t] :
+       {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"s_packed", &s_packed}, {"out", &out}}) {
     check_device(op, name, *t, x.device());
     check_contiguous(op, name, *t);
   }
 }
 
-// Packed float32 linear: x [M, K] float32 (rows may be strided, elements contiguous), w_packed
-// [P, K, 16] float32 (panels of 16 output columns, P = ceil(N / 16)), out [M, N] float32.
+// Packed linear: x [M, K] float32 (rows may be strided, elements contiguous), w_packed [P, K, 16] float32
+// or bfloat16 (panels of 16 output columns, P = ceil(N / 16)), out [M, N] float32.
 inline void check_packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& out) {
   const char* op = "packed_linear";
   check_dtype(op, "x", x, {at::kFloat});
   check_dim(op, "x", x, 2);
-  check_dtype(op, "w_packed", w_packed, {at::kFloat});
+  check_dtype(op, "w_packed", w_packed, {at::kFloat, at::kBFloat16});
   check_dim(op, "w_packed", w_packed, 3);
   check_dtype(op, "out", out, {at::kFloat});
   check_dim(op, "out", out, 2);

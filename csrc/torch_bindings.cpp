@@ -4,6 +4,11 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <utility>
+
+#include "cpu/cpu_isa.h"
+
 TORCH_LIBRARY(minisched, m) {
   // KV cache movement. One layer's k_cache/v_cache: [num_pages, page_size, Hkv, D];
   // the pool kv_cache: [L, 2, num_pages, page_size, Hkv, D]. Indices are int32.
@@ -28,17 +33,101 @@ TORCH_LIBRARY(minisched, m) {
   m.def(
       "merge_attention_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b, "
       "Tensor(a!) v_out, Tensor(b!) lse_out) -> ()");
-  // Weight-only int8 matmul (CPU): out [M, N] = x [M, K] @ (w_q [N, K] int8 * group scales [N, K/G]).T
-  m.def("int8_linear(Tensor x, Tensor w_q, Tensor scales, Tensor(a!) out) -> ()");
+  // int8 matmul (CPU): out [M, N] = x [M, K] @ W.T, W = int8 values * group scales in 16-column panels
+  // (ops.pack_int8_weight: w_packed [ceil(N/16), K/2, 32], s_packed [ceil(N/16), K/G, 16]); x quantized per row to int16
+  m.def("int8_linear(Tensor x, Tensor w_packed, Tensor s_packed, Tensor(a!) out) -> ()");
   // Packed float32 matmul (CPU): out [M, N] = x [M, K] @ w.T, w packed as [ceil(N/16), K, 16] panels
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor(a!) out) -> ()");
   // RMSNorm (CPU, float32): with delta, x += delta first (the residual add); out = x / rms(x) * weight
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
 }
 
-// `import minisched._C` loads this library (and so the registrations above); it has no
-// Python functions of its own.
+// `import minisched._C` loads this library (and so the registrations above). Its two Python
+// functions are the CPU kernels' ISA dispatch (csrc/cpu/cpu_isa.h; wrapped by minisched.ops):
+//   cpu_features() -> dict    what cpuid and the OS allow, the supported variants, the active one
+//   set_cpu_isa(name | None)  use variant `name` (None: the best supported); ValueError otherwise
+namespace {
+
+using minisched::cpu::Isa;
+
+PyObject* py_cpu_features(PyObject*, PyObject*) {
+  const auto& f = minisched::cpu::cpu_features();
+  PyObject* d = PyDict_New();
+  auto put = [d](const char* key, PyObject* v) {
+    PyDict_SetItemString(d, key, v);
+    Py_DECREF(v);
+  };
+  const std::pair<const char*, bool> flags[] = {
+      {"avx2", f.avx2},
+      {"fma", f.fma},
+      {"f16c", f.f16c},
+      {"avx_vnni", f.avx_vnni},
+      {"avx512f", f.avx512f},
+      {"avx512bw", f.avx512bw},
+      {"avx512vl", f.avx512vl},
+      {"avx512dq", f.avx512dq},
+      {"avx512_vnni", f.avx512_vnni},
+      {"avx512_bf16", f.avx512_bf16},
+      {"avx512_fp16", f.avx512_fp16},
+      {"amx_tile", f.amx_tile},
+      {"amx_int8", f.amx_int8},
+      {"amx_bf16", f.amx_bf16},
+      {"os_ymm", f.os_ymm},
+      {"os_zmm", f.os_zmm},
+      {"os_amx", f.os_amx},
+  };
+  PyObject* cpu = PyDict_New();
+  for (const auto& [name, on] : flags) PyDict_SetItemString(cpu, name, on ? Py_True : Py_False);
+  put("flags", cpu);
+  put("vendor", PyUnicode_FromString(f.vendor.c_str()));
+  put("model", PyUnicode_FromString(f.model.c_str()));
+  put("amx_error", PyUnicode_FromString(f.amx_error.c_str()));
+  PyObject* supported = PyList_New(0);
+  for (int i = 0; i < minisched::cpu::kNumIsas; ++i)
+    if (minisched::cpu::isa_supported(static_cast<Isa>(i))) {
+      PyObject* s = PyUnicode_FromString(minisched::cpu::isa_name(static_cast<Isa>(i)));
+      PyList_Append(supported, s);
+      Py_DECREF(s);
+    }
+  put("supported", supported);
+  put("best", PyUnicode_FromString(minisched::cpu::isa_name(minisched::cpu::best_isa())));
+  put("isa", PyUnicode_FromString(minisched::cpu::isa_name(minisched::cpu::isa())));
+  return d;
+}
+
+PyObject* py_set_cpu_isa(PyObject*, PyObject* arg) {
+  if (arg == Py_None) {
+    minisched::cpu::set_isa(minisched::cpu::best_isa());
+    Py_RETURN_NONE;
+  }
+  const char* name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : nullptr;
+  if (name == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "set_cpu_isa: expected a str or None");
+    return nullptr;
+  }
+  for (int i = 0; i < minisched::cpu::kNumIsas; ++i) {
+    const Isa isa = static_cast<Isa>(i);
+    if (std::strcmp(name, minisched::cpu::isa_name(isa)) != 0) continue;
+    if (!minisched::cpu::isa_supported(isa)) {
+      PyErr_Format(PyExc_ValueError, "set_cpu_isa: this machine cannot run %s", name);
+      return nullptr;
+    }
+    minisched::cpu::set_isa(isa);
+    Py_RETURN_NONE;
+  }
+  PyErr_Format(PyExc_ValueError, "set_cpu_isa: unknown ISA %s", name);
+  return nullptr;
+}
+
+PyMethodDef methods[] = {
+    {"cpu_features", py_cpu_features, METH_NOARGS, "CPU features, supported kernel variants, the active one"},
+    {"set_cpu_isa", py_set_cpu_isa, METH_O, "Use the CPU kernel variant `name` (None: the best supported)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }

@@ -16,6 +16,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _cpu_isa(request):
+    """A test marked `cpu_isa(name)` (helpers.targets.cpu_backends) runs the CPU kernels as that variant."""
+    mark = request.node.get_closest_marker("cpu_isa")
+    if mark is None:
+        yield
+        return
+    from minisched import ops
+
+    with ops.use_cpu_isa(mark.args[0]):
+        yield
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)

@@ -9,7 +9,9 @@
 tokens each (ignore_eos); reports output tok/s over the whole generate (prefill included), the
 decode-only tok/s (decode steps' wall time) and prefill tok/s of one --prefill-len prompt.
 `--busy K` starts K competing busy-loop processes (`while True: pass`, pinned nowhere) for the
-measurement: the shared-laptop case. `--engine-kw key=value` passes engine options (num_threads=2).
+measurement: the shared-laptop case. `--engine-kw key=value` passes engine options (num_threads=2);
+`--engine-kw cpu_isa=avx2` runs the CPU kernels as that ISA variant (ops.set_cpu_isa), e.g. an
+AVX2-only machine's speed on an AVX-512 one (`compare --tree avx2=.:kw.cpu_isa=avx2 --tree best=.`).
 
 `profile`: torch.profiler over one decode step and one prefill step per batch size: time per op
 (self CPU), per layer, and the share outside kernels (Python + dispatch).
@@ -76,6 +78,11 @@ def make_engine(args):
     kw = parse_kw(args.engine_kw)
     if args.threads:
         kw["num_threads"] = args.threads
+    isa = kw.pop("cpu_isa", None)  # not an engine option: the process-wide kernel variant (ops.set_cpu_isa)
+    if isa:
+        from minisched import ops
+
+        ops.set_cpu_isa(isa)
     return Engine("smollm2", **kw)
 
 

@@ -1,6 +1,6 @@
-"""Weight-only int8 (`--quantize int8`) against fp32 -- not a test.
+"""int8 weights (`--quantize int8`) against fp32 -- not a test.
 
-    python benchmarks/kernels/bench_int8.py [--rounds 3] [--threads 1 2] [--json benchmarks/results/int8.json]
+    python benchmarks/kernels/bench_int8.py [--rounds 3] [--threads 1 2] [--cpu-isa avx2] [--json benchmarks/results/int8.json]
 
 Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same machine load:
   kernels    F.linear (fp32 sgemm/sgemv), packed_linear (fp32, the engine default) and
@@ -8,8 +8,10 @@ Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same m
   decode     one engine per mode on SmolLM2-135M, B prompts decoded to --new-tokens greedy tokens
              (ignore_eos): output tok/s of the whole generate;
   agreement  int8 vs fp32 on chat prompts: teacher-forced top-1 agreement along fp32's own greedy
-             continuation, and how many generated tokens are identical before the first divergence.
-Every row carries the load average.
+             continuation, and how many generated tokens are identical before the first divergence;
+             --emulate-act-bits 8: the same with the projections' inputs rounded to 8 bits per row
+             (torch emulation of W8A8), what the kernel's 16-bit rows are measured against.
+Every row carries the load average and the CPU kernels' ISA variant (--cpu-isa: another one, e.g. avx2).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def run_kernels(args) -> list[dict]:
         torch.set_num_threads(threads)
         for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k, generator=gen) * 0.05
-            w_q, scales = ops.quantize_int8(w, 64)
+            q_packed, s_packed = ops.pack_int8_weight(*ops.quantize_int8(w, 64))
             w_packed = ops.pack_linear_weight(w)
             for m in args.rows:
                 x = torch.randn(m, k, generator=gen)
@@ -77,7 +79,7 @@ def run_kernels(args) -> list[dict]:
                 fns = {
                     "fp32": lambda: F.linear(x, w),
                     "packed": lambda: torch.ops.minisched.packed_linear(x, w_packed, out),
-                    "int8": lambda: torch.ops.minisched.int8_linear(x, w_q, scales, out),
+                    "int8": lambda: torch.ops.minisched.int8_linear(x, q_packed, s_packed, out),
                 }
                 times = {key: [] for key in fns}
                 for r in range(args.rounds):
@@ -135,6 +137,49 @@ def run_decode(args, engines) -> list[dict]:
     return rows
 
 
+def teacher_forced(fp32, model, prompts, outs) -> tuple[int, int]:
+    agree = total = 0
+    for p, a in zip(prompts, outs):
+        ids = torch.tensor(fp32.encode(p, chat=True) + a.token_ids)
+        start = len(ids) - len(a.token_ids) - 1
+        fa = dense_forward(fp32.model, ids).argmax(-1)[start:-1]
+        agree += int((fa == dense_forward(model, ids).argmax(-1)[start:-1]).sum())
+        total += len(a.token_ids)
+    return agree, total
+
+
+def run_emulated_activations(args, fp32, q) -> list[dict]:
+    """The int8 weights with each projection's input rows rounded to `bits` bits (one scale per row),
+    emulated in torch: why the kernel quantizes activations to 16 bits, not 8 (vpdpbusd's operands)."""
+    from minisched.model.quant import Int8Weight
+
+    sp = SamplingParams(max_new_tokens=args.new_tokens)
+    ref = fp32.generate(PROMPTS, sp, chat=True)
+    real = Int8Weight.linear
+    rows = []
+    for bits in args.emulate_act_bits:
+        qmax = 2 ** (bits - 1) - 1
+
+        def emulated(self, x, backend, qmax=qmax):
+            w_q, scales = self.unpacked()
+            w = ops.reference.dequantize_int8(w_q, scales)
+            x2 = x.reshape(-1, x.shape[-1]).float()
+            s = x2.abs().amax(dim=1, keepdim=True) / qmax
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            return ((torch.round(x2 / s).clamp(-qmax, qmax) * s) @ w.T).reshape(*x.shape[:-1], -1)
+
+        Int8Weight.linear = emulated
+        try:
+            agree, total = teacher_forced(fp32, q.model, PROMPTS, ref)
+        finally:
+            Int8Weight.linear = real
+        rows.append(dict(act_bits=bits, teacher_forced_top1=agree / total, tokens=total, loadavg=loadavg()))
+        print(
+            f"emulated {bits}-bit activations: teacher-forced top-1 {agree}/{total} = {agree / total:.3f}", flush=True
+        )
+    return rows
+
+
 def run_agreement(args, engines) -> dict:
     fp32, q = engines["fp32"], engines["int8"]
     sp = SamplingParams(max_new_tokens=args.new_tokens)
@@ -179,9 +224,19 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--engine-threads", type=int, default=None, help="engines' num_threads (default: tuned)")
     p.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "agreement"])
+    p.add_argument(
+        "--emulate-act-bits",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also the agreement with activations rounded to N bits per row, emulated in torch (e.g. 8 12)",
+    )
+    p.add_argument("--cpu-isa", default=None, help="the CPU kernels' ISA variant (default: the best supported)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    result = dict(loadavg_start=loadavg(), cpu_count=os.cpu_count())
+    if args.cpu_isa:
+        ops.set_cpu_isa(args.cpu_isa)
+    result = dict(loadavg_start=loadavg(), cpu_count=os.cpu_count(), cpu_isa=ops.cpu_isa())
     if "kernels" not in args.skip:
         result["kernels"] = run_kernels(args)
     if not {"decode", "agreement"} <= set(args.skip):
@@ -190,6 +245,8 @@ def main(argv=None):
         result["engine_threads"] = threads or "tuned"
         if "agreement" not in args.skip:
             result["agreement"] = run_agreement(args, engines)
+        if args.emulate_act_bits:
+            result["emulated_activations"] = run_emulated_activations(args, engines["fp32"], engines["int8"])
         if "decode" not in args.skip:
             result["decode"] = run_decode(args, engines)
     result["loadavg_end"] = loadavg()

@@ -1,12 +1,14 @@
 """The packed float32 matmul (csrc/cpu/packed_linear.cpp) against torch's F.linear (MKL sgemm here)
 on SmolLM2-135M's projection shapes -- not a test.
 
-    python benchmarks/kernels/bench_linear.py [--rows 1 2 4 8 16 32 64 512] [--threads 1 2] [--rounds 3] [--json out.json]
+    python benchmarks/kernels/bench_linear.py [--rows 1 2 4 8 16 32 64 512] [--threads 1 2] [--rounds 3]
+        [--isa avx2 avx512] [--json out.json]
 
 For each thread count, row count M and projection ([N, K]: qkv 960x576, o 576x576, gate_up
-3072x576, down 576x1536, lm_head 49152x576), the two run alternately (A, B, B, A, ...) for --rounds
-rounds of ~0.2 s each on fresh random inputs; reported: median microseconds per call, GFLOP/s and
-the speedup (median of the per-round ratios). The weights are the same tensors every call, so the
+3072x576, down 576x1536, lm_head 49152x576), F.linear and packed_linear under each --isa variant
+(default: every one this machine supports; ops.use_cpu_isa) run alternately (A, B, C, C, B, A, ...)
+for --rounds rounds of ~0.2 s each on fresh random inputs; reported: median microseconds per call,
+GFLOP/s and the speedups (median of the per-round ratios) over F.linear and over the first variant. The weights are the same tensors every call, so the
 small ones are cache-resident (a decode step streams them from memory: the model-level numbers are
 in benchmarks/cpu/bench_cpu.py); the 113 MB LM head is not. /proc/loadavg is recorded before and after.
 """
@@ -52,11 +54,17 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=0.2, help="per timed run")
+    p.add_argument("--isa", nargs="+", default=None, help="packed_linear's ISA variants (default: all supported)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    results = {"load_before": loadavg(), "runs": []}
-    print(f"load {results['load_before']}")
-    print(f"{'thr':>3} {'M':>4} {'shape':>8} {'aten us':>9} {'packed us':>9} {'GFLOP/s':>8} {'speedup':>8}")
+    isas = args.isa or ops.supported_cpu_isas()
+    results = {"load_before": loadavg(), "isas": isas, "cpu": ops.cpu_features(), "runs": []}
+    print(f"load {results['load_before']}; packed_linear variants {isas}")
+    print(
+        f"{'thr':>3} {'M':>4} {'shape':>8} {'aten us':>9} "
+        + " ".join(f"{isa + ' us':>12} {'GFLOP/s':>8} {'x aten':>7}" for isa in isas)
+        + (f" {isas[-1] + '/' + isas[0]:>14}" if len(isas) > 1 else "")
+    )
     for threads in args.threads:
         torch.set_num_threads(threads)
         for m in args.rows:
@@ -68,27 +76,36 @@ def main() -> None:
                 w, x = torch.randn(n, k, generator=g) * 0.05, torch.randn(m, k, generator=g)
                 wp, out = ops.pack_linear_weight(w), torch.empty(m, n)
                 torch.testing.assert_close(ops.packed_linear(x, wp, n, out=out), F.linear(x, w), rtol=1e-4, atol=1e-4)
-                aten, packed = [], []
+
+                fns = [("aten", None, lambda: F.linear(x, w))]
+                fns += [(isa, isa, lambda: ops.packed_linear(x, wp, n, out=out)) for isa in isas]
+                times = {label: [] for label, _, _ in fns}
                 for r in range(args.rounds):
-                    pair = [("aten", lambda: F.linear(x, w)), ("packed", lambda: ops.packed_linear(x, wp, n, out=out))]
-                    for label, fn in pair if r % 2 == 0 else pair[::-1]:
-                        (aten if label == "aten" else packed).append(per_call(fn, args.seconds))
-                ratio = statistics.median(a / b for a, b in zip(aten, packed))
+                    for label, isa, fn in fns if r % 2 == 0 else fns[::-1]:
+                        with ops.use_cpu_isa(isa):  # (None: the default, for F.linear)
+                            times[label].append(per_call(fn, args.seconds))
+                med = {label: statistics.median(v) for label, v in times.items()}
+                ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
                 row = dict(
                     threads=threads,
                     rows=m,
                     shape=name,
                     n=n,
                     k=k,
-                    aten_us=statistics.median(aten),
-                    packed_us=statistics.median(packed),
-                    speedup=ratio,
-                    packed_gflops=2 * m * n * k / statistics.median(packed) / 1e3,
+                    aten_us=med["aten"],
+                    packed_us={isa: med[isa] for isa in isas},
+                    speedup={isa: ratio("aten", isa) for isa in isas},
+                    packed_gflops={isa: 2 * m * n * k / med[isa] / 1e3 for isa in isas},
+                    isa_speedup=ratio(isas[0], isas[-1]) if len(isas) > 1 else None,
                 )
                 results["runs"].append(row)
                 print(
-                    f"{threads:>3} {m:>4} {name:>8} {row['aten_us']:>9.1f} {row['packed_us']:>9.1f} "
-                    f"{row['packed_gflops']:>8.1f} {ratio:>7.2f}x",
+                    f"{threads:>3} {m:>4} {name:>8} {row['aten_us']:>9.1f} "
+                    + " ".join(
+                        f"{med[isa]:>12.1f} {row['packed_gflops'][isa]:>8.1f} {row['speedup'][isa]:>6.2f}x"
+                        for isa in isas
+                    )
+                    + (f" {row['isa_speedup']:>13.2f}x" if len(isas) > 1 else ""),
                     flush=True,
                 )
     results["load_after"] = loadavg()

@@ -17,7 +17,10 @@ prompts (the same for every system), so no system's prefix cache can serve a run
 
 Cases: `batch B` -- B prompts of --prompt-len tokens, --new-tokens each, all submitted at once
 (output tok/s, prefill included); `mixed N` -- N requests at once, prompts 16-512 tokens, outputs
-16-256 (the lengths of minisched.observe.workloads' "mixed", all arriving at t=0); `prefill L` --
+16-256 (the lengths of minisched.observe.workloads' "mixed", all arriving at t=0); `shared-prefix N`
+(--shared-prefix N) -- N requests at once that share one --shared-prefix-len-token prefix, each with
+its own --prompt-len suffix, --new-tokens each (output tok/s; prefix caching is each system's own
+default); `prefill L` --
 one L-token prompt, one new token (prompt tok/s). llama.cpp runs batches as sequential requests
 (llama-cpp-python has no multi-sequence generate), so it runs only the cases with at most
 --llama-max-batch requests (default 8) and the prefill.
@@ -55,6 +58,11 @@ used for benchmarks/RESULTS.md (Python 3.11, x86-64, AVX2):
               the front end (reserve_cpu_num=1) and runs the model with 1 OpenMP thread bound to the
               other; the first start compiles the model (torch.compile, minutes; cached after).
 
+Each worker reports the instruction set its kernels use (`isa` in the JSON's info): minisched's
+ops.cpu_isa(), ATen's CPU capability in vLLM's environment, ggml's CPU features for llama.cpp.
+`--minisched 'minisched-avx2={"cpu_isa": "avx2"}'` runs minisched's AVX2 kernels on a newer machine
+(what an AVX2-only machine would run; `cpu_isa` is not an engine option: the worker sets it first).
+
 minisched runs with this tree (PYTHONPATH) and --minisched-python (default: this interpreter).
 `--minisched NAME[@TREE]=ENGINE_KW_JSON` (repeatable) adds minisched variants as more columns,
 e.g. `minisched-int8={"quantize": "int8"}` once that option exists, or a variant from another
@@ -68,6 +76,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,6 +106,11 @@ class MinischedWorker:
         from minisched.sched.req import SamplingParams
 
         kw = dict(opts.get("engine_kw") or {})
+        isa = kw.pop("cpu_isa", None)  # not an engine option: the process's CPU kernel variant
+        if isa:
+            from minisched import ops
+
+            ops.set_cpu_isa(isa)
         try:
             self.engine = Engine("smollm2", **kw)
             self.quantize = kw.get("quantize", "none")
@@ -129,7 +143,17 @@ class MinischedWorker:
             tree=os.path.dirname(os.path.dirname(minisched.__file__)),
             thread_tuner=getattr(self.engine.runner, "thread_tuner", None) is not None,
             backend=self.engine.backend,
+            isa=_minisched_isa(),
         )
+
+
+def _minisched_isa() -> str:
+    try:
+        from minisched import ops
+
+        return ops.cpu_isa() or "?"
+    except (ImportError, AttributeError):  # a tree from before the ISA dispatch: AVX2 (x86-64-v3) kernels
+        return "avx2 (x86-64-v3 build)"
 
 
 class LlamaCppWorker:
@@ -140,6 +164,22 @@ class LlamaCppWorker:
         # On a loaded 2-core machine 2 decode threads collapse (ggml's threads spin at every barrier):
         # 1.3 vs 29 tok/s for 1 thread at load ~8, so the default of 1 is the peer's best there.
         kw = {k: opts[k] for k in ("n_threads", "n_threads_batch") if opts.get(k)}
+        self.extra_bufts = not opts.get("no_extra_bufts")
+        if not self.extra_bufts:
+            # llama_model_params.use_extra_bufts, which Llama() does not expose: off, ggml keeps the
+            # weights in plain buffers and runs its AVX-512 / AVX2 kernels instead of the AMX ones,
+            # which fault on some machines (SIGILL at `tilezero` in a worker thread whose tile
+            # configuration was never loaded: Sapphire Rapids under KVM, llama-cpp-python 0.3.36).
+            import llama_cpp.llama_cpp as low
+
+            default_params = low.llama_model_default_params
+
+            def params_without_extra_bufts():
+                params = default_params()
+                params.use_extra_bufts = False
+                return params
+
+            low.llama_model_default_params = params_without_extra_bufts
         self.version = llama_cpp.__version__
         self.llm = llama_cpp.Llama(model_path=opts["gguf"], n_ctx=4096, n_batch=512, verbose=False, **kw)
 
@@ -156,11 +196,19 @@ class LlamaCppWorker:
         return out
 
     def info(self):
+        import llama_cpp
+
+        flags = llama_cpp.llama_print_system_info().decode(errors="replace")  # ggml's CPU features, e.g. AVX512 = 1
+        isa = [
+            f for f in ("AMX_INT8", "AVX512_BF16", "AVX512_VNNI", "AVX512", "AVX_VNNI", "AVX2") if f"{f} = 1" in flags
+        ]
         return dict(
             version=self.version,
             n_threads=self.llm.n_threads,
             n_threads_batch=self.llm.n_threads_batch,
             gguf=os.path.basename(self.llm.model_path),
+            isa=", ".join(isa) or flags.strip()[:200],
+            extra_bufts=self.extra_bufts,
         )
 
 
@@ -184,7 +232,8 @@ class VllmWorker:
     def info(self):
         import torch
 
-        return dict(version=self.version, torch=torch.__version__)
+        # ATen's CPU kernels' level (oneDNN picks its own ISA at run time, from the same cpuid)
+        return dict(version=self.version, torch=torch.__version__, isa=torch.backends.cpu.get_cpu_capability())
 
 
 WORKERS = {"minisched": MinischedWorker, "llama.cpp": LlamaCppWorker, "vllm": VllmWorker}
@@ -233,6 +282,7 @@ class Peer:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            start_new_session=True,  # its own process group: close() also ends what it started (vLLM's engine core)
         )
         reply = json.loads(self.proc.stdout.readline() or '{"error": "worker exited before it was ready"}')
         self.error = reply.get("error")
@@ -242,18 +292,28 @@ class Peer:
         return self.max_batch is None or len(case["prompts"]) <= self.max_batch or case["kind"] == "prefill"
 
     def run(self, prompts, new):
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline() or '{"error": "worker exited"}')
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # the worker died (e.g. SIGILL in a peer's kernel): reported, the run goes on
+            return {"error": f"worker exited (status {self.proc.poll()})"}
+        return json.loads(self.proc.stdout.readline() or f'{{"error": "worker exited (status {self.proc.poll()})"}}')
 
     def close(self):
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:  # whatever the worker started and left behind (vLLM's engine core process)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def default_gguf() -> str:
@@ -321,6 +381,16 @@ def make_cases(args, rnd: int) -> list[dict]:
             prompts.append(ids(rng.randint(16, 512)))
             new.append(rng.randint(16, 256))
         cases.append(dict(label=f"mixed {args.mixed}", kind="mixed", prompts=prompts, new=new))
+    if args.shared_prefix:
+        prefix = ids(args.shared_prefix_len)
+        cases.append(
+            dict(
+                label=f"shared-prefix {args.shared_prefix}",
+                kind="shared",
+                prompts=[prefix + ids(args.prompt_len) for _ in range(args.shared_prefix)],
+                new=[args.new_tokens] * args.shared_prefix,
+            )
+        )
     if args.prefill_len:
         cases.append(
             dict(label=f"prefill {args.prefill_len}", kind="prefill", prompts=[ids(args.prefill_len)], new=[1])
@@ -358,6 +428,11 @@ def main(argv=None):
     p.add_argument("--llama-threads", type=int, default=None, help="llama.cpp decode threads (default: its own)")
     p.add_argument("--llama-threads-batch", type=int, default=None, help="llama.cpp prompt threads (default: its own)")
     p.add_argument(
+        "--llama-no-extra-bufts",
+        action="store_true",
+        help="llama.cpp without its extra buffer types (weight repacking, AMX): where its AMX kernels fault",
+    )
+    p.add_argument(
         "--llama-max-batch",
         type=int,
         default=8,
@@ -370,6 +445,14 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--mixed", type=int, default=64, help="requests in the mixed case (0: none)")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="requests in the shared-prefix case: one --shared-prefix-len prefix, each its own --prompt-len "
+        "suffix, --new-tokens each (0: none)",
+    )
+    p.add_argument("--shared-prefix-len", type=int, default=512)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
@@ -429,6 +512,7 @@ def main(argv=None):
                     "gguf": args.gguf or default_gguf(),
                     "n_threads": args.llama_threads,
                     "n_threads_batch": args.llama_threads_batch,
+                    "no_extra_bufts": args.llama_no_extra_bufts,
                 },
                 None,
                 args.llama_max_batch,
@@ -462,7 +546,6 @@ def main(argv=None):
             peers.append(peer)
     results = []
     busy = []
-    import signal
 
     def _stop(signum, frame):  # kill -TERM (and a background job's ignored Ctrl-C): clean up the workers
         raise KeyboardInterrupt
@@ -659,7 +742,13 @@ def table(results, systems, cases, not_measured, args, info=None) -> str:
     notes = [
         f"\nOutput tok/s (prefill: prompt tok/s), median (min–max) of {args.rounds} interleaved rounds; "
         f"batch cases: {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; mixed: prompts 16–512, "
-        f"outputs 16–256, all at t=0; greedy, EOS ignored. Ratios: median (min–max) of per-round ratios."
+        f"outputs 16–256, all at t=0"
+        + (
+            f"; shared-prefix: one {args.shared_prefix_len}-token prefix + its own {args.prompt_len}-token suffix each"
+            if getattr(args, "shared_prefix", 0)
+            else ""
+        )
+        + "; greedy, EOS ignored. Ratios: median (min–max) of per-round ratios."
     ]
     for name, i in (info or {}).items():
         notes.append(f"{name}: {json.dumps(i)}")

@@ -12,7 +12,8 @@
 // kv_len keys sees positions <= kv_len - qo_len + t. Items are pulled from an atomic counter
 // by at::get_num_threads() workers (dynamic scheduling; causal tiles differ in cost).
 // Inputs are fp32 / bf16 / fp16; 16-bit K/V blocks are widened to fp32 once per block.
-// The block math (scores, softmax step, P.V; AVX2 where available) is in attention_kernels.h.
+// The block math (scores, softmax step, P.V; AVX2 where available) is in attention_kernels.h; on
+// AVX-512 machines the two block products run attention_avx512.cpp's variants (head_dim % 16 == 0).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -22,6 +23,8 @@
 #include <c10/util/Half.h>
 
 #include "cpu/attention_kernels.h"
+#include "cpu/cpu_isa.h"
+#include "cpu/isa_kernels.h"
 
 #include <atomic>
 #include <cmath>
@@ -95,7 +98,7 @@ struct Scratch {
         vp(kBlock) {}
 };
 
-template <typename scalar_t>
+template <typename scalar_t, bool kWide>
 void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
   const int64_t d = p.d, g = p.hq / p.hkv, ps = p.page_size;
   const int64_t q0 = p.qo_indptr ? p.qo_indptr[it.b] : it.b;
@@ -140,11 +143,32 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
         w.vp[j] = w.vbuf.data() + j * d;
       }
     }
+    // Prefetch the next block's K and V rows: a decode item reads each row once, at a page-table
+    // address the hardware prefetcher cannot guess (a new page every page_size tokens, D floats of
+    // every Hkv * D), so without this every row is a cache miss (3-6 GB/s of KV instead of 10+).
+    if (j0 + kBlock < kv_end) {
+      const int64_t n_next = std::min(kBlock, kv_end - j0 - kBlock);
+      int64_t pg = (j0 + kBlock) / ps, ip = (j0 + kBlock) % ps;
+      const int64_t bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t j = 0; j < n_next; ++j) {
+        const int64_t off = ((int64_t(pages[pg]) * ps + ip) * p.hkv + it.h) * d;
+        if (++ip == ps) ip = 0, ++pg;
+        const char* kr = reinterpret_cast<const char*>(kc + off);
+        const char* vr = reinterpret_cast<const char*>(vc + off);
+        for (int64_t b = 0; b < bytes; b += 64) {
+          __builtin_prefetch(kr + b, 0, 3);
+          __builtin_prefetch(vr + b, 0, 3);
+        }
+      }
+    }
     // Causal rows are ordered by their limit: the rows that see this block are a suffix.
     int64_t r0 = 0;
     while (r0 < rows && w.lim[r0] < j0) ++r0;
     float* S = w.s.data();
-    block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock);
+    if constexpr (kWide)
+      avx512::attn_block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock, kBlock);
+    else
+      block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock);
     for (int64_t r = r0; r < rows; ++r) {                    // online softmax: scores -> probabilities in place
       const int64_t valid = std::min(n, w.lim[r] - j0 + 1);  // causal: keys past lim are masked
       float sum = 0.f;
@@ -159,7 +183,10 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
       w.m[r] = m_new;
       w.l[r] += sum;
     }
-    block_accumulate(w.acc.data() + r0 * d, rows - r0, d, S + r0 * kBlock, w.vp.data(), n);
+    if constexpr (kWide)
+      avx512::attn_block_accumulate(w.acc.data() + r0 * d, rows - r0, d, S + r0 * kBlock, kBlock, w.vp.data(), n);
+    else
+      block_accumulate(w.acc.data() + r0 * d, rows - r0, d, S + r0 * kBlock, w.vp.data(), n);
   }
 
   // -- normalize and write out ---------------------------------------------------------------
@@ -209,10 +236,15 @@ void paged_attention(const AttnParams& p) {
   }
   const int64_t workers = work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
   std::atomic<int64_t> next{0};
+  const bool wide = use_avx512() && p.d % 16 == 0;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(rows, p.d);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
-      run_item<scalar_t>(p, items[i], tq, w);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      if (wide)
+        run_item<scalar_t, true>(p, items[i], tq, w);
+      else
+        run_item<scalar_t, false>(p, items[i], tq, w);
+    }
   });
 }
 

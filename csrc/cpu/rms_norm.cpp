@@ -4,7 +4,8 @@
 // Why: ATen's CPU rms_norm is a composite of ~6 kernels (pow, mean, add, rsqrt, mul, mul), 20-300 us per
 // call on SmolLM2's [1..64, 576] rows, ~7 % of a decode step at B=64 (61 calls per step, plus the 60
 // residual adds). One pass per row here: the sum of squares in 8-wide partial sums, then the scaled
-// product. A row's result does not depend on the other rows (batch-invariant).
+// product. A row's result does not depend on the other rows (batch-invariant). AVX-512 machines run the
+// 16-wide variant in rms_norm_avx512.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,6 +20,8 @@
 #endif
 
 #include "checks.h"
+#include "cpu/cpu_isa.h"
+#include "cpu/isa_kernels.h"
 
 namespace minisched::cpu {
 namespace {
@@ -69,7 +72,9 @@ void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta, const
   const float e = static_cast<float>(eps);
   // ~64K elements per task: below that a thread wake-up costs more than the row work.
   const int64_t grain = std::max<int64_t>(1, 65536 / D);
+  const bool wide = use_avx512();
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    if (wide) return avx512::rms_norm_rows(xp, dp, w, e, o, D, m0, m1);
     for (int64_t m = m0; m < m1; ++m) norm_row(xp + m * D, dp == nullptr ? nullptr : dp + m * D, w, e, o + m * D, D);
   });
 }

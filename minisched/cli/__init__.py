@@ -27,11 +27,24 @@ def _version() -> str:
     return f"minisched {minisched.__version__}"
 
 
+class _VersionAction(argparse.Action):
+    """`--version`: the version and the CPU kernels' ISA variant (imports torch: only when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from minisched.ops import cpu
+
+        print(f"{_version()}\n{cpu.describe()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="minisched", description=__doc__.split("\n\n")[0].strip(), formatter_class=Formatter
     )
-    p.add_argument("--version", action="version", version=_version())
+    p.add_argument("--version", action=_VersionAction, help="print the version and the CPU kernels' ISA, then exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = sub.add_parser(
         "generate", help="generate text for prompts", formatter_class=Formatter, description=generate_doc()

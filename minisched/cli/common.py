@@ -109,9 +109,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantize",
         default="none",
-        choices=["none", "int8"],
-        help="weight-only int8 for the projections and LM head (CPU; faster small-batch decode, "
-        "close to but not bit-equal with fp32)",
+        choices=["none", "int8", "bf16"],
+        help="CPU weights for the projections and LM head: int8 (group scales; activations rounded to "
+        "int16 per row: faster decode and prefill, close to but not bit-equal with fp32) or bf16 (half "
+        "fp32's bytes, float32 activations and sums)",
     )
     g.add_argument(
         "--pack-weights",

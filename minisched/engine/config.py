@@ -26,7 +26,7 @@ from minisched.sched.config import SchedulerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "native", "triton", "torch")
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = ("none", "int8", "bf16")  # model/quant.py
 
 
 def default_scheduler() -> SchedulerConfig:

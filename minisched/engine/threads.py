@@ -31,21 +31,48 @@ def default_num_threads() -> int:
     return max(1, n)
 
 
+def size_class(tokens: int) -> int:
+    """The step-size class of a step of `tokens` tokens: steps whose counts share a power of two (1, 2-3,
+    4-7, ..., 512-1023) share a thread count."""
+    return max(1, tokens).bit_length()
+
+
+class _SizeClass:
+    """One step-size class's thread count and probe state (ThreadTuner)."""
+
+    def __init__(self, max_threads: int, next_probe: float):
+        self.current = max_threads
+        self.recent: list[tuple[int, float]] = []  # (tokens, seconds) of the last steps at `current`
+        self.probe: Optional[tuple[int, list[tuple[int, float]]]] = None  # (candidate count, its steps)
+        self.next_probe = next_probe
+        self.go_down = True
+        self.backoff = 1  # probe interval multiplier: doubles while probes lose, back to 1 on a switch
+
+
 class ThreadTuner:
     """Picks the CPU thread count while serving, by measuring (the Engine's default, num_threads=None).
 
-    Every `interval` seconds, when the last steps and the next one are of a similar size, it runs
-    `probe_steps` steps at a candidate count -- half or double
-    the current one, alternately, within [1, max_threads] -- and keeps the candidate if those
-    steps were `margin` faster than the current count's last `probe_steps` steps of a similar
-    size (token counts within 1.5x; otherwise the probe is void); while probes lose, the interval
-    doubles, up to 8x, and the next probe waits at least `cost_factor` times as long as the last
-    one took, so probing costs at most ~1/cost_factor of the time even when steps are long (three
-    1-second 512-token prefills at the wrong count every 3 s cost a third of prefill throughput);
-    a probe step 1.5x slower than the current count's mean ends the probe at once. On a quiet machine all cores win; when other processes take cores,
-    fork/join barriers wait for descheduled threads and fewer threads win -- 3x at batch 8 with
-    one busy process on 2 cores (benchmarks/RESULTS.md, "CPU threads"). Thread counts do not change the model's numbers
-    (the kernels split work by rows, not by sums; tests/engine checks it)."""
+    Each step-size class (size_class: token counts within a power of two) has its own count, since the
+    best one depends on the step: a 1-token decode step is a few hundred small kernels, each a fork/join
+    that costs more than its work on a busy machine, a 512-token prefill is long matmuls that want every
+    core. (One shared count let a probe won by a run of decode steps carry over to the prefill that
+    followed: the same command prefilled at half speed in one run and full speed in the next.)
+
+    Within a class, every `interval` seconds, when the last steps and the next one are of a similar
+    size, it runs `probe_steps` steps at a candidate count -- half or double the current one,
+    alternately, within [1, max_threads] -- and keeps the candidate if those steps were `margin`
+    faster than the current count's last `probe_steps` steps of a similar size (token counts within
+    1.5x; otherwise the probe is void); while probes lose, the interval doubles, up to 8x, and the next
+    probe waits at least `cost_factor` times as long as the last one took, so probing costs at most
+    ~1/cost_factor of the time even when steps are long (three 1-second 512-token prefills at the wrong
+    count every 3 s cost a third of prefill throughput); a probe step 1.5x slower than the current
+    count's mean ends the probe at once. Steps that take longer than `max_probe_seconds` (a long
+    prefill) are never probed: one probe step at half the threads would be a whole request's
+    prefill at half speed, and long matmuls lose little to a busy core (each barrier waits once per
+    kernel, not once per microsecond of work). On a quiet machine all cores win; when other processes take
+    cores, fork/join barriers wait for descheduled threads and fewer threads win -- 3x at batch 8 with
+    one busy process on 2 cores (benchmarks/RESULTS.md, "CPU threads"). Thread counts do not change the
+    model's numbers (the kernels split work by rows, not by sums; tests/engine checks it)."""
 
     def __init__(
         self,
@@ -54,57 +81,69 @@ class ThreadTuner:
         probe_steps: int = 3,
         margin: float = 0.1,
         cost_factor: float = 20.0,
+        max_probe_seconds: float = 0.25,
     ):
         self.max_threads = max_threads
-        self.current = max_threads
         self.interval, self.probe_steps, self.margin = interval, probe_steps, margin
-        self.cost_factor = cost_factor
-        self.recent: list[tuple[int, float]] = []  # (tokens, seconds) of the last steps at `current`
-        self.probe: Optional[tuple[int, list[tuple[int, float]]]] = None
-        self.next_probe = time.monotonic() + interval
-        self.go_down = True
-        self.backoff = 1  # probe interval multiplier: doubles while probes lose, back to 1 on a switch
+        self.cost_factor, self.max_probe_seconds = cost_factor, max_probe_seconds
+        self.classes: dict[int, _SizeClass] = {}
         self.switches = 0
-        torch.set_num_threads(self.current)
+        self.threads = max_threads  # the count set now
+        torch.set_num_threads(max_threads)
+
+    def state(self, tokens: int) -> _SizeClass:
+        """The class of a `tokens`-token step (a new class starts at max_threads)."""
+        key = size_class(tokens)
+        if key not in self.classes:
+            self.classes[key] = _SizeClass(self.max_threads, time.monotonic() + self.interval)
+        return self.classes[key]
+
+    def _use(self, n: int) -> None:
+        if n != self.threads:
+            torch.set_num_threads(n)
+            self.threads = n
 
     def before_step(self, tokens: int) -> None:
-        sizes = [t for t, _ in self.recent]
+        c = self.state(tokens)
+        sizes = [t for t, _ in c.recent]
         if (
-            self.probe is None
-            and time.monotonic() >= self.next_probe
-            and len(self.recent) >= self.probe_steps
+            c.probe is None
+            and time.monotonic() >= c.next_probe
+            and len(c.recent) >= self.probe_steps
             and max(sizes + [tokens]) <= 1.5 * max(1, min(sizes + [tokens]))
-        ):  # steady steps only
-            cand = max(1, self.current // 2) if self.go_down else min(self.max_threads, self.current * 2)
-            if cand == self.current:  # at a bound: try the other way
-                self.go_down = not self.go_down
-                cand = max(1, self.current // 2) if self.go_down else min(self.max_threads, self.current * 2)
-            if cand != self.current:
-                self.probe = (cand, [])
-                torch.set_num_threads(cand)
+            and sum(sec for _, sec in c.recent) <= self.max_probe_seconds * len(c.recent)
+        ):  # steady, short steps only
+            cand = max(1, c.current // 2) if c.go_down else min(self.max_threads, c.current * 2)
+            if cand == c.current:  # at a bound: try the other way
+                c.go_down = not c.go_down
+                cand = max(1, c.current // 2) if c.go_down else min(self.max_threads, c.current * 2)
+            if cand != c.current:
+                c.probe = (cand, [])
+        self._use(c.probe[0] if c.probe is not None else c.current)
 
     def after_step(self, tokens: int, seconds: float) -> None:
-        if self.probe is None:
-            self.recent = (self.recent + [(tokens, seconds)])[-self.probe_steps :]
+        c = self.state(tokens)
+        if c.probe is None:
+            c.recent = (c.recent + [(tokens, seconds)])[-self.probe_steps :]
             return
-        cand, got = self.probe
+        cand, got = c.probe
         got.append((tokens, seconds))
         # a clearly losing probe ends after one step (1.5x slower than the current count's mean)
-        clear_loss = seconds > 1.5 * sum(s for _, s in self.recent) / max(1, len(self.recent))
+        clear_loss = seconds > 1.5 * sum(s for _, s in c.recent) / max(1, len(c.recent))
         if len(got) < self.probe_steps and not clear_loss:
             return
-        self.probe = None
-        self.go_down = not self.go_down
-        sizes = [t for t, _ in got + self.recent]
+        c.probe = None
+        c.go_down = not c.go_down
+        sizes = [t for t, _ in got + c.recent]
         similar = max(sizes) <= 1.5 * max(1, min(sizes))
         mean = lambda steps: sum(s for _, s in steps) / len(steps)
-        if similar and mean(got) < (1 - self.margin) * mean(self.recent):
-            self.current = cand
-            self.recent = got
+        if similar and mean(got) < (1 - self.margin) * mean(c.recent):
+            c.current = cand
+            c.recent = got
             self.switches += 1
-            self.backoff = 1
+            c.backoff = 1
         elif similar:  # the current count held: probe less often (up to 8x the interval)
-            self.backoff = min(8, self.backoff * 2)
+            c.backoff = min(8, c.backoff * 2)
         probe_time = sum(s for _, s in got)
-        self.next_probe = time.monotonic() + max(self.interval * self.backoff, self.cost_factor * probe_time)
-        torch.set_num_threads(self.current)
+        c.next_probe = time.monotonic() + max(self.interval * c.backoff, self.cost_factor * probe_time)
+        self._use(c.current)

@@ -23,12 +23,13 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class PackedWeight(nn.Module):
-    """An [N, K] float32 weight packed as [ceil(N / 16), K, 16]; `linear(x)` is x @ W.T."""
+    """An [N, K] weight packed as [ceil(N / 16), K, 16], float32 or (`dtype=torch.bfloat16`, `--quantize
+    bf16`) bfloat16; `linear(x)` is x @ W.T with float32 activations and sums."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.n, self.k = weight.shape
-        self.register_buffer("w_packed", ops.pack_linear_weight(weight))
+        self.register_buffer("w_packed", ops.pack_linear_weight(weight.to(dtype)))
 
     @property
     def shape(self) -> torch.Size:
@@ -50,7 +51,7 @@ class PackedWeight(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] ([T, K]): the embedding lookup of a tied model, gathered from the panels."""
         ids = ids.long()
-        return self.w_packed[ids // 16, :, ids % 16]
+        return self.w_packed[ids // 16, :, ids % 16].float()
 
     def unpacked(self) -> torch.Tensor:
         return ops.reference.unpack_linear_weight(self.w_packed, self.n)

@@ -23,6 +23,14 @@ from typing import Literal, Optional
 import torch
 
 from minisched.ops import checks, reference
+from minisched.ops.cpu import (  # noqa: F401  (re-exported: the CPU kernels' ISA dispatch)
+    CPU_ISAS,
+    cpu_features,
+    cpu_isa,
+    set_cpu_isa,
+    supported_cpu_isas,
+    use_cpu_isa,
+)
 from minisched.ops.table import OPS, OpSpec  # noqa: F401  (OpSpec: for readers of OPS)
 
 Backend = Literal["native", "triton", "torch"]
@@ -276,7 +284,7 @@ def cascade_decode_attention(
     return out
 
 
-# -- weight-only int8 ----------------------------------------------------------------------------
+# -- int8 weights ---------------------------------------------------------------------------------
 
 
 def quantize_int8(w: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,18 +300,33 @@ def quantize_int8(w: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, 
     return w_q.contiguous(), scales.contiguous()
 
 
+def pack_int8_weight(w_q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8's (w_q [N, K], scales [N, K // G]) in int8_linear's layout: 16-column panels with
+    the input channels in pairs, (w_packed int8 [ceil(N / 16), K / 2, 32], s_packed float32
+    [ceil(N / 16), K // G, 16]). Done once, when the model is quantized."""
+    if w_q.dim() != 2 or scales.dim() != 2 or scales.shape[0] != w_q.shape[0] or w_q.shape[1] % 32:
+        raise ValueError(
+            f"pack_int8_weight: expected w_q [N, K] (K a multiple of 32) and scales [N, K // G], got "
+            f"{tuple(w_q.shape)} and {tuple(scales.shape)}"
+        )
+    return reference.pack_int8_weight(w_q.detach(), scales.detach())
+
+
 def int8_linear(
     x: torch.Tensor,
-    w_q: torch.Tensor,
-    scales: torch.Tensor,
+    w_packed: torch.Tensor,
+    s_packed: torch.Tensor,
+    n: int,
     *,
     backend: Backend = "native",
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """x [M, K] @ (w_q [N, K] int8 dequantized with scales [N, K // G]).T -> [M, N] (float32)."""
+    """x [M, K] @ W.T -> [M, n] (float32) for the int8 weight W packed by pack_int8_weight: each row
+    of x is quantized to int16 on the fly (one scale per row), the products summed in int32 by the
+    CPU's integer dot-product instructions, the group scales applied in float32."""
     if out is None:
-        out = x.new_empty((x.shape[0], w_q.shape[0]))
-    call_op("int8_linear", (x, w_q, scales, out), backend)
+        out = x.new_empty((x.shape[0], n))
+    call_op("int8_linear", (x, w_packed, s_packed, out), backend)
     return out
 
 

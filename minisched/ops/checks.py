@@ -388,31 +388,39 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b, v_out, lse_out) -> None:
         check_contiguous(op, name, t)
 
 
-def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """x [M, K] float32 (rows may be strided), w_q [N, K] int8, scales [N, K // G] float32 with the
-    group size G a multiple of 32 dividing K, out [M, N] float32 (csrc/checks.h: check_int8_linear)."""
+def int8_linear(x: torch.Tensor, w_packed: torch.Tensor, s_packed: torch.Tensor, out: torch.Tensor) -> None:
+    """x [M, K] float32 (rows may be strided), w_packed [ceil(N / 16), K / 2, 32] int8 and s_packed
+    [ceil(N / 16), K / G, 16] float32 (pack_int8_weight's layout; the group size G a multiple of 32
+    dividing K), out [M, N] float32 (csrc/checks.h: check_int8_linear)."""
     op = "int8_linear"
     check_dtype(op, "x", x, (torch.float32, torch.float64))
-    check_dtype(op, "w_q", w_q, (torch.int8,))
-    check_dtype(op, "scales", scales, (torch.float32,))
-    for name, t in (("x", x), ("w_q", w_q), ("scales", scales)):
-        if t.dim() != 2:
-            _fail(ValueError, op, f"{name} must have 2 dims (shape {tuple(t.shape)})")
-    (m, k_x), (n, k), groups = x.shape, w_q.shape, scales.shape[1]
-    if k_x != k:
-        _fail(ValueError, op, f"x has shape {tuple(x.shape)}, expected ({m}, {k}) to match w_q {tuple(w_q.shape)}")
-    if scales.shape[0] != n or groups < 1 or k % groups or (k // groups) % 32:
+    check_dtype(op, "w_packed", w_packed, (torch.int8,))
+    check_dtype(op, "s_packed", s_packed, (torch.float32,))
+    for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("s_packed", s_packed, 3), ("out", out, 2)):
+        if t.dim() != dims:
+            _fail(ValueError, op, f"{name} must have {dims} dims (shape {tuple(t.shape)})")
+    (m, k), n = x.shape, out.shape[1]
+    panels = cdiv(n, 16)
+    if tuple(w_packed.shape) != (panels, k // 2, 32) or k % 2:
         _fail(
             ValueError,
             op,
-            f"scales has shape {tuple(scales.shape)}; expected ({n}, K / group_size) with a "
+            f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k // 2}, 32) for x {tuple(x.shape)} "
+            f"and out {tuple(out.shape)}",
+        )
+    groups = s_packed.shape[1]
+    if s_packed.shape[0] != panels or s_packed.shape[2] != 16 or groups < 1 or k % groups or (k // groups) % 32:
+        _fail(
+            ValueError,
+            op,
+            f"s_packed has shape {tuple(s_packed.shape)}; expected ({panels}, K / group_size, 16) with a "
             f"group_size that divides K={k} and is a multiple of 32",
         )
     check_shape(op, "out", out, (m, n))
     check_same_dtype(op, "out", out, "x", x)
     if x.stride(1) != 1:
         _fail(ValueError, op, "x must have contiguous rows (stride(1) == 1)")
-    for name, t in (("w_q", w_q), ("scales", scales), ("out", out)):
+    for name, t in (("w_packed", w_packed), ("s_packed", s_packed), ("out", out)):
         if t.device != x.device:
             _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
         if not t.is_contiguous():
@@ -420,11 +428,11 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: t
 
 
 def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> None:
-    """x [M, K] float32 (rows may be strided), w_packed [ceil(N / 16), K, 16] float32 (16-column panels),
-    out [M, N] float32 (csrc/checks.h: check_packed_linear)."""
+    """x [M, K] float32 (rows may be strided), w_packed [ceil(N / 16), K, 16] float32 or bfloat16
+    (16-column panels), out [M, N] float32 (csrc/checks.h: check_packed_linear)."""
     op = "packed_linear"
     check_dtype(op, "x", x, (torch.float32, torch.float64))
-    check_dtype(op, "w_packed", w_packed, (torch.float32, torch.float64))
+    check_dtype(op, "w_packed", w_packed, (torch.float32, torch.bfloat16, torch.float64))
     check_dtype(op, "out", out, (torch.float32, torch.float64))
     for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("out", out, 2)):
         if t.dim() != dims:

@@ -156,14 +156,57 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b, v_out, lse_out) -> None:
 
 
 def dequantize_int8(w_q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[N, K] weights from int8 values and per-group scales [N, K // G]."""
+    """[N, K] weights from int8 values [N, K] and per-group scales [N, K // G]."""
     group = w_q.shape[1] // scales.shape[1]
     return w_q.to(dtype) * scales.to(dtype).repeat_interleave(group, dim=1)
 
 
-def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """out = x @ dequantize(w_q, scales).T, accumulated in float64."""
-    out.copy_(x.double() @ dequantize_int8(w_q, scales, torch.float64).T)
+def pack_int8_weight(w_q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_linear's layout, 16-column panels (zero past N) with the input channels in pairs, the
+    operand order of the int16 dot-product instructions (vpmaddwd / vpdpwssd):
+    w_packed [P, K / 2, 32] with w_packed[p, i, 2 j + t] = w_q[16 p + j, 2 i + t], and
+    s_packed [P, K / G, 16] with s_packed[p, g, j] = scales[16 p + j, g]."""
+    n, k = w_q.shape
+    panels = cdiv(n, 16)
+    w = w_q.new_zeros(panels * 16, k)
+    w[:n] = w_q
+    s = scales.new_zeros(panels * 16, scales.shape[1])
+    s[:n] = scales
+    w_packed = w.view(panels, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(panels, k // 2, 32).contiguous()
+    return w_packed, s.view(panels, 16, -1).transpose(1, 2).contiguous()
+
+
+def unpack_int8_weight(w_packed: torch.Tensor, s_packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_int8_weight: (w_q [N, K], scales [N, K // G])."""
+    panels, pairs, _ = w_packed.shape
+    w_q = w_packed.view(panels, pairs, 16, 2).permute(0, 2, 1, 3).reshape(panels * 16, 2 * pairs)[:n]
+    return w_q, s_packed.transpose(1, 2).reshape(panels * 16, -1)[:n]
+
+
+INT16_MAX = 32767
+INT32_BLOCK = 256  # input channels per int32 partial sum: 256 x 32767 x 127 < 2^31
+
+
+def quantize_rows_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_linear's activations: each row of x [M, K] as int16 values q and one float32 scale, the
+    row's max |x| over 32767 (rows of zeros: q = 0, scale 0). The float32 arithmetic the kernels
+    use: inv = 32767 / amax, q = round-half-even(x * inv), scale = amax / 32767."""
+    x = x.float()
+    amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(x.shape[0], 1)
+    nonzero = amax > 0
+    inv = torch.where(nonzero, torch.full_like(amax, float(INT16_MAX)) / torch.where(nonzero, amax, 1), 0)
+    q = torch.round(x * inv).clamp_(-INT16_MAX, INT16_MAX)
+    return q.to(torch.int16), (amax / torch.tensor(float(INT16_MAX))).squeeze(1)
+
+
+def int8_linear(x: torch.Tensor, w_packed: torch.Tensor, s_packed: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ W.T for the int8 weight W = w_q * scales, with x's rows quantized to int16 as the
+    kernels do (quantize_rows_int16): out[m, n] = scale[m] * sum_g scales[n, g] * sum_{k in g} q[m, k]
+    w_q[n, k], in float64 (the integer sums are exact)."""
+    n = out.shape[1]
+    w_q, scales = unpack_int8_weight(w_packed, s_packed, n)
+    q, sx = quantize_rows_int16(x)
+    out.copy_((q.double() * sx.double()[:, None]) @ dequantize_int8(w_q, scales, torch.float64).T)
 
 
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:

@@ -33,54 +33,88 @@ def feed(tuner, tokens, seconds, steps):
 
 def test_tuner_switches_when_the_probe_is_faster_and_backs_off_when_not():
     t = ThreadTuner(4, interval=0.0, probe_steps=3, cost_factor=0.0)
-    assert t.current == 4 and torch.get_num_threads() == 4
-    feed(t, 8, 1.0, 3)  # history at 4 threads; the next step starts a probe at 2
+    c = t.state(8)
+    assert c.current == 4 and torch.get_num_threads() == 4
+    feed(t, 8, 0.1, 3)  # history at 4 threads; the next step starts a probe at 2
     t.before_step(8)
-    assert t.probe is not None and t.probe[0] == 2 and torch.get_num_threads() == 2
-    t.after_step(8, 0.5)
-    feed(t, 8, 0.5, 2)  # the probe was 2x faster: keep 2
-    assert t.current == 2 and t.switches == 1 and torch.get_num_threads() == 2
+    assert c.probe is not None and c.probe[0] == 2 and torch.get_num_threads() == 2
+    t.after_step(8, 0.05)
+    feed(t, 8, 0.05, 2)  # the probe was 2x faster: keep 2
+    assert c.current == 2 and t.switches == 1 and torch.get_num_threads() == 2
     t.before_step(8)  # next probe goes the other way: 4
-    assert t.probe[0] == 4
-    t.after_step(8, 2.0)  # 4x slower: the probe ends at once; stay at 2, probe less often
-    assert t.probe is None and t.current == 2 and t.backoff == 2 and torch.get_num_threads() == 2
+    assert c.probe[0] == 4
+    t.after_step(8, 0.2)  # 4x slower: the probe ends at once; stay at 2, probe less often
+    assert c.probe is None and c.current == 2 and c.backoff == 2 and torch.get_num_threads() == 2
 
 
 def test_tuner_probes_only_steady_steps():
     t = ThreadTuner(2, interval=0.0, probe_steps=3)
-    feed(t, 8, 1.0, 3)
-    t.before_step(512)  # a prefill after decode steps: no probe on it
-    assert t.probe is None
-    t.after_step(512, 9.0)
+    feed(t, 8, 0.1, 3)
+    t.before_step(13)  # the same class, but over 1.5x the history's tokens: no probe on it
+    assert t.state(13).probe is None
+    t.after_step(13, 9.0)
 
 
-def test_long_probes_are_rare(monkeypatch):
-    """A probe of long steps (prefill) waits cost_factor x its own length before the next one, so
-    probing never costs more than ~5% of the time, however long the steps."""
+def test_each_step_size_has_its_own_count():
+    """A count won by decode steps does not carry over to a prefill (the coin toss it was: the same
+    command prefilled at half speed after a probe won by 1-token steps, at full speed otherwise)."""
+    t = ThreadTuner(2, interval=0.0, probe_steps=3, cost_factor=0.0)
+    feed(t, 1, 0.010, 3)
+    t.before_step(1)
+    assert torch.get_num_threads() == 1  # probing 1 thread on decode steps
+    t.after_step(1, 0.005)
+    feed(t, 1, 0.005, 2)
+    assert t.state(1).current == 1 and torch.get_num_threads() == 1
+    t.state(1).next_probe = float("inf")  # no more probes of decode steps here
+    t.before_step(512)  # a prefill: its class starts at every core
+    assert torch.get_num_threads() == 2 and t.state(512).current == 2
+    t.after_step(512, 0.5)
+    t.before_step(1)  # back to decode: its own count
+    assert torch.get_num_threads() == 1
+    assert sorted(t.classes) == [1, 10]
+
+
+def test_probes_are_rare_when_they_cost(monkeypatch):
+    """A probe waits cost_factor x its own length before the next one, so probing never costs more
+    than ~5% of the time, whatever the step length."""
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     t = ThreadTuner(2, interval=3.0, probe_steps=3)
+    c = t.state(64)
     now[0] += 3.0
-    feed(t, 512, 1.0, 3)
-    t.before_step(512)
-    assert t.probe is not None
-    t.after_step(512, 1.3)  # 1 thread, slower but not clearly: the probe goes on
-    assert t.probe is not None
-    t.after_step(512, 1.3)
-    t.after_step(512, 1.4)  # 4 s of probing
-    assert t.probe is None and t.current == 2
-    assert t.next_probe == pytest.approx(100.0 + 3.0 + 20 * 4.0)
-    t.before_step(512)
-    assert t.probe is None  # not 3-6 s later
+    feed(t, 64, 0.2, 3)
+    t.before_step(64)
+    assert c.probe is not None
+    t.after_step(64, 0.26)  # 1 thread, slower but not clearly: the probe goes on
+    assert c.probe is not None
+    t.after_step(64, 0.26)
+    t.after_step(64, 0.28)  # 0.8 s of probing
+    assert c.probe is None and c.current == 2
+    assert c.next_probe == pytest.approx(100.0 + 3.0 + 20 * 0.8)
+    t.before_step(64)
+    assert c.probe is None  # not 3-6 s later
+
+
+def test_long_steps_are_never_probed(monkeypatch):
+    """A 1-second prefill at half the threads would be a whole request at half speed: steps longer
+    than max_probe_seconds keep their count (every core)."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    t = ThreadTuner(2, interval=3.0, probe_steps=3)
+    for _ in range(20):
+        now[0] += 10.0
+        feed(t, 512, 1.0, 1)
+        assert t.state(512).probe is None and torch.get_num_threads() == 2
 
 
 def test_a_clearly_losing_probe_ends_after_one_step():
     t = ThreadTuner(2, interval=0.0, probe_steps=3, cost_factor=0.0)
-    feed(t, 512, 1.0, 3)
+    c = t.state(512)
+    feed(t, 512, 0.1, 3)
     t.before_step(512)
-    assert t.probe is not None and torch.get_num_threads() == 1
-    t.after_step(512, 2.0)  # 2x slower
-    assert t.probe is None and t.current == 2 and torch.get_num_threads() == 2 and t.backoff == 2
+    assert c.probe is not None and torch.get_num_threads() == 1
+    t.after_step(512, 0.2)  # 2x slower
+    assert c.probe is None and c.current == 2 and torch.get_num_threads() == 2 and c.backoff == 2
 
 
 def test_default_num_threads_is_the_affinity():

@@ -15,6 +15,7 @@ import torch
 from minisched import ops
 
 HAS_CUDA = torch.cuda.is_available()
+CPU_ISAS: list[str] = ops.supported_cpu_isas() if ops.native_available() else []
 
 
 @dataclass(frozen=True)
@@ -22,10 +23,12 @@ class Target:
     backend: str
     device: str
     dtype: torch.dtype
+    isa: str | None = None  # native CPU kernels: the ISA variant (ops.use_cpu_isa; None: the default)
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-{self.device}-{str(self.dtype).removeprefix('torch.')}"
+        isa = f"-{self.isa}" if self.isa else ""
+        return f"{self.backend}-{self.device}{isa}-{str(self.dtype).removeprefix('torch.')}"
 
     @property
     def interpreted(self) -> bool:
@@ -51,10 +54,20 @@ def _triton_ready(family: str) -> str | None:
     return None
 
 
+# The families whose CPU kernels have ISA variants (csrc/cpu/*_avx512.cpp): their native CPU targets
+# run once per variant this machine supports, so the AVX2 path stays tested on an AVX-512 machine.
+CPU_ISA_FAMILIES = {
+    "paged_decode_attention": ("avx2", "avx512"),
+    "paged_prefill_attention": ("avx2", "avx512"),
+    "shared_prefix_attention": ("avx2", "avx512"),
+}
+
+
 def targets(family: str, *, float64: bool = False) -> list:
-    """pytest params over every backend × device × dtype; what cannot run here is skipped."""
+    """pytest params over every backend × device (× CPU ISA variant) × dtype; what cannot run here is skipped."""
     out = [Target("torch", "cpu", torch.float64 if float64 else torch.float32)]
-    out += [Target("native", "cpu", torch.float32), Target("native", "cpu", torch.bfloat16)]
+    isas = [i for i in CPU_ISAS if i in CPU_ISA_FAMILIES.get(family, ())] or [None]
+    out += [Target("native", "cpu", dt, isa) for isa in isas for dt in (torch.float32, torch.bfloat16)]
     out += [Target("triton", "cpu", torch.float32), Target("triton", "cpu", torch.float16)]
     out += [Target(b, "cuda", dt) for b in ("native", "triton") for dt in (torch.bfloat16, torch.float16)]
     params = []
@@ -69,8 +82,21 @@ def targets(family: str, *, float64: bool = False) -> list:
         elif t.backend == "triton":
             skip = _triton_ready(family)
         marks = [pytest.mark.skip(reason=skip)] if skip else []
+        if t.isa:
+            marks.append(pytest.mark.cpu_isa(t.isa))  # tests/conftest.py runs the test as that variant
         params.append(pytest.param(t, id=t.id, marks=marks))
     return params
+
+
+def cpu_backends() -> list:
+    """The backends of a CPU-only op (packed_linear, int8_linear, rms_norm): the torch reference, and
+    the native kernels once per ISA variant this machine runs (`native-cpu-avx2`, `native-cpu-avx512`,
+    ...; the `cpu_isa` mark makes tests/conftest.py run the test under `ops.use_cpu_isa`), so the AVX2
+    path stays tested on an AVX-512 machine."""
+    params = [pytest.param("torch", id="torch-cpu")]
+    if not ops.native_available():
+        return params + [pytest.param("native", id="native-cpu", marks=pytest.mark.skip(reason=str(ops.NATIVE_ERROR)))]
+    return params + [pytest.param("native", id=f"native-cpu-{isa}", marks=pytest.mark.cpu_isa(isa)) for isa in CPU_ISAS]
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

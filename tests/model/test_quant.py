@@ -13,6 +13,7 @@ from helpers.model import BACKENDS, paged_logits
 from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import LlamaModel, dense_forward
+from minisched.model.packed import PackedWeight
 from minisched.model.quant import Int8Weight, QuantConfig, quantize_model
 from minisched.ops import reference
 
@@ -34,19 +35,45 @@ def test_quantized_paged_forward_matches_dense(tie, backend):
     cached = [0, 16, 9]
     got = paged_logits(q, seqs, cached, 16, backend)
     want = torch.cat([dense_forward(q, torch.tensor(s))[c:] for s, c in zip(seqs, cached)])
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    # Each projection rounds its input rows to int16 (a step of 2^-15 of the row's largest value):
+    # the float32-rounding differences of the two attention paths flip a few of those roundings.
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     exact = torch.cat([dense_forward(fp32, torch.tensor(s))[c:] for s, c in zip(seqs, cached)])
     err = (got - exact).abs().max().item()
     assert 0 < err < 0.05 * exact.abs().max().item()  # quantized, but close
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_paged_forward_matches_dense(tie, backend):
+    """`--quantize bf16`: bfloat16 panels, float32 activations; the paged forward equals the dense one
+    of the same model, and the rounding stays small against fp32."""
+    fp32 = model_of(tie)
+    q = quantize_model(copy.deepcopy(fp32), QuantConfig("bf16"))
+    assert isinstance(q.layers[0].qkv, PackedWeight) and q.layers[0].qkv.dtype == torch.bfloat16
+    assert isinstance(q.lm_head, PackedWeight) and q.embed.dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1, 17, 40)]
+    cached = [0, 16, 9]
+    got = paged_logits(q, seqs, cached, 16, backend)
+    want = torch.cat([dense_forward(q, torch.tensor(s))[c:] for s, c in zip(seqs, cached)])
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    exact = torch.cat([dense_forward(fp32, torch.tensor(s))[c:] for s, c in zip(seqs, cached)])
+    err = (got - exact).abs().max().item()
+    assert 0 < err < 0.02 * exact.abs().max().item()
+    assert quantize_model(q, QuantConfig("bf16")) is q  # already bf16: left as it is
+    with pytest.raises(ValueError, match="int8 already"):
+        quantize_model(quantize_model(model_of(tie), QuantConfig("int8")), QuantConfig("bf16"))
 
 
 def test_quantized_weights_are_the_reference_dequantization():
     fp32 = model_of(True)
     q = quantize_model(copy.deepcopy(fp32), QuantConfig("int8", group_size=64))
     w = q.layers[1].gate_up
-    back = reference.dequantize_int8(w.w_q, w.scales)
-    assert w.scales.shape == (fp32.layers[1].gate_up.shape[0], 128 // 64)
-    bound = w.scales.repeat_interleave(64, dim=1) / 2 + 1e-7
+    w_q, scales = w.unpacked()
+    back = reference.dequantize_int8(w_q, scales)
+    assert scales.shape == (fp32.layers[1].gate_up.shape[0], 128 // 64)
+    bound = scales.repeat_interleave(64, dim=1) / 2 + 1e-7
     assert ((back - fp32.layers[1].gate_up).abs() <= bound).all()
     total = sum(b.numel() * b.element_size() for b in q.buffers() if b.dtype == torch.int8)
     assert (
@@ -95,6 +122,15 @@ def test_smollm2_int8_agrees_with_fp32():
     assert agree / total >= 0.9, f"int8 picked fp32's token at {agree}/{total} positions"
     q_out = q.generate(prompts[:1], SamplingParams(max_new_tokens=8), chat=True)[0]
     assert q_out.token_ids == outs[0].token_ids[:8]  # "The capital of France is Paris." is no near-tie
+    b = Engine(path, num_threads=2, quantize="bf16")  # bfloat16 weights: 307 / 310 on bench_int8's 8 prompts
+    agree = 0
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor(fp32.encode(p, chat=True) + o.token_ids)
+        start = len(ids) - len(o.token_ids) - 1
+        agree += int(
+            (dense_forward(fp32.model, ids).argmax(-1) == dense_forward(b.model, ids).argmax(-1))[start:-1].sum()
+        )
+    assert agree / total >= 0.95, f"bf16 picked fp32's token at {agree}/{total} positions"
 
 
 def test_engine_quantize_option():

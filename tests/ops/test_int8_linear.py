@@ -1,61 +1,101 @@
-"""int8_linear: weight-only int8 matmul against the float64 reference, on both native paths
-(fused decode kernel up to 16 rows, dequantized panels + packed_linear's micro-kernel from 17),
-poisoned outputs, strided rows, edge cases; quantize_int8's error bound; the op's input checks."""
+"""int8_linear: int8 weights (16-column panels, input channels in pairs) times rows quantized to int16
+on the fly, summed in int32 (vpmaddwd / vpdpwssd), against the float64 reference of the same
+quantization, on every ISA variant the machine runs; the variants and batch sizes agree bit for bit;
+poisoned outputs, strided rows, rows of zeros, groups longer than one int32 sum (256 channels), edge
+cases; quantize_int8's error bound and the packing round trip; the op's input checks."""
 
 import pytest
 import torch
 
-from helpers.targets import poison
+from helpers.targets import CPU_ISAS, cpu_backends, poison
 from minisched import ops
 from minisched.ops import reference
 
-# A CPU op (weight-only int8 for bandwidth-bound CPU decode): no CUDA or Triton kernel to test;
-# asking the triton backend for it is a clear error (test_triton_backend_is_a_clear_error).
-BACKENDS = [
-    pytest.param("torch", id="torch-cpu"),
-    pytest.param(
-        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
-    ),
-]
+# A CPU op (int8 weights for the CPU's bandwidth-bound decode and compute-bound prefill): no CUDA or
+# Triton kernel to test; asking the triton backend for it is a clear error (test_triton_backend_is_a_clear_error).
+BACKENDS = cpu_backends()  # torch, and native once per ISA variant this machine runs
 
 
 def random_weights(n, k, group, gen):
-    """Random int8 values over the whole range and positive scales that differ per group."""
+    """Random int8 values over the whole range and positive scales that differ per group, packed."""
     w_q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
-    return w_q, scales
+    return ops.pack_int8_weight(w_q, scales)
+
+
+def run(x, w_packed, s_packed, n, backend):
+    out = poison(torch.empty(x.shape[0], n))
+    ops.call_op("int8_linear", (x, w_packed, s_packed, out), backend)
+    return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 15, 16, 17, 64])
-@pytest.mark.parametrize("n,k,group", [(1, 32, 32), (9, 64, 32), (96, 576, 64), (200, 1536, 64), (33, 576, 576)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 64])
+# n: one partial panel, a partial 2nd, 6 panels, 12.5 (partial last of a 3- and 8-panel call);
+# groups: 32, 64, one per row (576: 3 int32 sums of 256, 256, 64), 1536 (6 sums)
+@pytest.mark.parametrize(
+    "n,k,group", [(1, 32, 32), (9, 64, 32), (96, 576, 64), (200, 1536, 64), (33, 576, 576), (20, 1536, 1536)]
+)
 def test_matches_reference(backend, m, n, k, group, gen):
-    x = torch.randn(m, k, generator=gen)
-    w_q, scales = random_weights(n, k, group, gen)
+    x = torch.randn(m, k, generator=gen) * (torch.rand(m, 1, generator=gen) * 10 + 0.1)  # rows of different scales
+    w_packed, s_packed = random_weights(n, k, group, gen)
     expected = torch.empty(m, n, dtype=torch.float64)
-    reference.int8_linear(x, w_q, scales, expected)
-    out = poison(torch.empty(m, n))
-    ops.call_op("int8_linear", (x, w_q, scales, out), backend)
+    reference.int8_linear(x, w_packed, s_packed, expected)
+    out = run(x, w_packed, s_packed, n, backend)
     assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_reference_is_the_exact_integer_sum(gen):
+    """The oracle itself: int16 rows and int8 weights summed exactly, per group, then scaled."""
+    x = torch.randn(3, 64, generator=gen)
+    w_q = torch.randint(-127, 128, (5, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(5, 2, generator=gen) + 0.5
+    q, sx = reference.quantize_rows_int16(x)
+    assert q.dtype == torch.int16 and q.abs().max(dim=1).values.eq(32767).all()
+    assert torch.allclose(q.double() * sx.double()[:, None], x.double(), atol=float(sx.max()) / 2 + 1e-12)
+    sums = (q.long()[:, None, :] * w_q.long()[None, :, :]).view(3, 5, 2, 32).sum(-1).double()  # [M, N, groups]
+    want = (sums * scales.double()[None]).sum(-1) * sx.double()[:, None]
+    got = torch.empty(3, 5, dtype=torch.float64)
+    reference.int8_linear(x, *ops.pack_int8_weight(w_q, scales), got)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))
-@pytest.mark.parametrize("m", [17, 23, 100])
-@pytest.mark.parametrize("n,k,group", [(9, 64, 32), (200, 1536, 64), (33, 576, 576)])
-def test_many_rows_equal_packed_fp32_bitwise(m, n, k, group, gen):
-    """From 17 rows the weight is dequantized panel by panel (an 8 x 8 register transpose) and run through
-    packed_linear's micro-kernel: the result must be packed_linear on the dequantized weight, bit for bit
-    (any misplaced, unscaled or stale panel element would show), and each row must not depend on the others."""
-    x = torch.randn(m, k, generator=gen)
-    w_q, scales = random_weights(n, k, group, gen)
-    w = w_q.float() * scales.repeat_interleave(group, dim=1)  # float(w) * scale, as the kernel rounds it
-    out = poison(torch.empty(m, n))
-    ops.int8_linear(x, w_q, scales, out=out)
-    expected = ops.packed_linear(x, ops.pack_linear_weight(w), n)
-    assert torch.equal(out, expected)
-    first = ops.int8_linear(x[:17].clone(), w_q, scales)  # the same rows in a smaller batch
-    assert torch.equal(first, out[:17])
+@pytest.mark.parametrize("n,k,group", [(200, 576, 64), (33, 1536, 1536)])
+def test_every_isa_and_batch_gives_the_same_bits(n, k, group, gen):
+    """The integer sums are exact and every variant does the same float operations in the same order:
+    AVX2 (vpmaddwd), AVX-VNNI and AVX-512 (vpdpwssd) agree bit for bit, and a row's result does not
+    depend on the rows around it (batch invariance: one kernel for every batch size)."""
+    x = torch.randn(23, k, generator=gen)
+    w_packed, s_packed = random_weights(n, k, group, gen)
+    got = {}
+    for isa in CPU_ISAS:
+        with ops.use_cpu_isa(isa):
+            got[isa] = run(x, w_packed, s_packed, n, "native")
+            for m0, m1 in ((0, 1), (5, 7), (3, 11), (10, 18), (0, 23)):
+                assert torch.equal(run(x[m0:m1], w_packed, s_packed, n, "native"), got[isa][m0:m1]), (isa, m0, m1)
+    for isa in CPU_ISAS[1:]:
+        assert torch.equal(got[isa], got[CPU_ISAS[0]]), isa
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_of_zeros_and_threads(backend, gen):
+    """A row of zeros (scale 0) gives zeros, not NaN; the thread count does not change the bits."""
+    x = torch.randn(9, 576, generator=gen)
+    x[4] = 0
+    w_packed, s_packed = random_weights(3072, 576, 64, gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(x, w_packed, s_packed, 3072, backend)
+        torch.set_num_threads(2)
+        two = run(x, w_packed, s_packed, 3072, backend)
+    finally:
+        torch.set_num_threads(before)
+    assert (one[4] == 0).all() and not one.isnan().any()
+    if backend == "native":
+        assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -65,27 +105,30 @@ def test_strided_rows(backend, m, gen):
     wide = torch.randn(m, 2 * 128, generator=gen)
     x = wide[:, 128:]
     assert x.stride(0) == 256 and not x.is_contiguous()
-    w_q, scales = random_weights(40, 128, 32, gen)
-    out = poison(torch.empty(m, 40))
-    ops.call_op("int8_linear", (x, w_q, scales, out), backend)
-    torch.testing.assert_close(out, x.contiguous() @ reference.dequantize_int8(w_q, scales).T, rtol=1e-4, atol=1e-4)
+    w_packed, s_packed = random_weights(40, 128, 32, gen)
+    torch.testing.assert_close(
+        run(x, w_packed, s_packed, 40, backend),
+        run(x.contiguous(), w_packed, s_packed, 40, "torch"),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty(backend, gen):
-    w_q, scales = random_weights(8, 64, 32, gen)
+    w_packed, s_packed = random_weights(8, 64, 32, gen)
     out = torch.empty(0, 8)
-    ops.call_op("int8_linear", (torch.empty(0, 64), w_q, scales, out), backend)
+    ops.call_op("int8_linear", (torch.empty(0, 64), w_packed, s_packed, out), backend)
     assert out.shape == (0, 8)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_wrapper_end_to_end(backend, gen):
-    """quantize -> int8_linear stays within the quantization error of the fp32 matmul."""
+    """quantize -> pack -> int8_linear stays within the quantization error of the fp32 matmul."""
     w = torch.randn(300, 576, generator=gen) * 0.05
     x = torch.randn(6, 576, generator=gen)
     w_q, scales = ops.quantize_int8(w, group_size=64)
-    got = ops.int8_linear(x, w_q, scales, backend=backend)
+    got = ops.int8_linear(x, *ops.pack_int8_weight(w_q, scales), 300, backend=backend)
     exact = x @ w.T
     # each weight is off by at most scale/2; the error of a dot product grows like sqrt(K)
     err = (got - exact).abs().max().item()
@@ -93,14 +136,22 @@ def test_wrapper_end_to_end(backend, gen):
 
 
 def test_quantize_int8_round_trip(gen):
-    w = torch.randn(64, 256, generator=gen)
+    w = torch.randn(37, 256, generator=gen)
     w[3, :64] = 0.0  # an all-zero group stays zero
     w_q, scales = ops.quantize_int8(w, group_size=64)
-    assert w_q.dtype == torch.int8 and scales.shape == (64, 4)
+    assert w_q.dtype == torch.int8 and scales.shape == (37, 4)
     assert w_q.abs().max() == 127 and (scales[3, 0] == 0) and (w_q[3, :64] == 0).all()
     back = reference.dequantize_int8(w_q, scales)
     bound = scales.repeat_interleave(64, dim=1) / 2 + 1e-7
     assert ((back - w).abs() <= bound).all()
+    w_packed, s_packed = ops.pack_int8_weight(w_q, scales)
+    assert w_packed.shape == (3, 128, 32) and s_packed.shape == (3, 4, 16)
+    assert w_packed[1, 7, 2 * 5 + 1] == w_q[21, 15] and s_packed[2, 1, 4] == scales[36, 1]
+    assert (w_packed[2, :, 2 * 5 :] == 0).all() and (s_packed[2, :, 5:] == 0).all()  # zero past N
+    unpacked = reference.unpack_int8_weight(w_packed, s_packed, 37)
+    assert torch.equal(unpacked[0], w_q) and torch.equal(unpacked[1], scales)
+    with pytest.raises(ValueError, match="pack_int8_weight"):
+        ops.pack_int8_weight(w_q[:, :48], scales)
 
 
 @pytest.mark.parametrize("group", [0, 16, 48, 100])
@@ -115,42 +166,52 @@ def test_quantize_int8_bad_group(group):
     [
         ("x_dtype", TypeError, "dtype"),
         ("w_dtype", TypeError, "dtype"),
-        ("k_mismatch", ValueError, "shape"),
+        ("w_dims", ValueError, "dims"),
+        ("k_mismatch", ValueError, "w_packed has shape"),
+        ("panels", ValueError, "w_packed has shape"),
         ("bad_group", ValueError, "multiple of 32"),
-        ("out_shape", ValueError, "shape"),
+        ("s_panels", ValueError, "s_packed has shape"),
+        ("out_rows", ValueError, "shape"),
         ("x_cols_strided", ValueError, "contiguous rows"),
     ],
 )
 def test_bad_input(backend, case, exc, words, gen):
     x = torch.randn(3, 64, generator=gen)
-    w_q, scales = random_weights(8, 64, 32, gen)
-    out = torch.empty(3, 8)
+    w_packed, s_packed = random_weights(20, 64, 32, gen)  # 2 panels
+    out = torch.empty(3, 20)
     if case == "x_dtype":
         x = x.half()
     elif case == "w_dtype":
-        w_q = w_q.to(torch.int16)
+        w_packed = w_packed.to(torch.int16)
+    elif case == "w_dims":
+        w_packed = w_packed.reshape(2, -1)
     elif case == "k_mismatch":
         x = torch.randn(3, 96, generator=gen)
+    elif case == "panels":
+        out = torch.empty(3, 40)  # 3 panels needed
     elif case == "bad_group":
-        scales = torch.rand(8, 4, generator=gen)  # group 16
-    elif case == "out_shape":
-        out = torch.empty(3, 9)
+        s_packed = torch.rand(2, 4, 16, generator=gen)  # group 16
+    elif case == "s_panels":
+        s_packed = torch.rand(1, 2, 16, generator=gen)
+    elif case == "out_rows":
+        out = torch.empty(4, 20)
     elif case == "x_cols_strided":
         x = torch.randn(64, 3, generator=gen).T
     with pytest.raises(exc, match=words):
-        ops.call_op("int8_linear", (x, w_q, scales, out), backend)
+        ops.call_op("int8_linear", (x, w_packed, s_packed, out), backend)
 
 
 def test_triton_backend_is_a_clear_error(gen):
-    w_q, scales = random_weights(8, 64, 32, gen)
+    w_packed, s_packed = random_weights(8, 64, 32, gen)
     with pytest.raises(ValueError, match="no triton kernel"):
-        ops.call_op("int8_linear", (torch.randn(2, 64), w_q, scales, torch.empty(2, 8)), "triton")
+        ops.call_op("int8_linear", (torch.randn(2, 64), w_packed, s_packed, torch.empty(2, 8)), "triton")
 
 
 def test_opcheck(gen):
     if not ops.native_available():
         pytest.skip(ops.NATIVE_ERROR)
-    w_q, scales = random_weights(8, 64, 32, gen)
+    w_packed, s_packed = random_weights(8, 64, 32, gen)
     torch.library.opcheck(
-        torch.ops.minisched.int8_linear.default, (torch.randn(3, 64, generator=gen), w_q, scales, torch.empty(3, 8))
+        torch.ops.minisched.int8_linear.default,
+        (torch.randn(3, 64, generator=gen), w_packed, s_packed, torch.empty(3, 8)),
     )

@@ -6,17 +6,12 @@ batch around a row and the thread count; pack/unpack round-trips; the op's input
 import pytest
 import torch
 
-from helpers.targets import poison
+from helpers.targets import CPU_ISAS, cpu_backends, poison
 from minisched import ops
 from minisched.ops import reference
 
 # A CPU op (the CPU's small-batch projections; GPUs use cuBLAS): no CUDA or Triton kernel to test.
-BACKENDS = [
-    pytest.param("torch", id="torch-cpu"),
-    pytest.param(
-        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
-    ),
-]
+BACKENDS = cpu_backends()  # torch, and native once per ISA variant this machine runs
 NATIVE = BACKENDS[1:]
 
 
@@ -74,6 +69,38 @@ def test_row_results_do_not_depend_on_the_batch(backend, gen):
         assert torch.equal(run(x[m0:m1], w, backend), whole[m0:m1]), (m0, m1)
 
 
+@pytest.mark.skipif(len(CPU_ISAS) < 2, reason="one ISA variant on this machine")
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 23, 64])
+def test_every_isa_gives_the_same_bits(m, gen):
+    """Every variant computes each output as the same FMA chain (k in order, from zero): AVX-512's
+    16-wide panels and 8-row blocks give AVX2's bits exactly."""
+    x = torch.randn(m, 576, generator=gen)
+    w = torch.randn(200, 576, generator=gen)  # 12.5 panels: a partial last one
+    got = {}
+    for isa in CPU_ISAS:
+        with ops.use_cpu_isa(isa):
+            got[isa] = run(x, w, "native")
+    for isa in CPU_ISAS[1:]:
+        assert torch.equal(got[isa], got[CPU_ISAS[0]]), isa
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", [1, 3, 8, 15, 16, 17, 64])  # the widening in registers, and from 16 rows in buffers
+@pytest.mark.parametrize("n,k", [(16, 64), (61, 1536), (200, 576)])
+def test_bf16_weights_are_the_float32_kernel_on_the_rounded_weight(backend, m, n, k, gen):
+    """bfloat16 panels (`--quantize bf16`) are widened as they are read: the result is packed_linear's on
+    the bf16-rounded float32 weight, bit for bit on the native backend."""
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    got = run(x, w, backend)
+    assert ops.pack_linear_weight(w).dtype == torch.bfloat16
+    want = run(x, w.float(), backend)
+    if backend == "native":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("backend", NATIVE)
 def test_thread_count_does_not_change_bits(backend, gen):
     x = torch.randn(9, 576, generator=gen)
@@ -111,7 +138,7 @@ def test_wrapper(backend, gen):
     "case,exc,words",
     [
         ("x_dtype", TypeError, "dtype"),
-        ("w_dtype", TypeError, "dtype"),
+        ("w_dtype", TypeError, "dtype"),  # float16 panels: only float32 and bfloat16
         ("w_dims", ValueError, "dims"),
         ("k_mismatch", ValueError, "w_packed has shape"),
         ("panels", ValueError, "w_packed has shape"),

@@ -1,22 +1,17 @@
 """rms_norm: the fused CPU RMSNorm (optionally after the residual add x += delta), against the float64
 reference and against the model's own `rms_norm`, with poisoned outputs, widths that are and are not
-multiples of the 8-wide vectors, one row and many (several threads' worth), empty sizes; a row's result
+multiples of the 8- and 16-wide vectors, one row and many (several threads' worth), empty sizes; a row's result
 does not depend on the batch around it; the op's input checks."""
 
 import pytest
 import torch
 
-from helpers.targets import poison
+from helpers.targets import cpu_backends, poison
 from minisched import ops
 from minisched.ops import reference
 
 # A CPU op (the CPU's per-op overhead; GPUs use torch's fused norm): no CUDA or Triton kernel to test.
-BACKENDS = [
-    pytest.param("torch", id="torch-cpu"),
-    pytest.param(
-        "native", id="native-cpu", marks=[pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))]
-    ),
-]
+BACKENDS = cpu_backends()  # torch, and native once per ISA variant this machine runs
 NATIVE = BACKENDS[1:]
 
 
@@ -29,7 +24,7 @@ def inputs(m, d, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "with-residual-add"])
 @pytest.mark.parametrize("m", [1, 2, 7, 64, 300])
-@pytest.mark.parametrize("d", [1, 5, 8, 13, 64, 576])
+@pytest.mark.parametrize("d", [1, 5, 8, 13, 20, 64, 576])
 def test_matches_reference(backend, fused, m, d, gen):
     x, delta, w = inputs(m, d, gen)
     x64, d64 = x.double(), delta.double()

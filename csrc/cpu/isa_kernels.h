@@ -1,0 +1,70 @@
+// Entry points of the CPU kernels' ISA variants (csrc/cpu/*_avx512.cpp, *_avx2vnni.cpp): plain
+// functions on raw pointers, framework-free. Declared plainly: each is compiled for its ISA by the
+// `#pragma GCC target` region of its file (cpu_isa.h says why not an attribute). The ATen glue
+// (<op>.cpp) picks one by cpu::isa().
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/cpu_isa.h"
+
+namespace minisched::cpu {
+
+namespace avx512 {
+
+// -- packed_linear (packed_linear_avx512.cpp) --
+constexpr int64_t kPackedMaxRows = 8;  // activation rows per micro-kernel call
+
+// Rows per block for M rows: balanced blocks of at most kPackedMaxRows (9 rows: 5 + 4, not 8 + 1).
+constexpr int64_t packed_rows_per_block512(int64_t m) {
+  const int64_t blocks = (m + kPackedMaxRows - 1) / kPackedMaxRows;
+  return blocks == 0 ? 1 : (m + blocks - 1) / blocks;
+}
+
+// Panels per micro-kernel call for M rows: 8 FMA chains at one row, at most 24 accumulators of the
+// 32 zmm registers otherwise (rows x panels: 1 x 8, 2..6 x 4, 7..8 x 3).
+constexpr int packed_panels_per_call(int64_t m) {
+  const int64_t rows = packed_rows_per_block512(m);
+  return rows == 1 ? 8 : (rows <= 6 ? 4 : 3);
+}
+
+// Rows [0, M) of x against `np_here` (<= packed_panels_per_call(M)) consecutive panels at wp,
+// whose first `ncols` columns are written to out (row stride ldo). The weights are float32 or
+// bfloat16 (uint16_t bits, widened as they are loaded: the float32 kernel's bits on the rounded weight).
+void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t np_here, int64_t K, float* out,
+                       int64_t ldo, int64_t ncols);
+void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t np_here, int64_t K,
+                       float* out, int64_t ldo, int64_t ncols);
+
+// -- rms_norm (rms_norm_avx512.cpp) --
+// Rows [m0, m1) of x [M, D]: x += delta (when not null), then out = x / rms(x) * w.
+void rms_norm_rows(float* x, const float* delta, const float* w, float eps, float* out, int64_t D, int64_t m0,
+                   int64_t m1);
+
+// -- int8_linear (int8_linear_avx512.cpp; layout and arithmetic in int8_microkernel.h) --
+// Rows [0, M) of the int16 activations q (row stride ldq, row scales sx) against np_here (<=
+// packed_panels_per_call(M)) consecutive panels of w_packed at w (K * 16 bytes each) with their group
+// scales at ws (K / G * 16 floats each); the first ncols columns go to out (row stride ldo).
+void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, const int8_t* w, const float* ws,
+                     int64_t np_here, int64_t K, int64_t G, float* out, int64_t ldo, int64_t ncols);
+
+// -- the attention loop's block products (attention_avx512.cpp; the loop is attention_cpu.h) --
+// S[r * lds + j] = <q_r, k_j> for `rows` query rows q [rows, d] and n keys (row pointers); d % 16 == 0.
+void attn_block_scores(const float* q, int64_t rows, int64_t d, const float* const* k, int64_t n, float* S,
+                       int64_t lds);
+// acc_r += sum_j P[r * ldp + j] v_j for `rows` accumulator rows [rows, d] and n values; d % 16 == 0.
+void attn_block_accumulate(float* acc, int64_t rows, int64_t d, const float* P, int64_t ldp, const float* const* v,
+                           int64_t n);
+
+}  // namespace avx512
+
+namespace avx2vnni {
+
+// int8_linear's ymm micro-kernel with AVX-VNNI (int8_linear_avx2vnni.cpp); panels per call as
+// int8k::panels_per_call (int8_microkernel.h).
+void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, const int8_t* w, const float* ws,
+                     int64_t np_here, int64_t K, int64_t G, float* out, int64_t ldo, int64_t ncols);
+
+}  // namespace avx2vnni
+
+}  // namespace minisched::cpu
