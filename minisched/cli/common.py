@@ -25,6 +25,7 @@ SAMPLING_FIELDS = (
     "logprobs",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "priority",
 )
 
 
@@ -133,6 +134,24 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="copy each new cached prefix to the host tier at once (default: on eviction, write-back)",
     )
     g.add_argument(
+        "--priority-scheduling",
+        action="store_true",
+        help="order waiting requests by their priority (lower = more urgent, as vLLM; a JSONL or request body "
+        "field), preempting less urgent running ones",
+    )
+    g.add_argument(
+        "--priority-preemption-threshold",
+        type=int,
+        default=0,
+        help="a request preempts running ones whose priority is worse by more than this (-1: never preempt)",
+    )
+    g.add_argument(
+        "--priority-aging-steps",
+        type=int,
+        default=256,
+        help="a waiting or running request's priority improves by one every this many steps (0: no aging)",
+    )
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -181,6 +200,11 @@ def engine_config(args):
             policy=args.policy,
             enable_radix_cache=not args.no_radix_cache,
             enable_mixed_chunk=args.mixed_chunk,
+            priority_scheduling=args.priority_scheduling,
+            priority_preemption_threshold=None
+            if args.priority_preemption_threshold == -1
+            else args.priority_preemption_threshold,
+            priority_aging_steps=args.priority_aging_steps or None,
         )
         return EngineConfig(
             model=args.model,
@@ -219,6 +243,8 @@ FLAGS = {
     "chunk_size": "--chunk-size",
     "max_running_requests": "--max-running-requests",
     "host_kv_pages": "--host-kv-pages",
+    "priority_preemption_threshold": "--priority-preemption-threshold",
+    "priority_aging_steps": "--priority-aging-steps",
     "tensor parallelism": "--tp",
 }
 

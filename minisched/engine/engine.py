@@ -239,8 +239,13 @@ class Engine:
         *,
         rid: Optional[str] = None,
         chat: bool = False,
+        priority: Optional[int] = None,
     ) -> Req:
-        """Queue one request; raises InvalidRequest (a ValueError) if it can never run."""
+        """Queue one request; raises InvalidRequest (a ValueError) if it can never run. `priority` (lower
+        is more urgent; with `priority_scheduling`) replaces `sampling.priority`."""
+        if priority is not None:
+            base = SamplingParams(**sampling) if isinstance(sampling, dict) else (sampling or SamplingParams())
+            sampling = dataclasses.replace(base, priority=priority)
         return self.add_choices(prompt, sampling, 1, rids=None if rid is None else [rid], chat=chat)[0]
 
     def add_choices(

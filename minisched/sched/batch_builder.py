@@ -4,7 +4,8 @@
 1. unless a decode is due (`max_prefill_rounds_between_decodes` prefill-only rounds ran while
    requests wait to decode), a prefill batch: the carried chunked request first, then waiting
    requests in policy order through the PrefillAdder (skipping, for one round, requests whose
-   uncached prefix another request in the batch is computing: deferral.py);
+   uncached prefix another request in the batch is computing: deferral.py); with priority
+   scheduling, by priority first, preempting less urgent running requests (preemption.py);
 2. with `enable_mixed_chunk`, the running requests ride along if their pages fit;
 3. otherwise decode the running requests, retracting some first if their next pages do not
    fit even after evicting the radix cache -- but never while a batch is launched: its tokens
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.policy import take_admitted
@@ -45,8 +47,19 @@ def build(sched: Queues) -> tuple[Batch | None, int, int]:
 def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
     """(the prefill batch or None, prefix tokens its admitted requests reuse)."""
     cfg = sched.config
-    if sched.chunked_req is None and (not sched.waiting or len(sched.running) >= cfg.max_running_requests):
+    if sched.chunked_req is None and not sched.waiting:
         return None, 0
+    prio = cfg.priority_scheduling
+    if prio and sched.waiting:
+        ready = [r for r in sched.waiting if r.ready]
+        carried = sched.chunked_req
+        if carried is not None and ready:
+            head = min(ready, key=lambda r: preemption.effective(r, sched.step_count, cfg.priority_aging_steps))
+            if preemption.preempts(sched, head, carried):
+                preemption.preempt(sched, None, [carried])
+    if sched.chunked_req is None and len(sched.running) >= cfg.max_running_requests:
+        if not (prio and preemption.may_preempt(sched, [r for r in sched.waiting if r.ready])):
+            return None, 0
     defer = None
     if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
         defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
@@ -69,7 +82,16 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
         return None, 0
     if adder.new_chunked_req is None and sched.waiting:
         ready = [r for r in sched.policy.order(sched.waiting) if r.ready]
+        if prio:
+            ready = preemption.order(ready, sched.step_count, cfg.priority_aging_steps)
         admitted = adder.add_waiting(ready)
+        while prio and adder.blocked is not None:
+            head = adder.blocked
+            victims = preemption.plan(sched, adder, head)
+            if not victims:
+                break
+            preemption.preempt(sched, adder, victims)
+            admitted += adder.add_waiting(ready[ready.index(head) :])
         if admitted:
             sched.waiting = take_admitted(
                 sched.waiting, admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs"

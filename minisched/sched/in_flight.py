@@ -40,7 +40,7 @@ class InFlight:
         for batch in self.launched:
             for r, p in zip(batch.reqs, batch.prefix_lens):
                 if r is req:
-                    return p
+                    return min(p, req.kv_len)  # (a request retracted while launched holds nothing)
         return req.kv_len
 
     def future_ids(self) -> set[int]:

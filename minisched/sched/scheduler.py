@@ -123,8 +123,12 @@ class Scheduler:
         if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
         req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
+        if req.sampling.priority != 0 and not cfg.priority_scheduling:
+            raise InvalidRequest(
+                f"request {rid!r}: priority {req.sampling.priority} given but priority scheduling is not enabled"
+            )
         req.after, req.gate = after, gate
-        req.arrival_seq = self._num_arrivals
+        req.arrival_seq, req.arrival_step = self._num_arrivals, self.step_count
         self._num_arrivals += 1
         self.reqs[rid] = req
         self.waiting.append(req)
@@ -348,11 +352,14 @@ class Scheduler:
         self.set_status(req, status, reason.value)
         del self.reqs[req.rid]
 
-    def retract(self, req: Req) -> None:
-        """Back to waiting (the caller queues it): its full pages stay cached, the rest are freed."""
+    def retract(self, req: Req, note: str = "") -> None:
+        """Back to waiting (the caller queues it): its full pages stay cached, the rest are freed. A
+        request of a launched batch (preemption) keeps only its committed K/V; its token is dropped."""
+        req.kv_len = self.in_flight.committed_len(req)
+        req.pending_ids.clear()
         self.tree.cache_finished_req(req, self.pool)
         req.num_retractions += 1
-        self.set_status(req, ReqStatus.RETRACTED)
+        self.set_status(req, ReqStatus.RETRACTED, note)
         self.set_status(req, ReqStatus.WAITING)
 
     def cache_unfinished(self, req: Req, kv_len: int) -> None:

@@ -30,9 +30,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         ratio=st.sampled_from([0.7, 0.2, 0.05]),
         defer=st.sampled_from([None, 4, 32]),
         host=st.sampled_from([0, 0, 3, 64]),  # host-tier pages (0: off)
+        priority=st.sampled_from([None, (0, None), (0, 2), (1, 5), (None, 3), (0, 40)]),  # (threshold, aging) or off
     )
     def setup(
-        self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio, defer, host
+        self,
+        page_size,
+        pool_tokens,
+        chunk,
+        policy,
+        radix,
+        mixed,
+        guard,
+        max_running,
+        max_prefill,
+        ratio,
+        defer,
+        host,
+        priority,
     ):
         self.cfg = SchedulerConfig(
             page_size=page_size,
@@ -51,6 +65,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             new_token_ratio_decay_steps=10,
             in_batch_prefix_defer_tokens=defer,
             clip_max_new_tokens_estimation=64,
+            priority_scheduling=priority is not None,
+            priority_preemption_threshold=priority[0] if priority else 0,
+            priority_aging_steps=priority[1] if priority else 256,
         )
         self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
         self.sched = Scheduler(self.cfg, host_tier=HostTier(host, self.runner.mover) if host else None)
@@ -71,10 +88,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_new=st.one_of(st.integers(0, 30), st.just(100_000)),
         stop=st.booleans(),
         copies=st.integers(1, 4),
+        priority=st.integers(-3, 3),
     )
-    def add(self, base, shared, own, max_new, stop, copies):
+    def add(self, base, shared, own, max_new, stop, copies, priority):
         for _ in range(copies):
-            self._add(BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)], max_new, stop)
+            self._add(BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)], max_new, stop, priority)
 
     @rule(
         lens=st.lists(st.integers(1, 120), min_size=1, max_size=4),
@@ -85,10 +103,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for n in sorted(lens):
             self._add(DOC[:n], max_new, False)
 
-    def _add(self, prompt, max_new, stop):
+    def _add(self, prompt, max_new, stop, priority=0):
         rid = f"r{self.n}"
         self.n += 1
-        sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=(5,) if stop else ())
+        priority = priority if self.cfg.priority_scheduling else 0
+        sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=(5,) if stop else (), priority=priority)
         too_long = len(prompt) >= self.cfg.max_context_len or len(prompt) > self.cfg.num_pages * self.cfg.page_size
         if not prompt or too_long:
             try:

@@ -1,0 +1,37 @@
+"""Scheduling options through the server: the `priority` body field (vLLM's: lower = more urgent) with
+and without `--priority-scheduling`."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from helpers.serve import TINY, running_server
+from minisched.engine import Engine
+
+
+def complete(live, **body) -> httpx.Response:
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 4, "temperature": 0, **body}
+    return httpx.post(live.v1 + "/completions", json=body, timeout=30)
+
+
+def test_priority_field_is_refused_without_priority_scheduling(tiny_server):
+    assert complete(tiny_server, priority=0).status_code == 200
+    r = complete(tiny_server, priority=2)
+    assert r.status_code == 400 and "priority scheduling is not enabled" in r.json()["error"]["message"]
+    assert complete(tiny_server, priority=1.5).status_code == 400
+
+
+@pytest.fixture(scope="module")
+def priority_server():
+    engine = Engine(TINY, num_pages=128, priority_scheduling=True)
+    with running_server(engine) as live:
+        yield live
+    assert not live.loop.invariant_errors, live.loop.invariant_errors
+
+
+def test_priority_requests_run_and_equal_the_default(priority_server, tiny_server):
+    ref = complete(tiny_server).json()["choices"][0]["text"]
+    for p in (-3, 0, 7):
+        r = complete(priority_server, priority=p)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
