@@ -152,6 +152,27 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="a waiting or running request's priority improves by one every this many steps (0: no aging)",
     )
     g.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="speculative decoding: draft tokens by prompt lookup (n-gram) and verify them in one forward",
+    )
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: draft tokens per request at most")
+    g.add_argument(
+        "--spec-max-batch-size",
+        type=int,
+        default=8,
+        help="speculative: no drafting while more requests than this run (large batches are compute-bound)",
+    )
+    g.add_argument(
+        "--spec-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="speculative: adapt each request's draft length to what it accepts, pausing it when nothing is",
+    )
+    g.add_argument("--ngram-min-match", type=int, default=2, help="speculative: shortest n-gram suffix to look up")
+    g.add_argument("--ngram-max-match", type=int, default=4, help="speculative: longest n-gram suffix to look up")
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -205,6 +226,9 @@ def engine_config(args):
             if args.priority_preemption_threshold == -1
             else args.priority_preemption_threshold,
             priority_aging_steps=args.priority_aging_steps or None,
+            num_draft_tokens=args.num_draft_tokens,
+            spec_max_batch_size=args.spec_max_batch_size,
+            spec_adaptive=args.spec_adaptive,
         )
         return EngineConfig(
             model=args.model,
@@ -222,6 +246,9 @@ def engine_config(args):
             pack_weights=args.pack_weights,
             host_kv_pages=args.host_kv_pages,
             host_kv_write_through=args.host_kv_write_through,
+            speculative=args.speculative,
+            ngram_min_match=args.ngram_min_match,
+            ngram_max_match=args.ngram_max_match,
             tp=args.tp,
             tp_timeout=args.tp_timeout,
             scheduler=sched,
@@ -245,6 +272,10 @@ FLAGS = {
     "host_kv_pages": "--host-kv-pages",
     "priority_preemption_threshold": "--priority-preemption-threshold",
     "priority_aging_steps": "--priority-aging-steps",
+    "num_draft_tokens": "--num-draft-tokens",
+    "spec_max_batch_size": "--spec-max-batch-size",
+    "ngram_min_match": "--ngram-min-match",
+    "ngram_max_match": "--ngram-max-match",
     "tensor parallelism": "--tp",
 }
 

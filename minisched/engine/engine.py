@@ -48,6 +48,7 @@ from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 from minisched.sched.host_tier import HostTier
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler
+from minisched.sched.spec import NgramDrafter
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -175,7 +176,12 @@ class Engine:
             mover = HostKVMover(self.kv_cache, self.backend)
             self.host_tier = HostTier(config.host_kv_pages, mover, write_through=config.host_kv_write_through)
             self.runner.kv_mover = mover
-        self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier)
+        drafter = None  # speculative decoding (sched/spec.py): drafts verified in one forward
+        if config.speculative == "ngram":
+            drafter = NgramDrafter(config.ngram_min_match, config.ngram_max_match)
+        self.scheduler = Scheduler(
+            self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier, drafter=drafter
+        )
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"

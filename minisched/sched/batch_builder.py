@@ -9,7 +9,9 @@
 2. with `enable_mixed_chunk`, the running requests ride along if their pages fit;
 3. otherwise decode the running requests, retracting some first if their next pages do not
    fit even after evicting the radix cache -- but never while a batch is launched: its tokens
-   are resolved first (overlap scheduling), so a retracted request never has placeholders.
+   are resolved first (overlap scheduling), so a retracted request never has placeholders;
+   with a drafter (spec.py) the decode is a VERIFY batch where requests have drafts. Nothing
+   is built while a VERIFY batch is launched.
 
 It reads and changes the scheduler's queues through the `Queues` protocol (queues.py).
 Pure Python.
@@ -25,19 +27,25 @@ from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.policy import take_admitted
 from minisched.sched.prefill_adder import PrefillAdder
 from minisched.sched.queues import Queues
-from minisched.sched.req import ReqStatus
+from minisched.sched.req import Req, ReqStatus
 from minisched.sched.retraction import make_room_for_decode
 
 
 def build(sched: Queues) -> tuple[Batch | None, int, int]:
-    cfg = sched.config
+    cfg, launched = sched.config, sched.in_flight.launched
+    if launched and launched[-1].mode is ForwardMode.VERIFY:
+        return None, 0, 0  # its accepted lengths decide the next step: resolve it first (spec.py)
     k = cfg.max_prefill_rounds_between_decodes
     decode_due = bool(sched.running) and k is not None and sched.prefill_rounds >= k
     batch, hits = (None, 0) if decode_due else prefill_batch(sched)
     n_retracted = 0
     if batch is not None and cfg.enable_mixed_chunk and sched.running:
         batch = mix(sched, batch)
-    if batch is None and sched.running and not (sched.in_flight.launched and not decode_fits(sched)):
+    spec = sched.speculator
+    if batch is None and sched.running and launched and spec is not None:
+        if spec.wants_drain(sched.running, sched.step_count):
+            return None, 0, 0  # resolve the launched decode, so that this step can draft
+    if batch is None and sched.running and not (launched and not decode_fits(sched)):
         n_retracted = make_room_for_decode(sched)
         if sched.running:
             batch = decode_batch(sched, n_retracted)
@@ -137,7 +145,34 @@ def decode_batch(sched: Queues, n_retracted: int) -> Batch:
         raise RuntimeError("decode pages do not fit after retraction")  # make_room_for_decode ensures they do
     reqs = list(sched.running)
     n = len(reqs)
-    return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
+    spec = sched.speculator
+    drafts = None
+    if spec is not None and not sched.in_flight.launched:
+        drafts = spec.plan(reqs, cfg.max_context_len)
+        if drafts is not None:
+            drafts = fit_drafts(sched, reqs, drafts)
+    if not drafts:
+        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
+    batch = Batch(
+        ForwardMode.VERIFY, reqs, [r.kv_len for r in reqs], [1 + len(d) for d in drafts], cfg.page_size, [True] * n, n
+    )
+    batch.drafts = drafts
+    return batch
+
+
+def fit_drafts(sched: Queues, reqs: list[Req], drafts: list[list[int]]) -> list[list[int]] | None:
+    """Whole pages for each row's drafts (after its decode token's), evicting the radix cache if needed;
+    a row whose pages do not fit drafts only what its last page holds. None if no row keeps a draft."""
+    pool, ps = sched.pool, sched.config.page_size
+    for r, d in zip(reqs, drafts):
+        if not d:
+            continue
+        need = pool.pages_needed(r, 1 + len(d))
+        if need > pool.num_free:
+            pool.free(sched.tree.evict(need - pool.num_free))
+        if need > 0 and not pool.alloc_for_extend(r, 1 + len(d)):
+            del d[len(r.page_ids) * ps - r.kv_len - 1 :]
+    return drafts if any(drafts) else None
 
 
 def decode_fits(sched: Queues) -> bool:

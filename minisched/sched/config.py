@@ -26,6 +26,9 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   `priority_preemption_threshold` (0: any strictly less urgent one; None: never preempt);
   `priority_aging_steps` (256): a request's effective priority improves by one every this
   many steps since its arrival, so none starves (None: no aging). sched/preemption.py.
+- Speculative decoding (with a drafter, sched/spec.py): `num_draft_tokens` (4) drafts per request
+  at most, adapted per request when `spec_adaptive`; no drafting with more than
+  `spec_max_batch_size` (8) running requests.
 - `max_stalled_steps` (32): after this many consecutive steps with work but no batch
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
   FinishReason.ERROR so callers never spin.
@@ -63,6 +66,9 @@ class SchedulerConfig:
     priority_scheduling: bool = False
     priority_preemption_threshold: int | None = 0
     priority_aging_steps: int | None = 256
+    num_draft_tokens: int = 4
+    spec_max_batch_size: int = 8
+    spec_adaptive: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -79,6 +85,8 @@ class SchedulerConfig:
             "lpm_fallback_len",
             "aging_rounds",
             "max_stalled_steps",
+            "num_draft_tokens",
+            "spec_max_batch_size",
         ):
             need(is_int(getattr(self, name)) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
         # None: sized by the engine from the device and the model (engine/config.py); a Scheduler needs both
@@ -93,6 +101,7 @@ class SchedulerConfig:
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")
         need(isinstance(self.priority_scheduling, bool), "priority_scheduling must be a bool")
+        need(isinstance(self.spec_adaptive, bool), "spec_adaptive must be a bool")
         v = self.priority_preemption_threshold
         need(v is None or (is_int(v) and v >= 0), "priority_preemption_threshold must be None or an int >= 0")
         v = self.priority_aging_steps

@@ -44,7 +44,7 @@ class InFlight:
         return req.kv_len
 
     def future_ids(self) -> set[int]:
-        return {f for b in self.launched for f in b.future_ids if f < 0}
+        return {f for b in self.launched for f in (*b.future_ids, *b.draft_futures) if f < 0}
 
     def take_all(self) -> list[Batch]:
         """Every launched batch (oldest first) and the built one; the bookkeeping is cleared."""

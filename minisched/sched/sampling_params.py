@@ -159,6 +159,18 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
+    def can_draft(self) -> bool:
+        """May a speculative step verify drafts for this request (sched/spec.py)? Not with what reads or
+        changes per-position logits: logprobs, a grammar, penalties, a bias or min_tokens."""
+        return (
+            self.logprobs is None
+            and self.grammar is None
+            and not self.has_penalties
+            and not self.logit_bias
+            and self.min_tokens == 0
+        )
+
+    @property
     def needs_processing(self) -> bool:
         """Anything beyond temperature / top-k / top-p that changes the logits before sampling."""
         return (

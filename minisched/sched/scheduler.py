@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from minisched.base.values import cdiv
 from minisched.sched import batch_builder
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.config import SchedulerConfig
@@ -76,6 +77,7 @@ from minisched.sched.policy import SchedulePolicy
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason, new_request
 from minisched.sched.retraction import fail_stalled
+from minisched.sched.spec import Drafter, Speculator
 from minisched.sched.step_output import StepOutput
 
 __all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
@@ -89,7 +91,11 @@ class ModelRunner(Protocol):
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, stop_checker: Callable[[Req], bool] | None = None, host_tier=None
+        self,
+        config: SchedulerConfig,
+        stop_checker: Callable[[Req], bool] | None = None,
+        host_tier=None,
+        drafter: Drafter | None = None,
     ) -> None:
         if config.num_pages is None or config.max_context_len is None:
             raise ValueError("Scheduler: num_pages and max_context_len must be set (the engine sizes them)")
@@ -111,6 +117,11 @@ class Scheduler:
         self.stalled = 0  # consecutive steps with work but no batch
         self._finished_early: list[Req] = []  # ended outside resolve, not reported yet
         self.unrun_loads: list = []  # host-tier loads of failed batches (fail_in_flight): the engine runs them
+        self.speculator = (  # speculative decoding (spec.py): drafts verified in VERIFY batches
+            None
+            if drafter is None
+            else Speculator(drafter, config.num_draft_tokens, config.spec_max_batch_size, config.spec_adaptive)
+        )
         self._num_arrivals = 0
 
     # -- requests -------------------------------------------------------------
@@ -216,6 +227,7 @@ class Scheduler:
         flight.built = None
         flight.launched.append(batch)
         max_ctx, futures = self.config.max_context_len, []
+        verify = batch.mode is ForwardMode.VERIFY
         for req, p, e, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled):
             req.kv_len = p + e
             if not sampled:  # a chunk that does not finish its prompt: it stays the carried request
@@ -223,6 +235,11 @@ class Scheduler:
                 continue
             fid = flight.next_future()
             futures.append(fid)
+            if verify:  # a placeholder per token it may accept; never in limbo (resolved before the next build)
+                more = [flight.next_future() for _ in range(e - 1)]
+                req.pending_ids += [fid, *more]
+                batch.draft_futures += more
+                continue
             if req.max_new_tokens == 0:  # prefill only: ends at resolve, without a token
                 flight.limbo.append(req)
                 continue
@@ -257,16 +274,21 @@ class Scheduler:
 
     def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
         first_decode = batch.batch_size - batch.num_decode
-        checker, max_ctx, aborted = self.stop_checker, self.config.max_context_len, self.in_flight.aborted
-        tokens, lps, prompt_lps = (
-            (out.tokens, out.logprobs, out.prompt_logprobs) if isinstance(out, StepOutput) else (out, None, None)
+        aborted = self.in_flight.aborted
+        tokens, lps, prompt_lps, more = (
+            (out.tokens, out.logprobs, out.prompt_logprobs, out.more_tokens)
+            if isinstance(out, StepOutput)
+            else (out, None, None, None)
         )
-        for b, (req, p, e, sampled, fid, tok) in enumerate(
-            zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled, batch.future_ids, tokens)
+        drafts = batch.drafts or [()] * batch.batch_size
+        if batch.mode is ForwardMode.VERIFY:
+            self.speculator.stats.verify_steps += 1
+        for b, (req, p, e, sampled, fid, tok, d) in enumerate(
+            zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled, batch.future_ids, tokens, drafts)
         ):
             if req.status not in LIVE:
                 continue  # released while launched (abort, or finished by an earlier resolve): dropped
-            valid = p + e
+            valid = p + e - len(d)  # K/V known good: a verify row's drafts are not, until accepted
             if aborted and id(req) in aborted:
                 self.end(req, valid, ReqStatus.ABORTED, FinishReason.ABORT)
                 continue
@@ -281,28 +303,47 @@ class Scheduler:
                 continue
             if not req.pending_ids or req.pending_ids[0] != fid:
                 raise RuntimeError(f"{req.rid}: placeholder {fid} is not the oldest pending token")
-            tok = int(tok)
-            req.pending_ids.pop(0)
-            req.output_ids.append(tok)
-            if req.output_logprobs is not None:
-                req.output_logprobs.append(lps[b] if lps is not None else None)
+            run = [int(tok)]
+            if d:  # a verify row: the accepted drafts' tokens and the target's next one
+                run += [int(t) for t in more[b]]
+                if len(run) > len(d) + 1:
+                    raise RuntimeError(f"{req.rid}: {len(run)} tokens accepted from {len(d)} drafts")
+                self.speculator.observe(req, len(d), len(run) - 1)
+            del req.pending_ids[: 1 + len(d)]
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+            if self._append(req, run, valid, lps[b] if lps is not None else None, finished):
+                continue
+            if d:  # the pages past the accepted tokens go back
+                req.kv_len = valid + len(run) - 1
+                keep = cdiv(req.kv_len, self.config.page_size)
+                self.pool.free(req.page_ids[keep:])
+                del req.page_ids[keep:]
+            if not req.pending_ids and req in self.in_flight.limbo:
+                raise RuntimeError(f"{req.rid}: held back at its length limit but not finished")
+            if b < first_decode:  # its prompt completed in this batch: share its pages
+                self.cache_unfinished(req, valid)
+
+    def _append(self, req: Req, run: list[int], valid: int, logprob, finished: list[Req]) -> bool:
+        """Append a row's tokens one at a time, checking after each whether the request ends (with the
+        K/V of the tokens before it: `valid` for the first); True if it ended."""
+        checker, max_ctx = self.stop_checker, self.config.max_context_len
+        for i, tok in enumerate(run):
+            req.output_ids.append(tok)
+            if req.output_logprobs is not None:
+                req.output_logprobs.append(logprob)
             if (
                 len(req.output_ids) >= req.max_new_tokens
-                or valid + 1 >= max_ctx
+                or valid + i + 1 >= max_ctx
                 or checker is not None
                 or tok in req.sampling.stop_token_ids
             ):
                 reason = finish_reason(req, max_ctx, checker)
                 if reason is not None:
-                    self.end(req, valid, ReqStatus.FINISHED, reason)
+                    self.end(req, valid + i, ReqStatus.FINISHED, reason)
                     finished.append(req)
-                    continue
-            if not req.pending_ids and req in self.in_flight.limbo:
-                raise RuntimeError(f"{req.rid}: held back at its length limit but not finished")
-            if b < first_decode:  # its prompt completed in this batch: share its pages
-                self.cache_unfinished(req, valid)
+                    return True
+        return False
 
     def fail_in_flight(self, message: str) -> list[Req]:
         """A step failed (its forward, sampling or a stop checker raised, or the loop was
@@ -391,13 +432,14 @@ class Scheduler:
     def _record_step(self, batch: Batch, n_retracted: int, hits: int) -> None:
         pool, tree = self.pool, self.tree
         decode = batch.num_decode
+        drafts = sum(map(len, batch.drafts))
         self.step_stats.append(
             StepStats(
                 self.step_count,
                 time.monotonic(),
                 batch.mode.value,
                 batch.batch_size,
-                batch.num_tokens - decode,
+                batch.num_tokens - decode - drafts,
                 decode,
                 len(self.running),
                 len(self.waiting),
@@ -408,6 +450,7 @@ class Scheduler:
                 hits,
                 n_retracted,
                 self.new_token_ratio,
+                drafts,
             )
         )
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, poison_freed, run
+from helpers.fake_runner import FakeRunner, OracleDrafter, check_lifecycles, greedy_reference, poison_freed, run
 from minisched.sched.host_tier import HostTier
 from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.sched.spec import NgramDrafter
 
 VOCAB = 40
 BASES = [[(7 * i + 3 * j) % VOCAB for j in range(48)] for i in range(3)]
@@ -31,6 +32,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         defer=st.sampled_from([None, 4, 32]),
         host=st.sampled_from([0, 0, 3, 64]),  # host-tier pages (0: off)
         priority=st.sampled_from([None, (0, None), (0, 2), (1, 5), (None, 3), (0, 40)]),  # (threshold, aging) or off
+        spec=st.sampled_from([None, None, ("oracle", 5), ("oracle", 0), ("oracle", 2), ("ngram", 1)]),
+        draft=st.tuples(st.integers(1, 6), st.sampled_from([1, 3, 8]), st.booleans()),  # k, max batch, adaptive
     )
     def setup(
         self,
@@ -47,6 +50,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         defer,
         host,
         priority,
+        spec,
+        draft,
     ):
         self.cfg = SchedulerConfig(
             page_size=page_size,
@@ -68,9 +73,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             priority_scheduling=priority is not None,
             priority_preemption_threshold=priority[0] if priority else 0,
             priority_aging_steps=priority[1] if priority else 256,
+            num_draft_tokens=draft[0],
+            spec_max_batch_size=draft[1],
+            spec_adaptive=draft[2],
         )
         self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
-        self.sched = Scheduler(self.cfg, host_tier=HostTier(host, self.runner.mover) if host else None)
+        drafter = None
+        if spec is not None:  # speculative decoding: drafts of every accuracy, or prompt lookup
+            drafter = OracleDrafter(VOCAB, spec[1]) if spec[0] == "oracle" else NgramDrafter(spec[1], 3)
+        self.sched = Scheduler(self.cfg, host_tier=HostTier(host, self.runner.mover) if host else None, drafter=drafter)
         poison_freed(self.sched, self.runner)
         self.added: dict[str, tuple[list[int], SamplingParams]] = {}
         self.ended: dict[str, object] = {}

@@ -25,6 +25,7 @@ from helpers.scheduler_machine import VOCAB, SchedulerMachine
 from minisched.sched.batch import Batch
 from minisched.sched.req import FinishReason, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.sched.step_output import StepOutput
 
 
 class _Resolved:
@@ -56,7 +57,7 @@ class FutureFakeRunner(FakeRunner):
         view = dataclasses.replace(batch, reqs=[_Resolved(r, self.tokens) for r in batch.reqs])
         out = super().forward(view)
         assert min(view.input_ids(), default=0) >= 0, "an input placeholder whose step has not run"
-        for fid, tok in zip(batch.future_ids, out):
+        for fid, tok in zip(batch.future_ids, out.tokens if isinstance(out, StepOutput) else out):
             if fid < 0:
                 self.tokens[fid] = tok
         return out

@@ -1,7 +1,10 @@
 """Scheduling options through the server: the `priority` body field (vLLM's: lower = more urgent) with
-and without `--priority-scheduling`."""
+and without `--priority-scheduling`; a speculative (n-gram) engine answers as the plain one, streamed
+and not."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -35,3 +38,21 @@ def test_priority_requests_run_and_equal_the_default(priority_server, tiny_serve
     for p in (-3, 0, 7):
         r = complete(priority_server, priority=p)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+
+
+def test_speculative_server_returns_the_same_greedy_text(tiny_server):
+    engine = Engine(TINY, num_pages=128, speculative="ngram", num_draft_tokens=3)
+    with running_server(engine) as live:
+        for prompt in ("abcabcabcabc", "hello"):
+            want = complete(tiny_server, prompt=prompt, max_tokens=12).json()["choices"][0]["text"]
+            r = complete(live, prompt=prompt, max_tokens=12)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+            with httpx.stream("POST", live.v1 + "/completions", json=body, timeout=30) as s:
+                text = "".join(
+                    json.loads(line[6:])["choices"][0]["text"]
+                    for line in s.iter_lines()
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"]
+                )
+            assert text == want
+    assert not live.loop.invariant_errors, live.loop.invariant_errors
