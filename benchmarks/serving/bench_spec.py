@@ -69,9 +69,7 @@ def passages(n: int) -> list[str]:
 
 
 def workloads(n: int) -> dict[str, list]:
-    grounded = [
-        [{"role": "user", "content": f"{TASKS[i % len(TASKS)]}\n\n{p}"}] for i, p in enumerate(passages(n))
-    ]
+    grounded = [[{"role": "user", "content": f"{TASKS[i % len(TASKS)]}\n\n{p}"}] for i, p in enumerate(passages(n))]
     chat = [[{"role": "user", "content": q}] for q in (QUESTIONS * n)[:n]]
     return {"grounded": grounded, "chat": chat}
 

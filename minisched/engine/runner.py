@@ -32,10 +32,10 @@ from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
 from minisched.engine.structured import Matchers
 from minisched.engine.threads import ThreadTuner
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
-from minisched.model.sampling import RowHistory, make_generator, sample, verify_drafts
+from minisched.model.sampling import RowHistory, logprobs_of, make_generator, sample, verify_drafts
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.req import Req, SamplingParams
-from minisched.sched.step_output import StepOutput
+from minisched.sched.step_output import StepOutput, TokenLogprob
 
 
 def cascade_groups(page_lists: list[list[int]], kv_lens: list[int], page_size: int):
@@ -315,6 +315,15 @@ class ModelRunner:
             )
             for i, run in zip(drafted, runs):
                 tokens[i], more[i] = run[0], run[1:]
+                k = job.params[i].logprobs
+                if k is not None:  # the target's logits at the run's positions: each accepted token's logprob
+                    chosen, top = logprobs_of(logits[qo[i] : qo[i] + len(run)], run, k)
+                    got = [TokenLogprob(t, c, tuple(tp[:k])) for t, c, tp in zip(run, chosen, top)]
+                    if out.logprobs is None:
+                        out.logprobs = [None] * n
+                    if out.more_logprobs is None:
+                        out.more_logprobs = [None] * n
+                    out.logprobs[i], out.more_logprobs[i] = got[0], got[1:]
         return out
 
     def _resolve_history(self, history: list[Optional[RowHistory]]) -> list[Optional[RowHistory]]:

@@ -160,15 +160,9 @@ class SamplingParams:
 
     @property
     def can_draft(self) -> bool:
-        """May a speculative step verify drafts for this request (sched/spec.py)? Not with what reads or
-        changes per-position logits: logprobs, a grammar, penalties, a bias or min_tokens."""
-        return (
-            self.logprobs is None
-            and self.grammar is None
-            and not self.has_penalties
-            and not self.logit_bias
-            and self.min_tokens == 0
-        )
+        """May a speculative step verify drafts for this request (sched/spec.py)? Not with what changes
+        the logits per position: a grammar, penalties, a bias or min_tokens."""
+        return self.grammar is None and not self.has_penalties and not self.logit_bias and self.min_tokens == 0
 
     @property
     def needs_processing(self) -> bool:

@@ -275,10 +275,10 @@ class Scheduler:
     def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
         first_decode = batch.batch_size - batch.num_decode
         aborted = self.in_flight.aborted
-        tokens, lps, prompt_lps, more = (
-            (out.tokens, out.logprobs, out.prompt_logprobs, out.more_tokens)
+        tokens, lps, prompt_lps, more, more_lps = (
+            (out.tokens, out.logprobs, out.prompt_logprobs, out.more_tokens, out.more_logprobs)
             if isinstance(out, StepOutput)
-            else (out, None, None, None)
+            else (out, None, None, None, None)
         )
         drafts = batch.drafts or [()] * batch.batch_size
         if batch.mode is ForwardMode.VERIFY:
@@ -303,16 +303,17 @@ class Scheduler:
                 continue
             if not req.pending_ids or req.pending_ids[0] != fid:
                 raise RuntimeError(f"{req.rid}: placeholder {fid} is not the oldest pending token")
-            run = [int(tok)]
+            run, run_lps = [int(tok)], [lps[b] if lps is not None else None]
             if d:  # a verify row: the accepted drafts' tokens and the target's next one
                 run += [int(t) for t in more[b]]
+                run_lps += more_lps[b] if more_lps is not None and more_lps[b] else [None] * len(more[b])
                 if len(run) > len(d) + 1:
                     raise RuntimeError(f"{req.rid}: {len(run)} tokens accepted from {len(d)} drafts")
                 self.speculator.observe(req, len(d), len(run) - 1)
             del req.pending_ids[: 1 + len(d)]
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if self._append(req, run, valid, lps[b] if lps is not None else None, finished):
+            if self._append(req, run, valid, run_lps, finished):
                 continue
             if d:  # the pages past the accepted tokens go back
                 req.kv_len = valid + len(run) - 1
@@ -324,14 +325,14 @@ class Scheduler:
             if b < first_decode:  # its prompt completed in this batch: share its pages
                 self.cache_unfinished(req, valid)
 
-    def _append(self, req: Req, run: list[int], valid: int, logprob, finished: list[Req]) -> bool:
-        """Append a row's tokens one at a time, checking after each whether the request ends (with the
-        K/V of the tokens before it: `valid` for the first); True if it ended."""
+    def _append(self, req: Req, run: list[int], valid: int, logprobs: list, finished: list[Req]) -> bool:
+        """Append a row's tokens (and their logprobs) one at a time, checking after each whether the
+        request ends (with the K/V of the tokens before it: `valid` for the first); True if it ended."""
         checker, max_ctx = self.stop_checker, self.config.max_context_len
         for i, tok in enumerate(run):
             req.output_ids.append(tok)
             if req.output_logprobs is not None:
-                req.output_logprobs.append(logprob)
+                req.output_logprobs.append(logprobs[i])
             if (
                 len(req.output_ids) >= req.max_new_tokens
                 or valid + i + 1 >= max_ctx

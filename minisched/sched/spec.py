@@ -8,7 +8,8 @@ produces at those positions, plus the target's next token (the bonus, or the cor
 rows compare with the argmax; sampled rows use the rejection rule (model/sampling.py,
 `verify_drafts`), so outputs keep the target's distribution. The scheduler (scheduler.py) applies
 the run token by token, with stop checks after each, so a stop inside the run ends the request
-there; only verified tokens reach `output_ids`, streams and the radix cache.
+there; only verified tokens reach `output_ids`, streams and the radix cache. Logprobs of an
+accepted run are read from the target's logits at its positions (`StepOutput.more_logprobs`).
 
 - `NgramDrafter` (prompt lookup, vLLM's `ngram` / SGLang's NGRAM): the longest suffix of the
   request's prompt + output, `max_match` tokens down to `min_match`, that occurred before; the
@@ -17,7 +18,7 @@ there; only verified tokens reach `output_ids`, streams and the radix cache.
 - `Speculator`: which requests draft how many tokens this step (`plan`), and what they accepted
   (`observe`). Limits: no drafting above `spec_max_batch_size` running requests (a large batch is
   compute-bound: drafts cost more than they save); a request drafts only if its sampling allows
-  it (`SamplingParams.can_draft`: no logprobs, grammar, penalties, bias or min_tokens) and at
+  it (`SamplingParams.can_draft`: no grammar, penalties, bias or min_tokens) and at
   most `remaining - 1` tokens and what its context leaves, so a fully accepted run never
   overshoots. Adaptive draft length (SGLang's adaptive speculation, per request): after a verify
   that accepted `a` of `d` drafts the next draft length is `a + 1` (all accepted: one more, up to

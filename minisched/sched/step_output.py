@@ -21,6 +21,7 @@ class StepOutput:
     logprobs: Optional[list[Optional[TokenLogprob]]] = None  # per row: the sampled token's, if asked
     prompt_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None  # per row: this chunk's prompt tokens'
     more_tokens: Optional[list[list[int]]] = None  # VERIFY: per row, the accepted tokens after `tokens[b]`
+    more_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None  # VERIFY: theirs, if asked
 
     def __len__(self) -> int:
         return len(self.tokens)

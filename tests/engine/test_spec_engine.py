@@ -4,8 +4,9 @@ Greedy output with drafting equals the output without it and the dense reference
 drafter, and with an oracle drafter (the dense reference's continuation, some tokens wrong, so
 every acceptance length occurs) -- overlap on and off, page sizes 1 and 16, chunked prefill, radix
 hits, retraction in a tiny pool, both backends. Also: stop tokens and strings inside an accepted
-run, a logprobs request beside drafted ones, seeded sampling that runs whole, the pool whole
-afterwards, the options and the CLI flags.
+run, logprobs of accepted tokens equal to a plain run's, an undrafted request (penalties) beside
+drafted ones, seeded sampling that runs whole, the pool whole afterwards, the options and the CLI
+flags.
 """
 
 from __future__ import annotations
@@ -110,12 +111,16 @@ def test_logprobs_and_sampled_requests_beside_drafted_ones():
     plain = byte_engine(model)
     lp = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2)
     ref = plain.generate(ps, lp)
-    engine = spec_engine(DenseOracle(model, 0))
-    outs = engine.generate(ps, [GREEDY, lp])
+    engine = spec_engine(DenseOracle(model, 2))
+    pen = SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.3)  # not drafted: decodes beside
+    outs = engine.generate(ps * 2, [GREEDY, lp, lp, pen])
     assert outs[0].token_ids == reference(model, ps[0], 24)
-    assert outs[1].token_ids == ref[1].token_ids  # not drafted: it asked for logprobs
-    assert [x.token_id for x in outs[1].logprobs] == [x.token_id for x in ref[1].logprobs]
-    assert [x.logprob for x in outs[1].logprobs] == pytest.approx([x.logprob for x in ref[1].logprobs], abs=1e-4)
+    assert outs[3].token_ids == plain.generate(ps[1:], pen)[0].token_ids
+    for o, r in ((outs[1], ref[1]), (outs[2], ref[0])):  # logprobs of drafted, accepted tokens: the target's
+        assert o.token_ids == r.token_ids and [x.token_id for x in o.logprobs] == r.token_ids
+        assert [x.logprob for x in o.logprobs] == pytest.approx([x.logprob for x in r.logprobs], abs=1e-4)
+        assert [[t for t, _ in x.top] for x in o.logprobs] == [[t for t, _ in x.top] for x in r.logprobs]
+    assert engine.scheduler.speculator.stats.accepted_tokens > 0
     sp = SamplingParams(temperature=30.0, top_k=50, seed=5, max_new_tokens=16, ignore_eos=True)
     a = engine.generate(ps, sp)
     assert all(len(o.token_ids) == 16 for o in a)
