@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+from minisched.base.values import cdiv
 from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.deferral import InBatchPrefixes
@@ -89,7 +90,9 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
         sched.chunked_req = carried  # its pages do not fit yet: decode first
         return None, 0
     if adder.new_chunked_req is None and sched.waiting:
-        ready = [r for r in sched.policy.order(sched.waiting) if r.ready]
+        # a request preempted while its row is in a launched batch waits for that batch to resolve
+        busy = sched.in_flight.launched_rows() if sched.in_flight.launched and prio else ()
+        ready = [r for r in sched.policy.order(sched.waiting) if r.ready and id(r) not in busy]
         if prio:
             ready = preemption.order(ready, sched.step_count, cfg.priority_aging_steps)
         admitted = adder.add_waiting(ready)
@@ -146,11 +149,8 @@ def decode_batch(sched: Queues, n_retracted: int) -> Batch:
     reqs = list(sched.running)
     n = len(reqs)
     spec = sched.speculator
-    drafts = None
-    if spec is not None and not sched.in_flight.launched:
-        drafts = spec.plan(reqs, cfg.max_context_len)
-        if drafts is not None:
-            drafts = fit_drafts(sched, reqs, drafts)
+    ks = spec.lengths(reqs, cfg.max_context_len) if spec is not None and not sched.in_flight.launched else None
+    drafts = draft(sched, reqs, ks) if ks is not None else None
     if not drafts:
         return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
     batch = Batch(
@@ -160,18 +160,27 @@ def decode_batch(sched: Queues, n_retracted: int) -> Batch:
     return batch
 
 
-def fit_drafts(sched: Queues, reqs: list[Req], drafts: list[list[int]]) -> list[list[int]] | None:
-    """Whole pages for each row's drafts (after its decode token's), evicting the radix cache if needed;
-    a row whose pages do not fit drafts only what its last page holds. None if no row keeps a draft."""
+def draft(sched: Queues, reqs: list[Req], ks: list[int]) -> list[list[int]] | None:
+    """Whole pages for each row's drafts (after its decode token's), evicting the radix cache if needed --
+    a row whose pages do not fit drafts only what its last page holds --, then the drafts; the pages a
+    shorter draft does not need go back. None if no row drafts."""
     pool, ps = sched.pool, sched.config.page_size
-    for r, d in zip(reqs, drafts):
-        if not d:
+    for i, (r, k) in enumerate(zip(reqs, ks)):
+        if not k:
             continue
-        need = pool.pages_needed(r, 1 + len(d))
+        need = pool.pages_needed(r, 1 + k)
         if need > pool.num_free:
             pool.free(sched.tree.evict(need - pool.num_free))
-        if need > 0 and not pool.alloc_for_extend(r, 1 + len(d)):
-            del d[len(r.page_ids) * ps - r.kv_len - 1 :]
+        if need > 0 and not pool.alloc_for_extend(r, 1 + k):
+            ks[i] = len(r.page_ids) * ps - r.kv_len - 1
+    if not any(ks):
+        return None
+    drafts = sched.speculator.propose(reqs, ks)
+    for r, d in zip(reqs, drafts):
+        keep = cdiv(r.kv_len + 1 + len(d), ps)
+        if len(r.page_ids) > keep:
+            pool.free(r.page_ids[keep:])
+            del r.page_ids[keep:]
     return drafts if any(drafts) else None
 
 

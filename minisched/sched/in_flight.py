@@ -43,6 +43,10 @@ class InFlight:
                     return min(p, req.kv_len)  # (a request retracted while launched holds nothing)
         return req.kv_len
 
+    def launched_rows(self) -> set[int]:
+        """id() of every request with a row in a launched batch (one preempted there waits for it)."""
+        return {id(r) for b in self.launched for r in b.reqs}
+
     def future_ids(self) -> set[int]:
         return {f for b in self.launched for f in (*b.future_ids, *b.draft_futures) if f < 0}
 

@@ -15,8 +15,8 @@ accepted run are read from the target's logits at its positions (`StepOutput.mor
   request's prompt + output, `max_match` tokens down to `min_match`, that occurred before; the
   tokens that followed its most recent occurrence are the draft. An index per request
   (n-gram -> position after it) is extended by the new tokens only, so a step costs O(new).
-- `Speculator`: which requests draft how many tokens this step (`plan`), and what they accepted
-  (`observe`). Limits: no drafting above `spec_max_batch_size` running requests (a large batch is
+- `Speculator`: which requests may draft how many tokens this step (`lengths`), the drafts
+  (`propose`, once their pages are allocated) and what they accepted (`observe`). Limits: no drafting above `spec_max_batch_size` running requests (a large batch is
   compute-bound: drafts cost more than they save); a request drafts only if its sampling allows
   it (`SamplingParams.can_draft`: no grammar, penalties, bias or min_tokens) and at
   most `remaining - 1` tokens and what its context leaves, so a fully accepted run never
@@ -25,8 +25,9 @@ accepted run are read from the target's logits at its positions (`StepOutput.mor
   `num_draft_tokens`); two verifies in a row that accept nothing turn the request's drafting off
   for 8 steps, doubling up to 256 while it keeps failing. Drafts that do not fit the pool are cut.
 - Pages: a verify row needs pages for `kv_len + 1 + k_b` tokens (whole pages, from the free list,
-  evicting the radix cache if needed; never a retraction). After the verify the pages past the
-  accepted length go back to the pool; rejected drafts' K/V in the last kept page is overwritten
+  evicting the radix cache if needed; never a retraction), allocated before drafting (a draft
+  model writes its K/V there; pages a shorter draft does not need go back at once). After the
+  verify the pages past the accepted length go back to the pool; rejected drafts' K/V in the last kept page is overwritten
   by the next step before anything reads it, and that page is never full of verified tokens
   until it is, so the radix cache never holds an unverified token.
 - Overlap (engine/overlap.py): a verify step is resolved before the next step is built -- its
@@ -55,7 +56,8 @@ PROBE_EVERY = 32  # overlap: a plain decode is drained this often to let draftin
 
 class Drafter(Protocol):
     def propose(self, reqs: Sequence[Req], ks: Sequence[int]) -> list[list[int]]:
-        """At most ks[i] draft tokens continuing reqs[i]'s prompt + output (ks[i] >= 1)."""
+        """At most ks[i] draft tokens continuing reqs[i]'s prompt + output (ks[i] >= 1); each request's
+        pages already hold room for them (engine/draft.py's drafter writes its own K/V there)."""
         ...
 
 
@@ -144,12 +146,11 @@ class Speculator:
             st = self._state[req] = _State(self.num_draft_tokens)
         return st
 
-    def plan(self, running: Sequence[Req], max_context_len: int) -> list[list[int]] | None:
-        """Draft tokens per running request for this step ([] where it does not draft); None when
-        nothing drafts."""
+    def lengths(self, running: Sequence[Req], max_context_len: int) -> list[int] | None:
+        """How many tokens each running request may draft this step (0: none); None when none may."""
         if not running or len(running) > self.max_batch_size:
             return None
-        who, ks = [], []
+        ks = [0] * len(running)
         for i, r in enumerate(running):
             st = self._get(r)
             if st.pause > 0:
@@ -157,15 +158,19 @@ class Speculator:
                 continue
             k = min(st.k, r.remaining_new_tokens - 1, max_context_len - r.seq_len - 1)
             if k >= 1 and r.sampling.can_draft and not r.pending_ids:
-                who.append(i)
-                ks.append(k)
-        if not who:
-            return None
-        got = self.drafter.propose([running[i] for i in who], ks)
+                ks[i] = k
+        return ks if any(ks) else None
+
+    def propose(self, running: Sequence[Req], ks: Sequence[int]) -> list[list[int]]:
+        """The drafts (at most ks[i] tokens; [] where ks[i] == 0). Their pages are allocated (a draft
+        model writes its own K/V for them)."""
+        who = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in running]
-        for i, k, d in zip(who, ks, got):
-            drafts[i] = [int(t) for t in d[:k]]
-        return drafts if any(drafts) else None
+        if who:
+            got = self.drafter.propose([running[i] for i in who], [ks[i] for i in who])
+            for i, d in zip(who, got):
+                drafts[i] = [int(t) for t in d[: ks[i]]]
+        return drafts
 
     def observe(self, req: Req, drafted: int, accepted: int) -> None:
         """A verify row of `req` with `drafted` drafts accepted `accepted` of them."""

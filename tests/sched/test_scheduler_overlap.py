@@ -195,3 +195,23 @@ def test_misuse_is_a_clear_error(bad):
     else:
         with pytest.raises(RuntimeError, match="oldest launched"):
             sched.resolve(batch, [0])
+
+
+def test_a_chunk_preempted_while_launched_waits_for_its_batch():
+    """Priority preemption of the carried chunk whose chunk is computing: it must not be admitted again
+    before that batch resolves (its stale row would apply to the new admission)."""
+    sched, launched = _sched(chunk_size=8, priority_scheduling=True), deque()
+    runner = FutureFakeRunner(64, 4, VOCAB)
+    poison_freed(sched, runner)
+    long = list(range(1, 40))
+    sched.add_request("long", long, SamplingParams(max_new_tokens=4, priority=2))
+    overlap_step(sched, runner, launched)
+    assert sched.chunked_req is not None and launched
+    sched.add_request("urgent", [7, 8, 9], SamplingParams(max_new_tokens=3))
+    overlap_step(sched, runner, launched)
+    sched.check_invariants()
+    done = run_overlap(sched, runner, launched)
+    assert done["long"].output_ids == greedy_reference(long, 4, VOCAB) and done["long"].num_retractions == 1
+    assert done["urgent"].output_ids == greedy_reference([7, 8, 9], 3, VOCAB)
+    sched.pool.free(sched.tree.evict(64))
+    assert sched.pool.num_free == 64
