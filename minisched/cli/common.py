@@ -154,8 +154,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative",
         default=None,
-        choices=["ngram"],
-        help="speculative decoding: draft tokens by prompt lookup (n-gram) and verify them in one forward",
+        choices=["ngram", "draft"],
+        help="speculative decoding: draft tokens by prompt lookup (ngram) or with --draft-model (draft) and "
+        "verify them in one forward",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative 'draft': a model of the same vocabulary (as --model), or 'self'",
     )
     g.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: draft tokens per request at most")
     g.add_argument(
@@ -247,6 +253,7 @@ def engine_config(args):
             host_kv_pages=args.host_kv_pages,
             host_kv_write_through=args.host_kv_write_through,
             speculative=args.speculative,
+            draft_model=args.draft_model,
             ngram_min_match=args.ngram_min_match,
             ngram_max_match=args.ngram_max_match,
             tp=args.tp,

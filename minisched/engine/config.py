@@ -56,7 +56,10 @@ class EngineConfig:
     tp_timeout: float = 60.0
     host_kv_pages: int = 0  # the host tier under the radix cache, in pages (0: off; engine/kv_tier.py)
     host_kv_write_through: bool = False  # copy new cache nodes to the host at once, not on eviction
-    speculative: Optional[str] = None  # speculative decoding's drafter: "ngram" (prompt lookup; sched/spec.py)
+    speculative: Optional[str] = None  # speculative decoding's drafter: "ngram" (prompt lookup; sched/spec.py), "draft"
+    draft_model: Optional[str] = (
+        None  # speculative="draft": a model of the same vocabulary, or "self" (engine/draft.py)
+    )
     ngram_min_match: int = 2  # the n-gram drafter's shortest suffix match
     ngram_max_match: int = 4  # ... and longest
     scheduler: SchedulerConfig = field(default_factory=default_scheduler)
@@ -119,6 +122,10 @@ class EngineConfig:
             and is_int(self.ngram_max_match)
             and 1 <= self.ngram_min_match <= self.ngram_max_match,
             f"need 1 <= ngram_min_match <= ngram_max_match, got {self.ngram_min_match!r}, {self.ngram_max_match!r}",
+        )
+        need(
+            (self.speculative == "draft") == (self.draft_model is not None),
+            f"speculative='draft' and draft_model go together, got {self.speculative!r} and {self.draft_model!r}",
         )
         need(isinstance(self.scheduler, SchedulerConfig), "scheduler must be a SchedulerConfig")
         if self.quantize != "none" and self.tp != 1:

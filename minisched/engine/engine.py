@@ -30,6 +30,7 @@ import torch
 from minisched.base.values import is_int
 from minisched.engine.config import EngineConfig
 from minisched.engine.cuda_graph import CudaGraphRunner
+from minisched.engine.draft import ModelDrafter
 from minisched.engine.generate import generate, stream
 from minisched.engine.kv_tier import HostKVMover
 from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
@@ -179,6 +180,8 @@ class Engine:
         drafter = None  # speculative decoding (sched/spec.py): drafts verified in one forward
         if config.speculative == "ngram":
             drafter = NgramDrafter(config.ngram_min_match, config.ngram_max_match)
+        elif config.speculative == "draft":
+            drafter = ModelDrafter(self._draft_model(config), num_pages, page_size, self.backend)
         self.scheduler = Scheduler(
             self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier, drafter=drafter
         )
@@ -190,6 +193,21 @@ class Engine:
         self._ids = itertools.count()
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
+
+    def _draft_model(self, config: EngineConfig) -> LlamaModel:
+        """The draft model: this engine's own when `draft_model` is "self" or names it (a model drafting for
+        itself), else loaded as the target is (dtype, device, packed weights); it must share the vocabulary."""
+        if config.draft_model in ("self", self.model_name):
+            return self.model
+        cfg, state = weights.load(config.draft_model, dtype=self.model.dtype, device=self.device, seed=config.seed)
+        draft = LlamaModel.from_state_dict(cfg, state, dtype=self.model.dtype, device=self.device)
+        if cfg.vocab_size != self.cfg.vocab_size:
+            raise ValueError(
+                f"the draft model {config.draft_model} has a vocabulary of {cfg.vocab_size}, the model {self.cfg.vocab_size}"
+            )
+        if self.pack_weights:
+            pack_model(draft)
+        return draft
 
     def fresh(self, **options) -> Engine:
         """A new engine (empty KV pool and radix cache) on this engine's loaded model, tokenizer and

@@ -11,7 +11,8 @@ the run token by token, with stop checks after each, so a stop inside the run en
 there; only verified tokens reach `output_ids`, streams and the radix cache. Logprobs of an
 accepted run are read from the target's logits at its positions (`StepOutput.more_logprobs`).
 
-- `NgramDrafter` (prompt lookup, vLLM's `ngram` / SGLang's NGRAM): the longest suffix of the
+- Drafters (the `Drafter` protocol): a draft model (engine/draft.py, torch) or
+  `NgramDrafter` (prompt lookup, vLLM's `ngram` / SGLang's NGRAM): the longest suffix of the
   request's prompt + output, `max_match` tokens down to `min_match`, that occurred before; the
   tokens that followed its most recent occurrence are the draft. An index per request
   (n-gram -> position after it) is extended by the new tokens only, so a step costs O(new).
@@ -48,7 +49,7 @@ from typing import Protocol
 
 from minisched.sched.req import Req
 
-SPECULATIVE = ("ngram",)
+SPECULATIVE = ("ngram", "draft")  # prompt lookup here; a draft model: engine/draft.py
 MISSES_TO_PAUSE = 2  # verifies in a row that accept nothing before a request stops drafting for a while
 PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 256
 PROBE_EVERY = 32  # overlap: a plain decode is drained this often to let drafting try again

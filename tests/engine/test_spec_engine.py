@@ -6,7 +6,8 @@ every acceptance length occurs) -- overlap on and off, page sizes 1 and 16, chun
 hits, retraction in a tiny pool, both backends. Also: stop tokens and strings inside an accepted
 run, logprobs of accepted tokens equal to a plain run's, an undrafted request (penalties) beside
 drafted ones, seeded sampling that runs whole, the pool whole afterwards, the options and the CLI
-flags.
+flags. A draft model (engine/draft.py): the model drafting for itself is always accepted (the tiny
+model here; SmolLM2 in a slow test), another one changes nothing but the acceptance.
 """
 
 from __future__ import annotations
@@ -143,3 +144,68 @@ def test_cli_speculative_flags(capsys):
     plain = json.loads(capsys.readouterr().out)
     assert main([*argv, "--speculative", "ngram", "--num-draft-tokens", "3", "--spec-max-batch-size", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert main([*argv, "--speculative", "draft", "--draft-model", "self"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert main([*argv, "--speculative", "draft"]) == 2
+    assert "draft_model" in capsys.readouterr().err
+
+
+# -- a draft model (engine/draft.py) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_model_drafting_for_itself_is_always_accepted(overlap, page_size):
+    engine = byte_engine(
+        tiny_model(), speculative="draft", draft_model="self", overlap=overlap, page_size=page_size, num_draft_tokens=4
+    )
+    check(engine, prompts([3, 17, 30, 9], seed=12))
+    st = engine.scheduler.speculator.stats
+    assert st.draft_tokens > 0 and st.accepted_tokens == st.draft_tokens
+
+
+def test_another_draft_model_keeps_outputs_through_chunks_radix_hits_and_retraction():
+    from minisched.engine.draft import ModelDrafter
+
+    system = prompts([40], seed=1)[0]
+    shared = [system + p for p in prompts([5, 12, 2], seed=2)]
+    tight = dict(num_pages=12, page_size=4, init_new_token_ratio=0.01, min_new_token_ratio=0.0)
+    retracting = prompts([5, 17, 1, 10], seed=4)
+    for opts, ps in ((dict(chunk_size=7), shared), (tight, retracting)):
+        engine = byte_engine(tiny_model(), speculative="draft", draft_model="self", **opts)
+        sched = engine.scheduler
+        other = ModelDrafter(tiny_model(1), sched.config.num_pages, sched.config.page_size, engine.backend)
+        sched.speculator.drafter = other  # random weights of another seed: drafts mostly wrong, never harmful
+        outs = check(engine, ps)
+        assert other.num_forwards > 0
+        if ps is shared:
+            assert sum(o.cached_tokens for o in outs) > 0
+        else:
+            assert sum(o.num_retractions for o in outs) >= 1
+    # a model drafting for itself: everything accepted, after retractions too
+    engine = byte_engine(tiny_model(), speculative="draft", draft_model="self", **tight)
+    outs = check(engine, retracting)
+    st = engine.scheduler.speculator.stats
+    assert sum(o.num_retractions for o in outs) >= 1 and st.accepted_tokens == st.draft_tokens > 0
+
+
+def test_draft_options_are_checked():
+    with pytest.raises(ValueError, match="draft_model"):
+        byte_engine(tiny_model(), speculative="draft")
+    with pytest.raises(ValueError, match="draft_model"):
+        byte_engine(tiny_model(), draft_model="self")
+    with pytest.raises(ValueError, match="vocabulary"):
+        byte_engine(tiny_model(), speculative="draft", draft_model="dummy:smollm2-135m")
+
+
+@pytest.mark.slow
+def test_smollm2_drafting_for_itself_accepts_everything():
+    from minisched.engine import Engine
+
+    engine = Engine("smollm2", speculative="draft", draft_model="smollm2", num_draft_tokens=4)
+    msgs = [[{"role": "user", "content": "Name three colours of the rainbow."}]]
+    plain = Engine("smollm2").generate(msgs, SamplingParams(max_new_tokens=40))[0]
+    out = engine.generate(msgs, SamplingParams(max_new_tokens=40))[0]
+    st = engine.scheduler.speculator.stats
+    assert out.token_ids == plain.token_ids
+    assert st.draft_tokens > 0 and st.accepted_tokens == st.draft_tokens
