@@ -127,6 +127,8 @@ class EngineConfig:
             (self.speculative == "draft") == (self.draft_model is not None),
             f"speculative='draft' and draft_model go together, got {self.speculative!r} and {self.draft_model!r}",
         )
+        if self.speculative == "draft" and self.tp != 1:
+            raise ValueError("a draft model with tensor parallelism is not supported (speculative='ngram' is)")
         need(isinstance(self.scheduler, SchedulerConfig), "scheduler must be a SchedulerConfig")
         if self.quantize != "none" and self.tp != 1:
             raise ValueError("quantize with tensor parallelism is not supported (the ranks shard fp32 weights)")

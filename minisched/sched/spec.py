@@ -171,6 +171,8 @@ class Speculator:
             got = self.drafter.propose([running[i] for i in who], [ks[i] for i in who])
             for i, d in zip(who, got):
                 drafts[i] = [int(t) for t in d[: ks[i]]]
+                if not drafts[i]:  # nothing to draft now (no n-gram match): not worth draining for (overlap)
+                    self._get(running[i]).hot = False
         return drafts
 
     def observe(self, req: Req, drafted: int, accepted: int) -> None:

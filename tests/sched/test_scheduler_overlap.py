@@ -215,3 +215,24 @@ def test_a_chunk_preempted_while_launched_waits_for_its_batch():
     assert done["urgent"].output_ids == greedy_reference([7, 8, 9], 3, VOCAB)
     sched.pool.free(sched.tree.evict(64))
     assert sched.pool.num_free == 64
+
+
+def test_drafting_that_finds_nothing_does_not_keep_draining_the_pipeline():
+    """Overlap with a drafter: a launched plain decode is resolved before building only while drafting pays
+    (or to probe, every 32 steps) -- prompt lookup that finds no match must not serialize every step."""
+    from minisched.sched.spec import NgramDrafter
+
+    cfg = SchedulerConfig(page_size=4, num_pages=256, max_context_len=512, max_running_requests=8)
+    sched, launched = Scheduler(cfg, drafter=NgramDrafter(4, 4)), deque()  # 4-grams: the fake model never repeats
+    runner = FutureFakeRunner(256, 4, VOCAB)
+    prompts = {f"r{i}": [(5 * i + 7 * j + j * j) % VOCAB for j in range(12)] for i in range(4)}
+    for rid, p in prompts.items():
+        sched.add_request(rid, p, SamplingParams(max_new_tokens=50))  # (the fake model's outputs cycle after 60)
+    calls = 0
+    while sched.has_work() or launched:
+        overlap_step(sched, runner, launched)
+        calls += 1
+        sched.check_invariants()
+    built = len(sched.step_stats)
+    assert calls - built <= 8  # steps that built nothing (drains): the first tries, the probes, the last resolve
+    assert built <= 52
