@@ -10,7 +10,8 @@ Two workloads of chat prompts, greedy, up to --new-tokens tokens (EOS ends a req
 
 For each workload and batch size B (the first B prompts), engines on the same weights -- no drafting,
 and `speculative="ngram"` with each --num-draft-tokens -- run alternately (A, B, B, A, ...) for
---rounds rounds, cache-cold each time. Per run: output tok/s of the whole `generate`, engine steps,
+--rounds rounds, cache-cold each time. Per run: output tok/s of the whole run (prefill included) and
+of its decode phase (tokens after each request's first / from the first token to the last finish), engine steps,
 output tokens per decode-phase step (tokens / steps after the prefill), acceptance rate (accepted /
 drafted), verify steps. Medians go to stdout and --json, with the median of the per-round tok/s
 ratios against no drafting and /proc/loadavg before and after. Greedy tokens are compared across the
@@ -81,8 +82,13 @@ def one_run(engine: Engine, prompts: list, sp: SamplingParams) -> dict:
     before = None if spec is None else (spec.stats.draft_tokens, spec.stats.accepted_tokens, spec.stats.verify_steps)
     s0 = len(sched.step_stats)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, sp, chat=False)
+    reqs = [engine.add_request(p, sp) for p in prompts]
+    while engine.has_work():
+        engine.step()
     wall = time.perf_counter() - t0
+    outs = [engine.output_of(r) for r in reqs]
+    first = min(r.first_token_time for r in reqs)
+    decode_wall = max(r.finish_time for r in reqs) - first
     stats = sched.step_stats[s0:]
     tokens = sum(len(o.token_ids) for o in outs)
     decode_steps = sum(1 for s in stats if s.mode in ("decode", "verify", "mixed"))
@@ -90,6 +96,7 @@ def one_run(engine: Engine, prompts: list, sp: SamplingParams) -> dict:
     res = dict(
         wall=wall,
         tok_s=tokens / wall,
+        decode_tok_s=(tokens - len(outs)) / decode_wall if decode_wall > 0 else 0.0,
         tokens=tokens,
         steps=len(stats),
         tokens_per_step=(tokens - first_tokens) / max(1, decode_steps),
@@ -138,12 +145,25 @@ def main() -> None:
             for n in names:
                 med = {
                     k: statistics.median(x[k] for x in runs[n])
-                    for k in ("wall", "tok_s", "tokens", "steps", "tokens_per_step", "acceptance", "verify_steps")
+                    for k in (
+                        "wall",
+                        "tok_s",
+                        "decode_tok_s",
+                        "tokens",
+                        "steps",
+                        "tokens_per_step",
+                        "acceptance",
+                        "verify_steps",
+                    )
                 }
                 med["speedup"] = statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(runs[n], runs["off"]))
+                med["decode_speedup"] = statistics.median(
+                    x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(runs[n], runs["off"])
+                )
                 case["variants"][n] = med
                 print(
-                    f"{w:9s} B={b:2d} {n:10s} {med['tok_s']:7.1f} tok/s  x{med['speedup']:.2f}  "
+                    f"{w:9s} B={b:2d} {n:10s} {med['tok_s']:7.1f} tok/s  x{med['speedup']:.2f}  decode "
+                    f"{med['decode_tok_s']:7.1f} tok/s  x{med['decode_speedup']:.2f}  "
                     f"{med['tokens_per_step']:.2f} tok/step  accept {med['acceptance']:.2f}  "
                     f"verify {med['verify_steps']:.0f}/{med['steps']:.0f} steps  ({med['tokens']:.0f} tokens)",
                     flush=True,
