@@ -25,6 +25,7 @@ SAMPLING_FIELDS = (
     "logprobs",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "priority",
 )
 
 
@@ -134,6 +135,51 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="copy each new cached prefix to the host tier at once (default: on eviction, write-back)",
     )
     g.add_argument(
+        "--priority-scheduling",
+        action="store_true",
+        help="order waiting requests by their priority (lower = more urgent, as vLLM; a JSONL or request body "
+        "field), preempting less urgent running ones",
+    )
+    g.add_argument(
+        "--priority-preemption-threshold",
+        type=int,
+        default=0,
+        help="a request preempts running ones whose priority is worse by more than this (-1: never preempt)",
+    )
+    g.add_argument(
+        "--priority-aging-steps",
+        type=int,
+        default=256,
+        help="a waiting or running request's priority improves by one every this many steps (0: no aging)",
+    )
+    g.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram", "draft"],
+        help="speculative decoding: draft tokens by prompt lookup (ngram) or with --draft-model (draft) and "
+        "verify them in one forward",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative 'draft': a model of the same vocabulary (as --model), or 'self'",
+    )
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: draft tokens per request at most")
+    g.add_argument(
+        "--spec-max-batch-size",
+        type=int,
+        default=8,
+        help="speculative: no drafting while more requests than this run (large batches are compute-bound)",
+    )
+    g.add_argument(
+        "--spec-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="speculative: adapt each request's draft length to what it accepts, pausing it when nothing is",
+    )
+    g.add_argument("--ngram-min-match", type=int, default=2, help="speculative: shortest n-gram suffix to look up")
+    g.add_argument("--ngram-max-match", type=int, default=4, help="speculative: longest n-gram suffix to look up")
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -182,6 +228,14 @@ def engine_config(args):
             policy=args.policy,
             enable_radix_cache=not args.no_radix_cache,
             enable_mixed_chunk=args.mixed_chunk,
+            priority_scheduling=args.priority_scheduling,
+            priority_preemption_threshold=None
+            if args.priority_preemption_threshold == -1
+            else args.priority_preemption_threshold,
+            priority_aging_steps=args.priority_aging_steps or None,
+            num_draft_tokens=args.num_draft_tokens,
+            spec_max_batch_size=args.spec_max_batch_size,
+            spec_adaptive=args.spec_adaptive,
         )
         return EngineConfig(
             model=args.model,
@@ -199,6 +253,10 @@ def engine_config(args):
             pack_weights=args.pack_weights,
             host_kv_pages=args.host_kv_pages,
             host_kv_write_through=args.host_kv_write_through,
+            speculative=args.speculative,
+            draft_model=args.draft_model,
+            ngram_min_match=args.ngram_min_match,
+            ngram_max_match=args.ngram_max_match,
             tp=args.tp,
             tp_timeout=args.tp_timeout,
             scheduler=sched,
@@ -220,6 +278,12 @@ FLAGS = {
     "chunk_size": "--chunk-size",
     "max_running_requests": "--max-running-requests",
     "host_kv_pages": "--host-kv-pages",
+    "priority_preemption_threshold": "--priority-preemption-threshold",
+    "priority_aging_steps": "--priority-aging-steps",
+    "num_draft_tokens": "--num-draft-tokens",
+    "spec_max_batch_size": "--spec-max-batch-size",
+    "ngram_min_match": "--ngram-min-match",
+    "ngram_max_match": "--ngram-max-match",
     "tensor parallelism": "--tp",
 }
 

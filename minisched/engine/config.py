@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from minisched.base.values import is_int, is_real
 from minisched.sched.config import SchedulerConfig
+from minisched.sched.spec import SPECULATIVE
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "native", "triton", "torch")
@@ -55,6 +56,12 @@ class EngineConfig:
     tp_timeout: float = 60.0
     host_kv_pages: int = 0  # the host tier under the radix cache, in pages (0: off; engine/kv_tier.py)
     host_kv_write_through: bool = False  # copy new cache nodes to the host at once, not on eviction
+    speculative: Optional[str] = None  # speculative decoding's drafter: "ngram" (prompt lookup; sched/spec.py), "draft"
+    draft_model: Optional[str] = (
+        None  # speculative="draft": a model of the same vocabulary, or "self" (engine/draft.py)
+    )
+    ngram_min_match: int = 2  # the n-gram drafter's shortest suffix match
+    ngram_max_match: int = 4  # ... and longest
     scheduler: SchedulerConfig = field(default_factory=default_scheduler)
 
     def __post_init__(self) -> None:
@@ -106,6 +113,22 @@ class EngineConfig:
         need(isinstance(self.host_kv_write_through, bool), "host_kv_write_through must be a bool")
         if self.host_kv_pages and self.tp != 1:
             raise ValueError("the host KV tier with tensor parallelism is not supported (each rank has its own pool)")
+        need(
+            self.speculative is None or self.speculative in SPECULATIVE,
+            f"speculative must be None or one of {SPECULATIVE}, got {self.speculative!r}",
+        )
+        need(
+            is_int(self.ngram_min_match)
+            and is_int(self.ngram_max_match)
+            and 1 <= self.ngram_min_match <= self.ngram_max_match,
+            f"need 1 <= ngram_min_match <= ngram_max_match, got {self.ngram_min_match!r}, {self.ngram_max_match!r}",
+        )
+        need(
+            (self.speculative == "draft") == (self.draft_model is not None),
+            f"speculative='draft' and draft_model go together, got {self.speculative!r} and {self.draft_model!r}",
+        )
+        if self.speculative == "draft" and self.tp != 1:
+            raise ValueError("a draft model with tensor parallelism is not supported (speculative='ngram' is)")
         need(isinstance(self.scheduler, SchedulerConfig), "scheduler must be a SchedulerConfig")
         if self.quantize != "none" and self.tp != 1:
             raise ValueError("quantize with tensor parallelism is not supported (the ranks shard fp32 weights)")

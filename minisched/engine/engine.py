@@ -30,6 +30,7 @@ import torch
 from minisched.base.values import is_int
 from minisched.engine.config import EngineConfig
 from minisched.engine.cuda_graph import CudaGraphRunner
+from minisched.engine.draft import ModelDrafter
 from minisched.engine.generate import generate, stream
 from minisched.engine.kv_tier import HostKVMover
 from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
@@ -48,6 +49,7 @@ from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 from minisched.sched.host_tier import HostTier
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler
+from minisched.sched.spec import NgramDrafter
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -175,7 +177,14 @@ class Engine:
             mover = HostKVMover(self.kv_cache, self.backend)
             self.host_tier = HostTier(config.host_kv_pages, mover, write_through=config.host_kv_write_through)
             self.runner.kv_mover = mover
-        self.scheduler = Scheduler(self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier)
+        drafter = None  # speculative decoding (sched/spec.py): drafts verified in one forward
+        if config.speculative == "ngram":
+            drafter = NgramDrafter(config.ngram_min_match, config.ngram_max_match)
+        elif config.speculative == "draft":
+            drafter = ModelDrafter(self._draft_model(config), num_pages, page_size, self.backend)
+        self.scheduler = Scheduler(
+            self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier, drafter=drafter
+        )
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
@@ -184,6 +193,21 @@ class Engine:
         self._ids = itertools.count()
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
+
+    def _draft_model(self, config: EngineConfig) -> LlamaModel:
+        """The draft model: this engine's own when `draft_model` is "self" or names it (a model drafting for
+        itself), else loaded as the target is (dtype, device, packed weights); it must share the vocabulary."""
+        if config.draft_model in ("self", self.model_name):
+            return self.model
+        cfg, state = weights.load(config.draft_model, dtype=self.model.dtype, device=self.device, seed=config.seed)
+        draft = LlamaModel.from_state_dict(cfg, state, dtype=self.model.dtype, device=self.device)
+        if cfg.vocab_size != self.cfg.vocab_size:
+            raise ValueError(
+                f"the draft model {config.draft_model} has a vocabulary of {cfg.vocab_size}, the model {self.cfg.vocab_size}"
+            )
+        if self.pack_weights:
+            pack_model(draft)
+        return draft
 
     def fresh(self, **options) -> Engine:
         """A new engine (empty KV pool and radix cache) on this engine's loaded model, tokenizer and
@@ -239,8 +263,13 @@ class Engine:
         *,
         rid: Optional[str] = None,
         chat: bool = False,
+        priority: Optional[int] = None,
     ) -> Req:
-        """Queue one request; raises InvalidRequest (a ValueError) if it can never run."""
+        """Queue one request; raises InvalidRequest (a ValueError) if it can never run. `priority` (lower
+        is more urgent; with `priority_scheduling`) replaces `sampling.priority`."""
+        if priority is not None:
+            base = SamplingParams(**sampling) if isinstance(sampling, dict) else (sampling or SamplingParams())
+            sampling = dataclasses.replace(base, priority=priority)
         return self.add_choices(prompt, sampling, 1, rids=None if rid is None else [rid], chat=chat)[0]
 
     def add_choices(

@@ -10,6 +10,10 @@ same page (a shared radix-cache prefix, e.g. a common system prompt) form a grou
 common leading full pages -- all before each member's new token -- are its shared prefix,
 attended once per group by `ops.cascade_decode_attention`; every other request runs plain
 paged decode. Greedy output is identical either way (test_engine checks it).
+
+A VERIFY batch (speculative decoding, sched/spec.py) runs as a prefill extend (each row's last
+token and its drafts, causal) with logits at every position; `_verify` returns each row's accepted
+run in `StepOutput.more_tokens`. The next step is only built once it is resolved (no placeholders).
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
 from minisched.engine.structured import Matchers
 from minisched.engine.threads import ThreadTuner
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
-from minisched.model.sampling import RowHistory, make_generator, sample
+from minisched.model.sampling import RowHistory, logprobs_of, make_generator, sample, verify_drafts
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.req import Req, SamplingParams
-from minisched.sched.step_output import StepOutput
+from minisched.sched.step_output import StepOutput, TokenLogprob
 
 
 def cascade_groups(page_lists: list[list[int]], kv_lens: list[int], page_size: int):
@@ -84,6 +88,8 @@ class ForwardJob:
     loads: list  # host tier: (host copy, device pages) to copy in before the forward
     copies: list  # n > 1: (source page, page) copy-on-write of a forked prompt's last page, before the forward
     history: Optional[list[Optional[RowHistory]]]  # per sampled row, for penalties and min_tokens
+    drafts: Optional[list[list[int]]] = None  # VERIFY: per row, its draft tokens (logits at every position)
+    qo: Optional[list[int]] = None  # VERIFY: each row's first token in the flattened tokens (and the end)
 
 
 class ModelRunner:
@@ -189,7 +195,8 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> ForwardJob:
         """Everything the step needs from the batch and its requests (overlap: after `Scheduler.launch`,
         which gave the sampled rows their placeholder ids in `batch.future_ids`)."""
-        plan = plan_logits(batch)
+        verify = batch.mode is ForwardMode.VERIFY
+        plan = LogitsPlan(np.arange(batch.num_tokens, dtype=np.int64), None) if verify else plan_logits(batch)
         input_ids, meta = self.build_meta(batch, plan)
         rows = [b for b, s in enumerate(batch.sampled) if s]
         reqs = [batch.reqs[b] for b in rows]
@@ -220,6 +227,8 @@ class ModelRunner:
             batch.loads,
             batch.copies,
             history,
+            list(batch.drafts) if verify else None,
+            batch.qo_indptr().tolist() if verify else None,
         )
 
     def _future_map(self) -> torch.Tensor:
@@ -249,6 +258,11 @@ class ModelRunner:
         logits = graphs.run(input_ids, job.meta) if graphs is not None else None
         if logits is None:
             logits = self.run_model(input_ids, job.meta)
+        if job.drafts is not None:
+            out = self._verify(job, logits)
+            if tuner is not None:
+                tuner.after_step(job.num_tokens, time.perf_counter() - t0)
+            return out
         plan, picked, sample_logits = job.plan, [], logits
         if job.rows:
             sample_logits = logits if plan.sample_at is None else logits[torch.tensor(plan.sample_at)]
@@ -268,6 +282,54 @@ class ModelRunner:
             out = read_logprobs(logits, plan, sample_logits, job.rows, picked, ks, job.batch_size, tokens)
         if tuner is not None:
             tuner.after_step(job.num_tokens, time.perf_counter() - t0)
+        return out
+
+    def _verify(self, job: ForwardJob, logits: torch.Tensor) -> StepOutput:
+        """A VERIFY step (sched/spec.py): rows without drafts sample their token as a decode step does;
+        rows with drafts get their accepted run (`verify_drafts`: greedy, or the rejection rule)."""
+        qo, drafts, n = job.qo, job.drafts, job.batch_size
+        tokens, more = [0] * n, [[] for _ in range(n)]
+        plain = [i for i in range(n) if not drafts[i]]
+        out = StepOutput(tokens, more_tokens=more)
+        if plain:
+            sub = logits[torch.tensor([qo[i] for i in plain], device=logits.device)]
+            params = [job.params[i] for i in plain]
+            reqs = [job.reqs[i] for i in plain]
+            history = None
+            if job.history:
+                history = [job.history[i] for i in plain]
+                history = self._resolve_history(history) if job.has_futures else history
+            constrained = any(p.grammar is not None for p in params)
+            masks = self.matchers.masks(reqs) if constrained else None
+            picked = sample(sub, params, [job.generators[i] for i in plain], history, masks)
+            if constrained:
+                self.matchers.accept(reqs, picked)
+            for i, t in zip(plain, picked):
+                tokens[i] = t
+            ks = [p.logprobs for p in params]
+            if any(k is not None for k in ks):
+                empty = LogitsPlan(np.zeros(0, dtype=np.int64), None)
+                out = read_logprobs(logits, empty, sub, plain, picked, ks, n, tokens)
+                out.more_tokens = more
+        drafted = [i for i in range(n) if drafts[i]]
+        if drafted:
+            runs = verify_drafts(
+                [logits[qo[i] : qo[i + 1]] for i in drafted],
+                [drafts[i] for i in drafted],
+                [job.params[i] for i in drafted],
+                [job.generators[i] for i in drafted],
+            )
+            for i, run in zip(drafted, runs):
+                tokens[i], more[i] = run[0], run[1:]
+                k = job.params[i].logprobs
+                if k is not None:  # the target's logits at the run's positions: each accepted token's logprob
+                    chosen, top = logprobs_of(logits[qo[i] : qo[i] + len(run)], run, k)
+                    got = [TokenLogprob(t, c, tuple(tp[:k])) for t, c, tp in zip(run, chosen, top)]
+                    if out.logprobs is None:
+                        out.logprobs = [None] * n
+                    if out.more_logprobs is None:
+                        out.more_logprobs = [None] * n
+                    out.logprobs[i], out.more_logprobs[i] = got[0], got[1:]
         return out
 
     def _resolve_history(self, history: list[Optional[RowHistory]]) -> list[Optional[RowHistory]]:

@@ -13,6 +13,9 @@
    CDF with one uniform number from the row's own `torch.Generator` -- so a seeded request
    samples the same tokens whatever else shares its batch (up to floating-point noise).
 
+`verify_drafts` is speculative decoding's acceptance (greedy, and the rejection rule that keeps
+sampled outputs distributed as the target's); `target_probs` the distribution a row samples from.
+
 `logprobs_of(logits, rows, tokens, k)` gives the log-probabilities the API returns: the
 log-softmax of the *raw* logits in float32 (before processing and temperature, vLLM's default
 "raw_logprobs"), the chosen token's and the top k.
@@ -28,6 +31,7 @@ import torch
 
 from minisched.sched.req import SamplingParams
 from minisched.sched.sampling_params import MAX_LOGPROBS
+from minisched.sched.spec import accept_greedy
 
 
 @dataclass
@@ -148,6 +152,28 @@ def _sample_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]
 ) -> torch.Tensor:
     dev, vocab = logits.device, logits.shape[-1]
+    probs, order = _sorted_probs(logits, params)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.stack([torch.rand((), generator=g) if g is not None else torch.rand(()) for g in generators])
+    u = u.to(dev) * cdf[:, -1]
+    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=vocab - 1)
+    # never land on a zeroed tail entry (u == total mass up to rounding)
+    last_kept = (probs > 0).sum(-1, keepdim=True) - 1
+    pick = torch.minimum(pick, last_kept)
+    return order.gather(1, pick).squeeze(1)
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from ([R, V], vocabulary order, sums to 1): temperature, min_p,
+    top-k and top-p applied to `logits` (already processed) as `sample` does."""
+    probs, order = _sorted_probs(logits.float(), params)
+    out = torch.zeros_like(probs).scatter_(1, order, probs)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _sorted_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unnormalized kept probabilities in descending order, the token ids of that order)."""
+    dev, vocab = logits.device, logits.shape[-1]
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     logits = logits / temp[:, None]
     if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the most likely one's probability
@@ -163,15 +189,73 @@ def _sample_rows(
     # top-p: keep a token if the mass strictly before it is < top_p (the first token always stays)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
     before = torch.cumsum(probs, dim=-1) - probs
-    probs = probs.masked_fill(before >= top_p[:, None], 0.0)
-    cdf = torch.cumsum(probs, dim=-1)
-    u = torch.stack([torch.rand((), generator=g) if g is not None else torch.rand(()) for g in generators])
-    u = u.to(dev) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=vocab - 1)
-    # never land on a zeroed tail entry (u == total mass up to rounding)
-    last_kept = (probs > 0).sum(-1, keepdim=True) - 1
-    pick = torch.minimum(pick, last_kept)
-    return order.gather(1, pick).squeeze(1)
+    return probs.masked_fill(before >= top_p[:, None], 0.0), order
+
+
+def _uniform(g: Optional[torch.Generator]) -> float:
+    return float(torch.rand((), generator=g) if g is not None else torch.rand(()))
+
+
+def _draw(probs: torch.Tensor, g: Optional[torch.Generator]) -> int:
+    """One token from a (possibly unnormalized) probability vector [V], by inverse CDF."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    pick = int(torch.searchsorted(cdf, torch.tensor([_uniform(g) * float(cdf[-1])], dtype=cdf.dtype), right=True))
+    nz = torch.nonzero(probs > 0)
+    return min(pick, int(nz[-1])) if len(nz) else pick
+
+
+def verify_drafts(
+    logits: Sequence[torch.Tensor],
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    generators: Sequence[Optional[torch.Generator]],
+    draft_probs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+) -> list[list[int]]:
+    """Speculative decoding's acceptance, per row: `logits[i]` [k_i + 1, V] are the target's at the
+    positions of row i's last token and its k_i drafts; returns the accepted run (the accepted drafts,
+    then one token of the target's: the correction or the bonus).
+
+    Greedy rows (temperature 0): the drafts that equal the argmax, then the argmax. Sampled rows: the
+    standard rejection rule (Leviathan et al.; FlashInfer's `chain_speculative_sampling`), so the
+    output is distributed as the target's: draft d at position j is accepted with probability
+    min(1, p_j(d) / q_j(d)); at the first rejection the token is drawn from max(0, p_j - q_j)
+    (normalized) and the run ends; if all are accepted a bonus is drawn from p_k. `draft_probs[i]`
+    [k_i, V] is the drafter's q (None: the draft was deterministic, q one-hot -- n-gram drafts).
+    p is `target_probs` (temperature, min_p, top-k, top-p); rows must not need logit processing
+    (`SamplingParams.can_draft`)."""
+    runs: list[list[int]] = [[] for _ in drafts]
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
+    if greedy:
+        best = torch.cat([logits[i] for i in greedy]).argmax(-1).tolist()
+        at = 0
+        for i in greedy:
+            n = len(drafts[i]) + 1
+            runs[i] = accept_greedy(drafts[i], best[at : at + n])
+            at += n
+    for i, sp in enumerate(params):
+        if sp.temperature <= 0:
+            continue
+        d, g = list(drafts[i]), generators[i]
+        p = target_probs(logits[i], [sp] * logits[i].shape[0])
+        q = None if draft_probs is None else draft_probs[i]
+        run = []
+        for j, tok in enumerate(d):
+            pd = float(p[j, tok])
+            qd = 1.0 if q is None else float(q[j, tok])
+            if _uniform(g) * qd < pd:  # accept with probability min(1, p/q)
+                run.append(tok)
+                continue
+            resid = p[j].clone()
+            if q is None:
+                resid[tok] = 0.0
+            else:
+                resid = (resid - q[j].to(resid)).clamp_(min=0.0)
+            run.append(_draw(resid if float(resid.sum()) > 0 else p[j], g))
+            break
+        else:
+            run.append(_draw(p[len(d)], g))
+        runs[i] = run
+    return runs
 
 
 def logprobs_of(

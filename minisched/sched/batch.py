@@ -9,6 +9,10 @@ samples one token per request at `logits_indices()` and passes the tokens, in ba
 order, to `Scheduler.process_batch_result`. Rows with `sample_mask()` False are
 chunks that do not finish their prompt; their sampled token is ignored.
 
+A VERIFY batch (speculative decoding, spec.py) is a decode batch whose row b also feeds
+`drafts[b]`: `extend_lens[b] = 1 + len(drafts[b])`, computed like a prefill extend; the
+runner returns the accepted run of each row (`StepOutput.more_tokens`).
+
 Helpers read the requests' current state: call them before `process_batch_result`.
 All arrays are numpy int32 (bool for the mask). No torch.
 """
@@ -28,6 +32,7 @@ class ForwardMode(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"  # prefill chunk(s) first, then decode requests (extend_len 1)
+    VERIFY = "verify"  # decode requests, each with its draft tokens (extend_len 1 + drafts)
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Batch:
     loads: list = field(default_factory=list)  # host tier: (host copy, device pages) to copy in before the forward
     copies: list = field(default_factory=list)  # n > 1: (source page, page) copy-on-write before the forward
     free_after: list = field(default_factory=list)  # pages freed when it resolves (its copies' last sources)
+    drafts: list[list[int]] = field(default_factory=list)  # VERIFY: each row's draft tokens (after its last token)
+    draft_futures: list[int] = field(default_factory=list)  # VERIFY: the drafts' placeholders (launch)
 
     def __post_init__(self) -> None:
         if not self.sampled:
@@ -62,9 +69,11 @@ class Batch:
 
     def input_ids(self) -> np.ndarray:
         out: list[int] = []
-        for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            if e == 1:
+        drafts = self.drafts or [()] * len(self.reqs)
+        for r, p, e, d in zip(self.reqs, self.prefix_lens, self.extend_lens, drafts):
+            if e == 1 or d:
                 out.append(r.token_at(p))
+                out.extend(d)
             elif p + e <= len(r.prompt_ids):
                 out.extend(r.prompt_ids[p : p + e])
             else:

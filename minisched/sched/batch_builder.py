@@ -4,11 +4,14 @@
 1. unless a decode is due (`max_prefill_rounds_between_decodes` prefill-only rounds ran while
    requests wait to decode), a prefill batch: the carried chunked request first, then waiting
    requests in policy order through the PrefillAdder (skipping, for one round, requests whose
-   uncached prefix another request in the batch is computing: deferral.py);
+   uncached prefix another request in the batch is computing: deferral.py); with priority
+   scheduling, by priority first, preempting less urgent running requests (preemption.py);
 2. with `enable_mixed_chunk`, the running requests ride along if their pages fit;
 3. otherwise decode the running requests, retracting some first if their next pages do not
    fit even after evicting the radix cache -- but never while a batch is launched: its tokens
-   are resolved first (overlap scheduling), so a retracted request never has placeholders.
+   are resolved first (overlap scheduling), so a retracted request never has placeholders;
+   with a drafter (spec.py) the decode is a VERIFY batch where requests have drafts. Nothing
+   is built while a VERIFY batch is launched.
 
 It reads and changes the scheduler's queues through the `Queues` protocol (queues.py).
 Pure Python.
@@ -18,35 +21,56 @@ from __future__ import annotations
 
 import time
 
+from minisched.base.values import cdiv
+from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.policy import take_admitted
 from minisched.sched.prefill_adder import PrefillAdder
 from minisched.sched.queues import Queues
-from minisched.sched.req import ReqStatus
+from minisched.sched.req import Req, ReqStatus
 from minisched.sched.retraction import make_room_for_decode
 
 
 def build(sched: Queues) -> tuple[Batch | None, int, int]:
-    cfg = sched.config
+    cfg, launched = sched.config, sched.in_flight.launched
+    if launched and launched[-1].mode is ForwardMode.VERIFY:
+        return None, 0, 0  # its accepted lengths decide the next step: resolve it first (spec.py)
     k = cfg.max_prefill_rounds_between_decodes
     decode_due = bool(sched.running) and k is not None and sched.prefill_rounds >= k
-    batch, hits = (None, 0) if decode_due else prefill_batch(sched)
+    batch, hits, adder = (None, 0, None) if decode_due else prefill_batch(sched)
     n_retracted = 0
     if batch is not None and cfg.enable_mixed_chunk and sched.running:
         batch = mix(sched, batch)
-    if batch is None and sched.running and not (sched.in_flight.launched and not decode_fits(sched)):
+    if adder is not None:  # only now: mix's decode pages must not evict the batch's copy sources
+        adder.finish()
+    spec = sched.speculator
+    if batch is None and sched.running and launched and spec is not None:
+        if spec.wants_drain(sched.running, sched.step_count):
+            return None, 0, 0  # resolve the launched decode, so that this step can draft
+    if batch is None and sched.running and not (launched and not decode_fits(sched)):
         n_retracted = make_room_for_decode(sched)
         if sched.running:
             batch = decode_batch(sched, n_retracted)
     return batch, n_retracted, hits
 
 
-def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
+def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None]:
     """(the prefill batch or None, prefix tokens its admitted requests reuse)."""
     cfg = sched.config
-    if sched.chunked_req is None and (not sched.waiting or len(sched.running) >= cfg.max_running_requests):
-        return None, 0
+    if sched.chunked_req is None and not sched.waiting:
+        return None, 0, None
+    prio = cfg.priority_scheduling
+    if prio and sched.waiting:
+        ready = [r for r in sched.waiting if r.ready]
+        carried = sched.chunked_req
+        if carried is not None and ready:
+            head = min(ready, key=lambda r: preemption.effective(r, sched.step_count, cfg.priority_aging_steps))
+            if preemption.preempts(sched, head, carried):
+                preemption.preempt(sched, None, [carried])
+    if sched.chunked_req is None and len(sched.running) >= cfg.max_running_requests:
+        if not (prio and preemption.may_preempt(sched, [r for r in sched.waiting if r.ready])):
+            return None, 0, None
     defer = None
     if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
         defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
@@ -67,10 +91,21 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
     carried, sched.chunked_req = sched.chunked_req, None
     if carried is not None and not adder.add_chunked_req(carried):
         sched.chunked_req = carried  # its pages do not fit yet: decode first
-        return None, 0
+        return None, 0, None
     if adder.new_chunked_req is None and sched.waiting:
-        ready = [r for r in sched.policy.order(sched.waiting) if r.ready]
+        # a request preempted while its row is in a launched batch waits for that batch to resolve
+        busy = sched.in_flight.launched_rows() if sched.in_flight.launched and prio else ()
+        ready = [r for r in sched.policy.order(sched.waiting) if r.ready and id(r) not in busy]
+        if prio:
+            ready = preemption.order(ready, sched.step_count, cfg.priority_aging_steps)
         admitted = adder.add_waiting(ready)
+        while prio and adder.blocked is not None:
+            head = adder.blocked
+            victims = preemption.plan(sched, adder, head)
+            if not victims:
+                break
+            preemption.preempt(sched, adder, victims)
+            admitted += adder.add_waiting(ready[ready.index(head) :])
         if admitted:
             sched.waiting = take_admitted(
                 sched.waiting, admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs"
@@ -80,13 +115,13 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int]:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                 sched.set_status(req, ReqStatus.PREFILLING)
-    adder.finish()
     sched.chunked_req = adder.new_chunked_req
     if not adder.can_run:
-        return None, adder.cache_hit_tokens
+        adder.finish()
+        return None, adder.cache_hit_tokens, None
     batch = Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size)
     batch.loads, batch.copies, batch.free_after = adder.loads, adder.copies, adder.free_after
-    return batch, adder.cache_hit_tokens
+    return batch, adder.cache_hit_tokens, adder
 
 
 def mix(sched: Queues, batch: Batch) -> Batch:
@@ -117,7 +152,40 @@ def decode_batch(sched: Queues, n_retracted: int) -> Batch:
         raise RuntimeError("decode pages do not fit after retraction")  # make_room_for_decode ensures they do
     reqs = list(sched.running)
     n = len(reqs)
-    return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
+    spec = sched.speculator
+    ks = spec.lengths(reqs, cfg.max_context_len) if spec is not None and not sched.in_flight.launched else None
+    drafts = draft(sched, reqs, ks) if ks is not None else None
+    if not drafts:
+        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
+    batch = Batch(
+        ForwardMode.VERIFY, reqs, [r.kv_len for r in reqs], [1 + len(d) for d in drafts], cfg.page_size, [True] * n, n
+    )
+    batch.drafts = drafts
+    return batch
+
+
+def draft(sched: Queues, reqs: list[Req], ks: list[int]) -> list[list[int]] | None:
+    """Whole pages for each row's drafts (after its decode token's), evicting the radix cache if needed --
+    a row whose pages do not fit drafts only what its last page holds --, then the drafts; the pages a
+    shorter draft does not need go back. None if no row drafts."""
+    pool, ps = sched.pool, sched.config.page_size
+    for i, (r, k) in enumerate(zip(reqs, ks)):
+        if not k:
+            continue
+        need = pool.pages_needed(r, 1 + k)
+        if need > pool.num_free:
+            pool.free(sched.tree.evict(need - pool.num_free))
+        if need > 0 and not pool.alloc_for_extend(r, 1 + k):
+            ks[i] = len(r.page_ids) * ps - r.kv_len - 1
+    if not any(ks):
+        return None
+    drafts = sched.speculator.propose(reqs, ks)
+    for r, d in zip(reqs, drafts):
+        keep = cdiv(r.kv_len + 1 + len(d), ps)
+        if len(r.page_ids) > keep:
+            pool.free(r.page_ids[keep:])
+            del r.page_ids[keep:]
+    return drafts if any(drafts) else None
 
 
 def decode_fits(sched: Queues) -> bool:

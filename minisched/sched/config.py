@@ -19,6 +19,16 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   waiting request that shares at least this many uncached tokens with a request already in
   the batch waits one round and then hits the cache instead of computing them again.
   None: off.
+- `priority_scheduling` (False; vLLM's `--scheduling-policy priority`, SGLang's
+  `--enable-priority-scheduling`): waiting requests are offered by `SamplingParams.priority`
+  (lower first, vLLM's convention), then by the policy; a request that cannot be admitted
+  preempts running requests whose priority is worse by more than
+  `priority_preemption_threshold` (0: any strictly less urgent one; None: never preempt);
+  `priority_aging_steps` (256): a request's effective priority improves by one every this
+  many steps since its arrival, so none starves (None: no aging). sched/preemption.py.
+- Speculative decoding (with a drafter, sched/spec.py): `num_draft_tokens` (4) drafts per request
+  at most, adapted per request when `spec_adaptive`; no drafting with more than
+  `spec_max_batch_size` (8) running requests.
 - `max_stalled_steps` (32): after this many consecutive steps with work but no batch
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
   FinishReason.ERROR so callers never spin.
@@ -53,6 +63,12 @@ class SchedulerConfig:
     lpm_fallback_len: int = 128
     aging_rounds: int = 32
     max_stalled_steps: int = 32
+    priority_scheduling: bool = False
+    priority_preemption_threshold: int | None = 0
+    priority_aging_steps: int | None = 256
+    num_draft_tokens: int = 4
+    spec_max_batch_size: int = 8
+    spec_adaptive: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -69,6 +85,8 @@ class SchedulerConfig:
             "lpm_fallback_len",
             "aging_rounds",
             "max_stalled_steps",
+            "num_draft_tokens",
+            "spec_max_batch_size",
         ):
             need(is_int(getattr(self, name)) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
         # None: sized by the engine from the device and the model (engine/config.py); a Scheduler needs both
@@ -82,6 +100,12 @@ class SchedulerConfig:
         for name in ("chunk_size", "max_prefill_rounds_between_decodes", "in_batch_prefix_defer_tokens"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")
+        need(isinstance(self.priority_scheduling, bool), "priority_scheduling must be a bool")
+        need(isinstance(self.spec_adaptive, bool), "spec_adaptive must be a bool")
+        v = self.priority_preemption_threshold
+        need(v is None or (is_int(v) and v >= 0), "priority_preemption_threshold must be None or an int >= 0")
+        v = self.priority_aging_steps
+        need(v is None or (is_int(v) and v >= 1), "priority_aging_steps must be None or an int >= 1")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         need(
             0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,

@@ -43,6 +43,7 @@ class StepStats:
     cache_hit_tokens: int  # prefix tokens reused by requests admitted this step
     num_retracted: int
     new_token_ratio: float
+    num_draft_tokens: int = 0  # VERIFY: the draft tokens verified (besides one decode token per row)
 
 
 def transitions(events: list[Event], rid: str) -> list[tuple[ReqStatus | None, ReqStatus]]:

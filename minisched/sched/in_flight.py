@@ -40,11 +40,15 @@ class InFlight:
         for batch in self.launched:
             for r, p in zip(batch.reqs, batch.prefix_lens):
                 if r is req:
-                    return p
+                    return min(p, req.kv_len)  # (a request retracted while launched holds nothing)
         return req.kv_len
 
+    def launched_rows(self) -> set[int]:
+        """id() of every request with a row in a launched batch (one preempted there waits for it)."""
+        return {id(r) for b in self.launched for r in b.reqs}
+
     def future_ids(self) -> set[int]:
-        return {f for b in self.launched for f in b.future_ids if f < 0}
+        return {f for b in self.launched for f in (*b.future_ids, *b.draft_futures) if f < 0}
 
     def take_all(self) -> list[Batch]:
         """Every launched batch (oldest first) and the built one; the bookkeeping is cleared."""

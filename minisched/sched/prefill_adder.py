@@ -66,6 +66,8 @@ class PrefillAdder:
     free_after: list = field(default_factory=list)  # pages to free once the batch has run (copy sources)
     sources: set = field(default_factory=set)  # copy sources of this batch: neither reclaimed nor evicted
     source_nodes: list = field(default_factory=list)  # radix nodes holding such sources, locked until `finish`
+    blocked: Req | None = None  # the request that stopped the last add_waiting without being admitted
+    blocked_result: AddResult | None = None  # and why
 
     def __post_init__(self) -> None:
         clip = self.clip_estimate
@@ -183,13 +185,22 @@ class PrefillAdder:
     def add_waiting(self, ordered: list[Req]) -> list[Req]:
         """Offer waiting requests in policy order until a budget stops it; returns the admitted ones."""
         admitted = []
+        self.blocked = self.blocked_result = None
         for req in ordered:
             result = self.add_one_req(req)
             if self.can_run and self.can_run[-1] is req:
                 admitted.append(req)
+            elif result is not AddResult.DEFERRED:
+                self.blocked, self.blocked_result = req, result
             if result is not AddResult.CONTINUE and result is not AddResult.DEFERRED:
                 break
         return admitted
+
+    def release(self, req: Req) -> None:
+        """A running request is being preempted (preemption.py): its reservation and slot come back."""
+        if any(r is req for r in self.running):
+            self.reserved -= min(req.remaining_new_tokens, self.clip_estimate) * self.new_token_ratio
+            self.max_new_reqs += 1
 
     def add_one_req(self, req: Req, copy: bool = True) -> AddResult:
         """Admit `req` if the budgets allow. An n > 1 choice that cannot copy its prompt's last page (its

@@ -69,6 +69,7 @@ class Req:
     # scheduling state
     max_new_tokens: int = -1  # sampling.max_new_tokens clipped to the context and the pool (-1: unclipped)
     arrival_seq: int = 0  # order of arrival at the scheduler
+    arrival_step: int = 0  # the scheduler's step count at arrival (priority aging)
     overtaken: int = 0  # prefill rounds that admitted a later arrival while this one waited (aging)
     num_retractions: int = 0
     cache_hit_tokens: int = 0  # prompt tokens reused from the radix cache at admission (device + host)

@@ -5,6 +5,7 @@ scheduler (`Scheduler.make_room_for_decode`) retracts running requests back to t
 the waiting queue:
 
 - victim: fewest decoded tokens first (least work lost), ties: longest prompt (most pages);
+  with priority scheduling the least urgent (effective priority, preemption.py) first;
 - afterwards `new_token_ratio` is re-estimated from what the remaining requests have
   actually decoded (`reestimate_ratio`), instead of being reset to its initial value.
 
@@ -23,12 +24,16 @@ from collections.abc import Sequence
 
 from minisched.base.values import cdiv
 from minisched.sched.kv_pool import KVPool
+from minisched.sched.preemption import effective
 from minisched.sched.queues import Queues
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, Req, ReqStatus
 
 
-def pick_victim(running: Sequence[Req]) -> Req:
+def pick_victim(running: Sequence[Req], now: int = 0, aging_steps: int | None = None, priority: bool = False) -> Req:
+    """Fewest decoded tokens, then longest prompt; with priority scheduling the least urgent first."""
+    if priority:
+        return min(running, key=lambda r: (-effective(r, now, aging_steps), len(r.output_ids), -r.prompt_len))
     return min(running, key=lambda r: (len(r.output_ids), -r.prompt_len))
 
 
@@ -72,7 +77,8 @@ def make_room_for_decode(sched: Queues) -> int:
         if len(running) == 1:
             victim, sched.chunked_req = sched.chunked_req, None
         else:
-            victim = pick_victim(running)
+            cfg = sched.config
+            victim = pick_victim(running, sched.step_count, cfg.priority_aging_steps, cfg.priority_scheduling)
             running.remove(victim)
         sched.retract(victim)
         retracted.append(victim)

@@ -19,7 +19,11 @@ The fields SGLang and vLLM accept, with their meanings:
   (log-softmax of the raw logits in float32, before penalties, bias and temperature: vLLM's
   default "raw_logprobs"), so they do not depend on the sampling settings;
 - `grammar`: structured output (`Grammar`: a JSON schema, any JSON object, a regex or an EBNF
-  grammar), enforced by masking the logits before sampling.
+  grammar), enforced by masking the logits before sampling;
+- `priority` (an int, default 0): the scheduling class, as vLLM spells it -- a LOWER value is
+  MORE urgent (vLLM's `priority`; SGLang's default order is the reverse). Honoured only when
+  the scheduler runs with `priority_scheduling` (sched/preemption.py); otherwise a non-zero
+  priority is an InvalidRequest, as in vLLM.
 
 Pure Python: nothing here imports torch.
 """
@@ -75,6 +79,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     grammar: Grammar | None = None
+    priority: int = 0  # lower = more urgent (vLLM's convention)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequest:
@@ -111,6 +116,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise bad(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
+        if not is_int(self.priority) or not -(2**31) <= self.priority < 2**31:
+            raise bad(f"priority must be an int in [-2**31, 2**31), got {self.priority!r}")
         if not is_int(self.prompt_logprob_start) or self.prompt_logprob_start < 0:
             raise bad(f"prompt_logprob_start must be an int >= 0, got {self.prompt_logprob_start!r}")
         for name in (
@@ -121,6 +128,7 @@ class SamplingParams:
             "logprobs",
             "prompt_logprobs",
             "prompt_logprob_start",
+            "priority",
         ):
             if getattr(self, name) is not None:
                 setf(name, int(getattr(self, name)))  # numpy ints -> int
@@ -149,6 +157,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def can_draft(self) -> bool:
+        """May a speculative step verify drafts for this request (sched/spec.py)? Not with what changes
+        the logits per position: a grammar, penalties, a bias or min_tokens."""
+        return self.grammar is None and not self.has_penalties and not self.logit_bias and self.min_tokens == 0
 
     @property
     def needs_processing(self) -> bool:

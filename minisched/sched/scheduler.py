@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from minisched.base.values import cdiv
 from minisched.sched import batch_builder
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.config import SchedulerConfig
@@ -77,6 +78,7 @@ from minisched.sched.policy import SchedulePolicy
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason, new_request
 from minisched.sched.retraction import fail_stalled
+from minisched.sched.spec import Drafter, Speculator
 from minisched.sched.step_output import StepOutput
 
 __all__ = ["ModelRunner", "Scheduler", "SchedulerConfig"]
@@ -90,7 +92,11 @@ class ModelRunner(Protocol):
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, stop_checker: Callable[[Req], bool] | None = None, host_tier=None
+        self,
+        config: SchedulerConfig,
+        stop_checker: Callable[[Req], bool] | None = None,
+        host_tier=None,
+        drafter: Drafter | None = None,
     ) -> None:
         if config.num_pages is None or config.max_context_len is None:
             raise ValueError("Scheduler: num_pages and max_context_len must be set (the engine sizes them)")
@@ -113,6 +119,11 @@ class Scheduler:
         self.stalled = 0  # consecutive steps with work but no batch
         self._finished_early: list[Req] = []  # ended outside resolve, not reported yet
         self.unrun_loads: list = []  # host-tier loads of failed batches (fail_in_flight): the engine runs them
+        self.speculator = (  # speculative decoding (spec.py): drafts verified in VERIFY batches
+            None
+            if drafter is None
+            else Speculator(drafter, config.num_draft_tokens, config.spec_max_batch_size, config.spec_adaptive)
+        )
         self._num_arrivals = 0
 
     # -- requests -------------------------------------------------------------
@@ -125,10 +136,14 @@ class Scheduler:
         if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
         req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
+        if req.sampling.priority != 0 and not cfg.priority_scheduling:
+            raise InvalidRequest(
+                f"request {rid!r}: priority {req.sampling.priority} given but priority scheduling is not enabled"
+            )
         req.after, req.gate = after, gate
         if after is not None:
             after.forks += 1
-        req.arrival_seq = self._num_arrivals
+        req.arrival_seq, req.arrival_step = self._num_arrivals, self.step_count
         self._num_arrivals += 1
         self.reqs[rid] = req
         self.waiting.append(req)
@@ -216,6 +231,7 @@ class Scheduler:
         flight.built = None
         flight.launched.append(batch)
         max_ctx, futures = self.config.max_context_len, []
+        verify = batch.mode is ForwardMode.VERIFY
         for req, p, e, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled):
             req.kv_len = p + e
             if not sampled:  # a chunk that does not finish its prompt: it stays the carried request
@@ -223,6 +239,11 @@ class Scheduler:
                 continue
             fid = flight.next_future()
             futures.append(fid)
+            if verify:  # a placeholder per token it may accept; never in limbo (resolved before the next build)
+                more = [flight.next_future() for _ in range(e - 1)]
+                req.pending_ids += [fid, *more]
+                batch.draft_futures += more
+                continue
             if req.max_new_tokens == 0:  # prefill only: ends at resolve, without a token
                 flight.limbo.append(req)
                 continue
@@ -258,16 +279,21 @@ class Scheduler:
 
     def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
         first_decode = batch.batch_size - batch.num_decode
-        checker, max_ctx, aborted = self.stop_checker, self.config.max_context_len, self.in_flight.aborted
-        tokens, lps, prompt_lps = (
-            (out.tokens, out.logprobs, out.prompt_logprobs) if isinstance(out, StepOutput) else (out, None, None)
+        aborted = self.in_flight.aborted
+        tokens, lps, prompt_lps, more, more_lps = (
+            (out.tokens, out.logprobs, out.prompt_logprobs, out.more_tokens, out.more_logprobs)
+            if isinstance(out, StepOutput)
+            else (out, None, None, None, None)
         )
-        for b, (req, p, e, sampled, fid, tok) in enumerate(
-            zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled, batch.future_ids, tokens)
+        drafts = batch.drafts or [()] * batch.batch_size
+        if batch.mode is ForwardMode.VERIFY:
+            self.speculator.stats.verify_steps += 1
+        for b, (req, p, e, sampled, fid, tok, d) in enumerate(
+            zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled, batch.future_ids, tokens, drafts)
         ):
             if req.status not in LIVE:
                 continue  # released while launched (abort, or finished by an earlier resolve): dropped
-            valid = p + e
+            valid = p + e - len(d)  # K/V known good: a verify row's drafts are not, until accepted
             if aborted and id(req) in aborted:
                 self.end(req, valid, ReqStatus.ABORTED, FinishReason.ABORT)
                 continue
@@ -282,28 +308,48 @@ class Scheduler:
                 continue
             if not req.pending_ids or req.pending_ids[0] != fid:
                 raise RuntimeError(f"{req.rid}: placeholder {fid} is not the oldest pending token")
-            tok = int(tok)
-            req.pending_ids.pop(0)
-            req.output_ids.append(tok)
-            if req.output_logprobs is not None:
-                req.output_logprobs.append(lps[b] if lps is not None else None)
+            run, run_lps = [int(tok)], [lps[b] if lps is not None else None]
+            if d:  # a verify row: the accepted drafts' tokens and the target's next one
+                run += [int(t) for t in more[b]]
+                run_lps += more_lps[b] if more_lps is not None and more_lps[b] else [None] * len(more[b])
+                if len(run) > len(d) + 1:
+                    raise RuntimeError(f"{req.rid}: {len(run)} tokens accepted from {len(d)} drafts")
+                self.speculator.observe(req, len(d), len(run) - 1)
+            del req.pending_ids[: 1 + len(d)]
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+            if self._append(req, run, valid, run_lps, finished):
+                continue
+            if d:  # the pages past the accepted tokens go back
+                req.kv_len = valid + len(run) - 1
+                keep = cdiv(req.kv_len, self.config.page_size)
+                self.pool.free(req.page_ids[keep:])
+                del req.page_ids[keep:]
+            if not req.pending_ids and req in self.in_flight.limbo:
+                raise RuntimeError(f"{req.rid}: held back at its length limit but not finished")
+            if b < first_decode:  # its prompt completed in this batch: share its pages
+                self.cache_unfinished(req, valid)
+
+    def _append(self, req: Req, run: list[int], valid: int, logprobs: list, finished: list[Req]) -> bool:
+        """Append a row's tokens (and their logprobs) one at a time, checking after each whether the
+        request ends (with the K/V of the tokens before it: `valid` for the first); True if it ended."""
+        checker, max_ctx = self.stop_checker, self.config.max_context_len
+        for i, tok in enumerate(run):
+            req.output_ids.append(tok)
+            if req.output_logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
             if (
                 len(req.output_ids) >= req.max_new_tokens
-                or valid + 1 >= max_ctx
+                or valid + i + 1 >= max_ctx
                 or checker is not None
                 or tok in req.sampling.stop_token_ids
             ):
                 reason = finish_reason(req, max_ctx, checker)
                 if reason is not None:
-                    self.end(req, valid, ReqStatus.FINISHED, reason)
+                    self.end(req, valid + i, ReqStatus.FINISHED, reason)
                     finished.append(req)
-                    continue
-            if not req.pending_ids and req in self.in_flight.limbo:
-                raise RuntimeError(f"{req.rid}: held back at its length limit but not finished")
-            if b < first_decode:  # its prompt completed in this batch: share its pages
-                self.cache_unfinished(req, valid)
+                    return True
+        return False
 
     def fail_in_flight(self, message: str) -> list[Req]:
         """A step failed (its forward, sampling or a stop checker raised, or the loop was
@@ -360,11 +406,14 @@ class Scheduler:
         self.set_status(req, status, reason.value)
         del self.reqs[req.rid]
 
-    def retract(self, req: Req) -> None:
-        """Back to waiting (the caller queues it): its full pages stay cached, the rest are freed."""
+    def retract(self, req: Req, note: str = "") -> None:
+        """Back to waiting (the caller queues it): its full pages stay cached, the rest are freed. A
+        request of a launched batch (preemption) keeps only its committed K/V; its token is dropped."""
+        req.kv_len = self.in_flight.committed_len(req)
+        req.pending_ids.clear()
         self.tree.cache_finished_req(req, self.pool)
         req.num_retractions += 1
-        self.set_status(req, ReqStatus.RETRACTED)
+        self.set_status(req, ReqStatus.RETRACTED, note)
         self.set_status(req, ReqStatus.WAITING)
 
     def cache_unfinished(self, req: Req, kv_len: int) -> None:
@@ -396,13 +445,14 @@ class Scheduler:
     def _record_step(self, batch: Batch, n_retracted: int, hits: int) -> None:
         pool, tree = self.pool, self.tree
         decode = batch.num_decode
+        drafts = sum(map(len, batch.drafts))
         self.step_stats.append(
             StepStats(
                 self.step_count,
                 time.monotonic(),
                 batch.mode.value,
                 batch.batch_size,
-                batch.num_tokens - decode,
+                batch.num_tokens - decode - drafts,
                 decode,
                 len(self.running),
                 len(self.waiting),
@@ -413,6 +463,7 @@ class Scheduler:
                 hits,
                 n_retracted,
                 self.new_token_ratio,
+                drafts,
             )
         )
 

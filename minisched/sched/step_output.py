@@ -1,5 +1,6 @@
 """What one forward step hands back to the scheduler: a token per row and the log-probabilities
-the rows asked for (`SamplingParams.logprobs` / `prompt_logprobs`). Pure Python."""
+the rows asked for (`SamplingParams.logprobs` / `prompt_logprobs`); a verify step (speculative
+decoding, spec.py) also the further tokens each row accepted. Pure Python."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class StepOutput:
     tokens: list[int]  # one per row, batch order (0 for a chunk that samples nothing)
     logprobs: Optional[list[Optional[TokenLogprob]]] = None  # per row: the sampled token's, if asked
     prompt_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None  # per row: this chunk's prompt tokens'
+    more_tokens: Optional[list[list[int]]] = None  # VERIFY: per row, the accepted tokens after `tokens[b]`
+    more_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None  # VERIFY: theirs, if asked
 
     def __len__(self) -> int:
         return len(self.tokens)

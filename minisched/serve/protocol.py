@@ -2,7 +2,7 @@
 
 Known fields are strict (`strict=True`: no "0.5" for a number, no `true` for an int) and range
 checked: a malformed known field is a 400. Accepted beyond OpenAI's fields, as vLLM and SGLang
-accept them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+accept them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `priority`, `stop_token_ids`,
 `ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output`, SGLang's `regex` and `ebnf`,
 and `return_token_ids` (completions: each choice's generated token ids). Unknown fields --
 vendor extras of other servers -- are accepted and ignored, as vLLM does, and logged once per
@@ -82,6 +82,7 @@ class _GenerationFields(_Lenient):
     repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
     logit_bias: Optional[dict[str, float]] = None
     min_tokens: int = Field(0, ge=0)
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM / SGLang: lower = more urgent (vLLM's order)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

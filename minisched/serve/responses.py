@@ -39,6 +39,7 @@ def sampling_fields(body, *, logprobs: Optional[int], prompt_logprobs: Optional[
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        priority=body.priority,
         repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,

@@ -4,7 +4,10 @@
 fake KV pool at `batch.out_slots()`, then reads every request's whole history back
 through `batch.page_table()` and checks it against the request's tokens. Its "greedy"
 next token is a hash of the history it read, so any page-table, sharing or eviction bug
-either trips an assertion or changes the outputs.
+either trips an assertion or changes the outputs. A verify row (speculative decoding) is
+checked against its drafts too and answered with its greedy accepted run; `OracleDrafter`
+drafts the fake model's true continuation with some tokens wrong, so every acceptance length
+occurs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from minisched.sched.batch import Batch
 from minisched.sched.events import Event
 from minisched.sched.req import ReqStatus
 from minisched.sched.scheduler import Scheduler
+from minisched.sched.spec import accept_greedy
+from minisched.sched.step_output import StepOutput
 
 
 def next_token(history: list[int] | np.ndarray, vocab: int) -> int:
@@ -58,18 +63,23 @@ class FakeRunner:
         qo, li = batch.qo_indptr(), batch.logits_indices()
         assert qo[-1] == n and np.array_equal(li, qo[1:] - 1)
         assert ((last >= 1) & (last <= ps)).all()
-        out = []
-        for b, req in enumerate(batch.reqs):
+        out, more = [], []
+        drafts = batch.drafts or [[]] * len(batch.reqs)
+        for b, (req, d) in enumerate(zip(batch.reqs, drafts)):
             pages = indices[indptr[b] : indptr[b + 1]].astype(np.int64)
             kv_len = (len(pages) - 1) * ps + int(last[b])
             assert kv_len == batch.prefix_lens[b] + batch.extend_lens[b]
             kv_slots = (pages[:, None] * ps + np.arange(ps)).ravel()[:kv_len]
             assert np.array_equal(self.pos[kv_slots], np.arange(kv_len)), f"{req.rid}: KV positions wrong"
             hist = self.tok[kv_slots]
-            want = [req.token_at(i) for i in range(kv_len)]
+            want = [req.token_at(i) for i in range(kv_len - len(d))] + list(d)  # a verify row: then its drafts
             assert hist.tolist() == want, f"{req.rid}: KV content differs from the request's tokens"
-            out.append(next_token(hist, self.vocab))
-        return out
+            # a verify row: the target's token after each prefix (greedy acceptance, as the engine's runner)
+            targets = [next_token(hist[: kv_len - len(d) + i], self.vocab) for i in range(len(d) + 1)]
+            run = accept_greedy(d, targets)
+            out.append(run[0])
+            more.append(run[1:])
+        return StepOutput(out, more_tokens=more) if batch.drafts else out
 
 
 class FakeMover:
@@ -160,3 +170,27 @@ def check_lifecycles(events: list[Event]) -> None:
         assert state.get(key) == e.src, f"{e.rid}: event from {e.src} but was {state.get(key)}"
         assert state.get(key) not in (ReqStatus.FINISHED, ReqStatus.ABORTED)
         state[key] = e.dst
+
+
+class OracleDrafter:
+    """Drafts for the fake model: its greedy continuation of the request's verified tokens, with the draft
+    at position i wrong when `(seq_len + i) % wrong_every == 0` (0: never), so partial, full and empty
+    acceptances all occur, deterministically."""
+
+    def __init__(self, vocab: int, wrong_every: int = 5) -> None:
+        self.vocab, self.wrong_every = vocab, wrong_every
+        self.calls = 0
+
+    def propose(self, reqs, ks) -> list[list[int]]:
+        self.calls += 1
+        out = []
+        for r, k in zip(reqs, ks):
+            seq, d = list(r.prompt_ids) + list(r.output_ids), []
+            for i in range(k):
+                t = next_token(seq, self.vocab)
+                if self.wrong_every and (len(seq) + i) % self.wrong_every == 0:
+                    t = (t + 1) % self.vocab
+                d.append(t)
+                seq.append(t)
+            out.append(d)
+        return out

@@ -6,10 +6,11 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, poison_freed, run
+from helpers.fake_runner import FakeRunner, OracleDrafter, check_lifecycles, greedy_reference, poison_freed, run
 from minisched.sched.host_tier import HostTier
 from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.sched.spec import NgramDrafter
 
 VOCAB = 40
 BASES = [[(7 * i + 3 * j) % VOCAB for j in range(48)] for i in range(3)]
@@ -30,9 +31,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         ratio=st.sampled_from([0.7, 0.2, 0.05]),
         defer=st.sampled_from([None, 4, 32]),
         host=st.sampled_from([0, 0, 3, 64]),  # host-tier pages (0: off)
+        priority=st.sampled_from([None, (0, None), (0, 2), (1, 5), (None, 3), (0, 40)]),  # (threshold, aging) or off
+        spec=st.sampled_from([None, None, ("oracle", 5), ("oracle", 0), ("oracle", 2), ("ngram", 1)]),
+        draft=st.tuples(st.integers(1, 6), st.sampled_from([1, 3, 8]), st.booleans()),  # k, max batch, adaptive
     )
     def setup(
-        self, page_size, pool_tokens, chunk, policy, radix, mixed, guard, max_running, max_prefill, ratio, defer, host
+        self,
+        page_size,
+        pool_tokens,
+        chunk,
+        policy,
+        radix,
+        mixed,
+        guard,
+        max_running,
+        max_prefill,
+        ratio,
+        defer,
+        host,
+        priority,
+        spec,
+        draft,
     ):
         self.cfg = SchedulerConfig(
             page_size=page_size,
@@ -51,9 +70,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             new_token_ratio_decay_steps=10,
             in_batch_prefix_defer_tokens=defer,
             clip_max_new_tokens_estimation=64,
+            priority_scheduling=priority is not None,
+            priority_preemption_threshold=priority[0] if priority else 0,
+            priority_aging_steps=priority[1] if priority else 256,
+            num_draft_tokens=draft[0],
+            spec_max_batch_size=draft[1],
+            spec_adaptive=draft[2],
         )
         self.runner = FakeRunner(self.cfg.num_pages, page_size, VOCAB)
-        self.sched = Scheduler(self.cfg, host_tier=HostTier(host, self.runner.mover) if host else None)
+        drafter = None
+        if spec is not None:  # speculative decoding: drafts of every accuracy, or prompt lookup
+            drafter = OracleDrafter(VOCAB, spec[1]) if spec[0] == "oracle" else NgramDrafter(spec[1], 3)
+        self.sched = Scheduler(self.cfg, host_tier=HostTier(host, self.runner.mover) if host else None, drafter=drafter)
         poison_freed(self.sched, self.runner)
         self.added: dict[str, tuple[list[int], SamplingParams]] = {}
         self.ended: dict[str, object] = {}
@@ -71,10 +99,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_new=st.one_of(st.integers(0, 30), st.just(100_000)),
         stop=st.booleans(),
         copies=st.integers(1, 4),
+        priority=st.integers(-3, 3),
     )
-    def add(self, base, shared, own, max_new, stop, copies):
+    def add(self, base, shared, own, max_new, stop, copies, priority):
         for _ in range(copies):
-            self._add(BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)], max_new, stop)
+            self._add(BASES[base][:shared] + [(self.n * 11 + k) % VOCAB for k in range(own)], max_new, stop, priority)
 
     @rule(
         lens=st.lists(st.integers(1, 120), min_size=1, max_size=4),
@@ -100,10 +129,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.added[f"r{self.n}"] = (prompt, sp)
             self.n += 1
 
-    def _add(self, prompt, max_new, stop):
+    def _add(self, prompt, max_new, stop, priority=0):
         rid = f"r{self.n}"
         self.n += 1
-        sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=(5,) if stop else ())
+        priority = priority if self.cfg.priority_scheduling else 0
+        sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=(5,) if stop else (), priority=priority)
         too_long = len(prompt) >= self.cfg.max_context_len or len(prompt) > self.cfg.num_pages * self.cfg.page_size
         if not prompt or too_long:
             try:

@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 
-from minisched.model.sampling import RowHistory, logprobs_of, make_generator, process_logits, sample
+from minisched.model.sampling import (
+    RowHistory,
+    logprobs_of,
+    make_generator,
+    process_logits,
+    sample,
+    target_probs,
+    verify_drafts,
+)
 from minisched.sched.req import SamplingParams
 
 V = 64
@@ -126,3 +134,55 @@ def test_bad_fields_are_rejected(kw, match):
 
     with pytest.raises(InvalidRequest, match=match):
         SamplingParams(**kw)
+
+
+# -- speculative decoding's acceptance (verify_drafts) ---------------------------------------------------
+
+
+def test_target_probs_is_the_distribution_sample_draws_from():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 8, generator=g) * 2
+    sp = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    p = target_probs(logits, [sp])[0]
+    assert abs(float(p.sum()) - 1) < 1e-6 and int((p > 0).sum()) <= 5
+    n = 10000
+    drawn = sample(logits.expand(n, 8), [sp] * n, [make_generator(s) for s in range(n)])
+    freq = torch.bincount(torch.tensor(drawn), minlength=8).double() / n
+    assert (freq - p.double()).abs().max() < 0.02
+
+
+def test_verify_drafts_greedy_accepts_the_argmax_prefix():
+    logits = torch.full((4, V), -1.0)
+    for j, t in enumerate([5, 6, 9, 11]):
+        logits[j, t] = 3.0
+    gp = SamplingParams()
+    runs = verify_drafts([logits, logits, logits[:1]], [[5, 6, 7], [5, 6, 9], []], [gp] * 3, [None] * 3)
+    assert runs == [[5, 6, 9], [5, 6, 9, 11], [5]]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_verify_drafts_keeps_the_target_distribution(with_q):
+    """Rejection sampling: the first token is distributed as p0 whatever was drafted, and the second,
+    given the first was the draft, as p1 -- with a deterministic draft (n-gram) and a draft model's q."""
+    vocab, n = 6, 8000
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, vocab, generator=g)
+    sp = SamplingParams(temperature=1.0)
+    p = target_probs(logits, [sp] * 3).double()
+    gens = [make_generator(1000 + s) for s in range(n)]
+    if with_q:  # a draft model: its own distribution, drafts drawn from it
+        q = torch.softmax(torch.randn(2, vocab, generator=g), -1)
+        dg = torch.Generator().manual_seed(2)
+        drafts = [[int(torch.multinomial(q[j], 1, generator=dg)) for j in range(2)] for _ in range(n)]
+        qs = [q] * n
+    else:
+        drafts, qs = [[int(p[0].argmax()), int(p[1].argmax())]] * n, None
+    runs = verify_drafts([logits] * n, drafts, [sp] * n, gens, qs)
+    assert all(1 <= len(r) <= 3 for r in runs)
+    first = torch.bincount(torch.tensor([r[0] for r in runs]), minlength=vocab).double() / n
+    assert (first - p[0]).abs().max() < 0.02
+    second = [r[1] for r, d in zip(runs, drafts) if r[0] == d[0] and len(r) > 1]
+    freq = torch.bincount(torch.tensor(second), minlength=vocab).double() / len(second)
+    assert len(second) > 800 and (freq - p[1]).abs().max() < 0.04
+    rate = sum(len(r) - 1 for r in runs) / (2 * n)
+    assert 0 < rate < 1

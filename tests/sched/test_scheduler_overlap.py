@@ -25,6 +25,7 @@ from helpers.scheduler_machine import VOCAB, SchedulerMachine
 from minisched.sched.batch import Batch
 from minisched.sched.req import FinishReason, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.sched.step_output import StepOutput
 
 
 class _Resolved:
@@ -56,7 +57,7 @@ class FutureFakeRunner(FakeRunner):
         view = dataclasses.replace(batch, reqs=[_Resolved(r, self.tokens) for r in batch.reqs])
         out = super().forward(view)
         assert min(view.input_ids(), default=0) >= 0, "an input placeholder whose step has not run"
-        for fid, tok in zip(batch.future_ids, out):
+        for fid, tok in zip(batch.future_ids, out.tokens if isinstance(out, StepOutput) else out):
             if fid < 0:
                 self.tokens[fid] = tok
         return out
@@ -194,3 +195,68 @@ def test_misuse_is_a_clear_error(bad):
     else:
         with pytest.raises(RuntimeError, match="oldest launched"):
             sched.resolve(batch, [0])
+
+
+def test_a_chunk_preempted_while_launched_waits_for_its_batch():
+    """Priority preemption of the carried chunk whose chunk is computing: it must not be admitted again
+    before that batch resolves (its stale row would apply to the new admission)."""
+    sched, launched = _sched(chunk_size=8, priority_scheduling=True), deque()
+    runner = FutureFakeRunner(64, 4, VOCAB)
+    poison_freed(sched, runner)
+    long = list(range(1, 40))
+    sched.add_request("long", long, SamplingParams(max_new_tokens=4, priority=2))
+    overlap_step(sched, runner, launched)
+    assert sched.chunked_req is not None and launched
+    sched.add_request("urgent", [7, 8, 9], SamplingParams(max_new_tokens=3))
+    overlap_step(sched, runner, launched)
+    sched.check_invariants()
+    done = run_overlap(sched, runner, launched)
+    assert done["long"].output_ids == greedy_reference(long, 4, VOCAB) and done["long"].num_retractions == 1
+    assert done["urgent"].output_ids == greedy_reference([7, 8, 9], 3, VOCAB)
+    sched.pool.free(sched.tree.evict(64))
+    assert sched.pool.num_free == 64
+
+
+def test_drafting_that_finds_nothing_does_not_keep_draining_the_pipeline():
+    """Overlap with a drafter: a launched plain decode is resolved before building only while drafting pays
+    (or to probe, every 32 steps) -- prompt lookup that finds no match must not serialize every step."""
+    from minisched.sched.spec import NgramDrafter
+
+    cfg = SchedulerConfig(page_size=4, num_pages=256, max_context_len=512, max_running_requests=8)
+    sched, launched = Scheduler(cfg, drafter=NgramDrafter(4, 4)), deque()  # 4-grams: the fake model never repeats
+    runner = FutureFakeRunner(256, 4, VOCAB)
+    prompts = {f"r{i}": [(5 * i + 7 * j + j * j) % VOCAB for j in range(12)] for i in range(4)}
+    for rid, p in prompts.items():
+        sched.add_request(rid, p, SamplingParams(max_new_tokens=50))  # (the fake model's outputs cycle after 60)
+    calls = 0
+    while sched.has_work() or launched:
+        overlap_step(sched, runner, launched)
+        calls += 1
+        sched.check_invariants()
+    built = len(sched.step_stats)
+    assert calls - built <= 8  # steps that built nothing (drains): the first tries, the probes, the last resolve
+    assert built <= 52
+
+
+def test_a_fork_copy_source_stays_locked_while_decode_rows_join_its_batch():
+    """Found by this machine: a prompt filling its 2 pages, its choices admitted one per batch (a 1-token
+    prefill budget), a running request `d` and the first choice both crossing into a new page in the second
+    choice's mixed batch. The first choice's pages were not in the radix cache yet (its batch unresolved), so
+    the second's copy source -- the cache's last page -- was locked by nobody once the prefill part was
+    built: the decode rows mixed in after it evicted the page and took it, and the copy read a freed
+    (poisoned) page. Sources now stay locked until the whole batch is built."""
+    cfg = dict(num_pages=7, max_prefill_tokens=1, enable_mixed_chunk=True)
+    sched, launched = _sched(**cfg, init_new_token_ratio=0.05, min_new_token_ratio=0.0), deque()
+    runner = FutureFakeRunner(7, 4, VOCAB)
+    poison_freed(sched, runner)
+    d = [(5 * j + 1) % VOCAB for j in range(5)]
+    sched.add_request("d", d, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    prompt = [(7 * j + 3) % VOCAB for j in range(8)]
+    lead = sched.add_request("lead", prompt, SamplingParams(max_new_tokens=0))
+    for j in range(2):
+        sched.add_request(f"c{j}", prompt, SamplingParams(max_new_tokens=3, ignore_eos=True), after=lead)
+    done = run_overlap(sched, runner, launched, max_steps=200)
+    assert done["d"].output_ids == greedy_reference(d, 12, VOCAB)
+    for j in range(2):
+        assert done[f"c{j}"].output_ids == greedy_reference(prompt, 3, VOCAB)
+    assert sched.forks.copied == 2  # both copied: the case the fix is about

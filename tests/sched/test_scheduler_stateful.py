@@ -1,6 +1,6 @@
 """hypothesis stateful test: random arrivals (shared prefixes, prompts continuing one document
 as in a multi-turn chat), output lengths (0, and a client's "no limit"), pools smaller than
-the context, page and chunk sizes, policies, mixed mode, the prefill guard, deferral, aborts
+the context, page and chunk sizes, policies, mixed mode, the prefill guard, deferral, priorities with preemption and aging, aborts
 (also of in-flight requests), bad requests. Invariants hold after every rule; every run ends
 within a step bound; every request ends exactly once; the pool is whole once the cache is
 evicted; every output equals the greedy reference of an unconstrained run (or a prefix of it
