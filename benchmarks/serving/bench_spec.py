@@ -57,15 +57,15 @@ def loadavg() -> str:
 
 
 def passages(n: int) -> list[str]:
-    """Prose paragraphs (no code, tables or lists) of docs/*.md, 250-600 characters each."""
+    """Prose paragraphs (no code, tables or lists) of the README and docs/*.md, 250-700 characters each."""
     out = []
-    for path in sorted((ROOT / "docs").glob("*.md")):
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for para in path.read_text().split("\n\n"):
             para = " ".join(para.split())
-            if 250 <= len(para) <= 600 and not re.match(r"[#|`\-*>0-9]", para) and "`" not in para[:40]:
+            if 250 <= len(para) <= 700 and not re.match(r"[#|`\-*>0-9]", para):
                 out.append(para)
     if len(out) < n:
-        raise SystemExit(f"only {len(out)} passages in docs/")
+        raise SystemExit(f"only {len(out)} passages in README.md and docs/")
     return out[:n]
 
 
