@@ -47,10 +47,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(PROMPT)] for _ in range(n)]
 
 
-def offline(model: str, streams: int, ps: list[list[int]]) -> dict:
+def offline(model: str, streams: int, ps: list[list[int]], threads: int | None) -> dict:
     from minisched import Engine, SamplingParams
 
-    engine = Engine(model, max_running_requests=streams)
+    engine = Engine(model, max_running_requests=streams, num_threads=threads)
     t0 = time.perf_counter()
     outs = engine.generate(ps, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     dt = time.perf_counter() - t0
@@ -95,7 +95,9 @@ async def stream_client(c: httpx.AsyncClient, mine: list[list[int]], chat: bool,
     return n
 
 
-def served(model: str, streams: int, ps: list[list[int]], in_process: bool, chat_ttft: bool) -> dict:
+def served(
+    model: str, streams: int, ps: list[list[int]], in_process: bool, chat_ttft: bool, threads: int | None
+) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -116,6 +118,8 @@ def served(model: str, streams: int, ps: list[list[int]], in_process: bool, chat
     ]
     if in_process:
         cmd.append("--engine-in-process")
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
     server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -165,6 +169,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="compute threads, fixed (default: tuned while running)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/served_vs_offline.json"))
     args = ap.parse_args()
     k = {1: 8, 8: 4}
@@ -177,9 +182,9 @@ def main() -> None:
             for mode in modes:
                 load = os.getloadavg()[0]
                 res = (
-                    offline(args.model, s, ps)
+                    offline(args.model, s, ps, args.threads)
                     if mode == "offline"
-                    else served(args.model, s, ps, mode == "thread", chat_ttft=(s == 8))
+                    else served(args.model, s, ps, mode == "thread", chat_ttft=(s == 8), threads=args.threads)
                 )
                 rows.append({"round": r, "streams": s, "mode": mode, "load": load, **res})
                 print(json.dumps(rows[-1]), flush=True)
