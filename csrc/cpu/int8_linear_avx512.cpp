@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/avx512_blocks.h"
 #include "cpu/isa_kernels.h"
 
 #if defined(__x86_64__)
@@ -79,52 +80,6 @@ void micro(const int16_t* q, int64_t ldq, const float* sx, const int8_t* w, cons
   }
 }
 
-// The (rows, panels) shapes int8_panels_per_call asks for (as packed_linear_avx512.cpp's).
-template <int MT, int NP>
-constexpr bool kShape = MT == 1 || (MT <= 6 && NP <= 4) || NP <= 3;
-
-template <int NP>
-void rows_block(int64_t mt, const int16_t* q, int64_t ldq, const float* sx, const int8_t* w, const float* ws, int64_t K,
-                int64_t G, float* out, int64_t ldo, int64_t ncols) {
-  auto run = [&]<int MT>() {
-    if constexpr (kShape<MT, NP>) {
-      micro<MT, NP>(q, ldq, sx, w, ws, K, G, out, ldo, ncols);
-      return true;
-    }
-    return false;
-  };
-  bool ran = false;
-  switch (mt) {
-    case 1:
-      ran = run.template operator()<1>();
-      break;
-    case 2:
-      ran = run.template operator()<2>();
-      break;
-    case 3:
-      ran = run.template operator()<3>();
-      break;
-    case 4:
-      ran = run.template operator()<4>();
-      break;
-    case 5:
-      ran = run.template operator()<5>();
-      break;
-    case 6:
-      ran = run.template operator()<6>();
-      break;
-    case 7:
-      ran = run.template operator()<7>();
-      break;
-    case 8:
-      ran = run.template operator()<8>();
-      break;
-    default:
-      break;
-  }
-  if (!ran) __builtin_trap();  // a shape int8_panels_per_call never asks for
-}
-
 }  // namespace
 
 void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, const int8_t* w, const float* ws,
@@ -135,32 +90,7 @@ void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, 
     const int16_t* qm = q + m0 * ldq;
     const float* sm = sx + m0;
     float* om = out + m0 * ldo;
-    switch (np_here) {
-      case 8:
-        rows_block<8>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-      case 7:
-        rows_block<7>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-      case 6:
-        rows_block<6>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-      case 5:
-        rows_block<5>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-      case 4:
-        rows_block<4>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-      case 3:
-        rows_block<3>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-      case 2:
-        rows_block<2>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-      default:
-        rows_block<1>(mt, qm, ldq, sm, w, ws, K, G, om, ldo, ncols);
-        break;
-    }
+    with_block_shape(mt, np_here, [&]<int MT, int NP>() { micro<MT, NP>(qm, ldq, sm, w, ws, K, G, om, ldo, ncols); });
   }
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/avx512_blocks.h"
 #include "cpu/isa_kernels.h"
 
 #if defined(__x86_64__)
@@ -73,53 +74,6 @@ inline void micro(const float* x, int64_t ldx, const W* w, int64_t K, float* out
   }
 }
 
-// Which (rows, panels) shapes exist: 8 panels at one row (8 FMA chains), at most 24 accumulators
-// otherwise (packed_panels_per_call never asks for more).
-template <int MT, int NP>
-constexpr bool kShape = MT == 1 || (MT <= 6 && NP <= 4) || NP <= 3;
-
-template <int NP, typename W>
-void rows_block(int64_t mt, const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t ldo,
-                int64_t ncols) {
-  auto run = [&]<int MT>() {
-    if constexpr (kShape<MT, NP>) {
-      micro<MT, NP, W>(x, ldx, w, K, out, ldo, ncols);
-      return true;
-    }
-    return false;
-  };
-  bool ran = false;
-  switch (mt) {
-    case 1:
-      ran = run.template operator()<1>();
-      break;
-    case 2:
-      ran = run.template operator()<2>();
-      break;
-    case 3:
-      ran = run.template operator()<3>();
-      break;
-    case 4:
-      ran = run.template operator()<4>();
-      break;
-    case 5:
-      ran = run.template operator()<5>();
-      break;
-    case 6:
-      ran = run.template operator()<6>();
-      break;
-    case 7:
-      ran = run.template operator()<7>();
-      break;
-    case 8:
-      ran = run.template operator()<8>();
-      break;
-    default:
-      break;
-  }
-  if (!ran) __builtin_trap();  // a shape packed_panels_per_call never asks for
-}
-
 template <typename W>
 void panel_rows(const float* x, int64_t M, int64_t ldx, const W* wp, int64_t np_here, int64_t K, float* out,
                 int64_t ldo, int64_t ncols) {
@@ -128,32 +82,7 @@ void panel_rows(const float* x, int64_t M, int64_t ldx, const W* wp, int64_t np_
     const int64_t mt = std::min(rows, M - m0);
     const float* xm = x + m0 * ldx;
     float* om = out + m0 * ldo;
-    switch (np_here) {
-      case 8:
-        rows_block<8, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-      case 7:
-        rows_block<7, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-      case 6:
-        rows_block<6, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-      case 5:
-        rows_block<5, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-      case 4:
-        rows_block<4, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-      case 3:
-        rows_block<3, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-      case 2:
-        rows_block<2, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-      default:
-        rows_block<1, W>(mt, xm, ldx, wp, K, om, ldo, ncols);
-        break;
-    }
+    with_block_shape(mt, np_here, [&]<int MT, int NP>() { micro<MT, NP, W>(xm, ldx, wp, K, om, ldo, ncols); });
   }
 }
 
