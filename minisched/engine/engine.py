@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Optional, Union
 
@@ -28,28 +29,18 @@ import numpy as np
 import torch
 
 from minisched.base.values import is_int
+from minisched.engine.build import build_parts
 from minisched.engine.config import EngineConfig
-from minisched.engine.cuda_graph import CudaGraphRunner
-from minisched.engine.draft import ModelDrafter
 from minisched.engine.generate import generate, stream
-from minisched.engine.kv_tier import HostKVMover
-from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
-from minisched.engine.runner import ModelRunner
 from minisched.engine.structured import GrammarCompiler
-from minisched.engine.threads import ThreadTuner, default_num_threads
-from minisched.model import weights
-from minisched.model.config import ModelConfig
 from minisched.model.detokenize import final_text
 from minisched.model.llama import LlamaModel
-from minisched.model.packed import pack_model, want_packed
-from minisched.model.quant import QuantConfig, quantize_model
-from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
-from minisched.sched.host_tier import HostTier
+from minisched.model.tokenizer import MiniTokenizer
+from minisched.parallel.launch import TPSession
 from minisched.sched.req import InvalidRequest, Req, SamplingParams
 from minisched.sched.scheduler import Scheduler
-from minisched.sched.spec import NgramDrafter
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -57,8 +48,9 @@ Prompt = Union[str, Sequence[int], Sequence[dict]]
 class Engine:
     """`Engine(model, **options)` or `Engine(config=EngineConfig(...))`: options are EngineConfig and
     SchedulerConfig fields (engine/config.py). `model` is a name or path (it sets `config.model`) or
-    a loaded `LlamaModel` (then `tokenizer=` is required). `runner_factory` takes ModelRunner's
-    arguments; tensor parallelism passes its own runner (minisched/parallel/launch.py)."""
+    a loaded `LlamaModel` (then `tokenizer=` is required). `tp=N` starts N tensor-parallel ranks
+    (closed by `close()`, at exit, or by leaving a `with` block); `tp_session=` runs on a session
+    started by the caller, who closes it. Everything is built by engine/build.py; this wires it."""
 
     def __init__(
         self,
@@ -66,124 +58,28 @@ class Engine:
         *,
         config: Optional[EngineConfig] = None,
         tokenizer: Optional[MiniTokenizer] = None,
-        runner_factory: Optional[Callable[..., ModelRunner]] = None,
+        tp_session: Optional[TPSession] = None,
         **options,
     ):
         if isinstance(model, str):
             options["model"] = model
         elif model is not None and not isinstance(model, LlamaModel):
             raise TypeError(f"model must be a name, a path or a LlamaModel, got {type(model).__name__}")
-        self.config = config = EngineConfig.from_options(config, **options)
-        self._runner_factory = runner_factory
-        # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
-        # process may use, chosen while serving by measuring (engine/threads.py), so a shared machine
-        # costs throughput in proportion to the cores taken. The OpenMP wait policy that goes with it is
-        # set in minisched/__init__.py.
-        self.num_threads = config.num_threads or default_num_threads()
-        tuner = ThreadTuner(self.num_threads) if config.num_threads is None and self.num_threads > 1 else None
-        if self.num_threads != torch.get_num_threads():
-            torch.set_num_threads(self.num_threads)
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' requested but no CUDA device is available")
-        # Weight-only int8 (model/quant.py): a CPU option for bandwidth-bound decode, checked before loading.
-        self.quant = QuantConfig(config.quantize)
-        if self.quant.enabled and (self.device.type != "cpu" or runner_factory is not None):
-            raise ValueError(f"quantize={config.quantize!r} runs on the CPU without tensor parallelism")
-        if isinstance(model, LlamaModel):
-            self.model, self.model_name = model, config.model or "custom"
-        else:
-            dtype = (
-                getattr(torch, config.dtype)
-                if config.dtype
-                else (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-            )
-            cfg, state = weights.load(config.model, dtype=dtype, device=self.device, seed=config.seed)
-            try:
-                self.model = LlamaModel.from_state_dict(cfg, state, dtype=dtype, device=self.device)
-            except (KeyError, RuntimeError, ValueError) as exc:  # missing or misshapen tensors
-                raise weights.ModelLoadError(
-                    f"cannot load the model {config.model or weights.DEFAULT_MODEL}: its "
-                    f"weights do not fit its config ({type(exc).__name__}: {exc})"
-                ) from None
-            del state
-            self.model_name = config.model or weights.DEFAULT_MODEL
-        quantize_model(self.model, self.quant)  # in place; a model passed in quantized stays as it is
-        self.cfg: ModelConfig = self.model.cfg
-        if tokenizer is None:
-            if isinstance(model, LlamaModel):  # a byte-level guess would decode garbage silently
-                raise ValueError(
-                    "Engine(model_object) needs tokenizer=...: a LlamaModel carries no tokenizer "
-                    "(pass MiniTokenizer.byte_level(vocab_size) explicitly for byte-level tests)"
-                )
-            tokenizer = load_tokenizer(config.model)
-        self.tokenizer = tokenizer
-        self.backend = pick_backend(config.backend, self.device)
-        # Packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls.
-        self.pack_weights = want_packed(
-            config.pack_weights,
-            self.device,
-            self.model.dtype,
-            self.backend,
-            self.quant.enabled,
-            runner_factory is not None,
+        config = EngineConfig.from_options(config, **options)
+        parts = build_parts(
+            config, model=model if isinstance(model, LlamaModel) else None, tokenizer=tokenizer, tp_session=tp_session
         )
-        if self.pack_weights:
-            pack_model(self.model)
-        self.cuda_graph = want_cuda_graph(
-            config.cuda_graph, self.device, self.backend, config.check, runner_factory is not None
-        )
-        page_size = config.page_size
-        num_pages = pool_pages(
-            self.cfg, self.model.dtype.itemsize, self.device, page_size, config.num_pages, config.mem_fraction
-        )
-        max_context_len = config.max_context_len
-        if max_context_len is None:
-            max_context_len = min(self.cfg.max_position, num_pages * page_size)
-        elif max_context_len > self.cfg.max_position:
-            raise ValueError(
-                f"max_context_len must be an int in [2, {self.cfg.max_position}] (the model's "
-                f"position limit), got {max_context_len!r}"
-            )
-        self.sched_config = dataclasses.replace(config.scheduler, num_pages=num_pages, max_context_len=max_context_len)
-        # with CUDA graphs one more page, outside the scheduler's pool: the padding rows' scratch page
-        self.kv_cache = self.model.new_kv_cache(num_pages + self.cuda_graph, page_size)
-        graphs = None
-        if self.cuda_graph:
-            graphs = CudaGraphRunner(
-                self.model,
-                self.kv_cache,
-                page_size,
-                max_batch=config.scheduler.max_running_requests,
-                max_context_len=max_context_len,
-                scratch_page=num_pages,
-                backend=self.backend,
-            )
-            graphs.capture()
-        self.runner = (runner_factory or ModelRunner)(
-            self.model,
-            self.kv_cache,
-            page_size,
-            backend=self.backend,
-            cascade=config.cascade,
-            check=config.check,
-            thread_tuner=tuner if self.device.type == "cpu" else None,
-            cuda_graphs=graphs,
-        )
-        self.host_tier = None  # the host KV tier under the radix cache (engine/kv_tier.py)
-        if config.host_kv_pages:
-            if runner_factory is not None:
-                raise ValueError("the host KV tier runs with the plain runner (not tensor parallelism)")
-            mover = HostKVMover(self.kv_cache, self.backend)
-            self.host_tier = HostTier(config.host_kv_pages, mover, write_through=config.host_kv_write_through)
-            self.runner.kv_mover = mover
-        drafter = None  # speculative decoding (sched/spec.py): drafts verified in one forward
-        if config.speculative == "ngram":
-            drafter = NgramDrafter(config.ngram_min_match, config.ngram_max_match)
-        elif config.speculative == "draft":
-            drafter = ModelDrafter(self._draft_model(config), num_pages, page_size, self.backend)
+        self.config, self.model, self.model_name = parts.config, parts.model, parts.model_name
+        self.tokenizer, self.cfg = parts.tokenizer, parts.model.cfg
+        self.device, self.backend, self.quant = parts.device, parts.backend, parts.quant
+        self.num_threads, self.pack_weights, self.cuda_graph = parts.num_threads, parts.pack_weights, parts.cuda_graph
+        self.sched_config, self.kv_cache, self.runner = parts.sched_config, parts.kv_cache, parts.runner
+        self.host_tier, self.tp_session = parts.host_tier, parts.tp_session
+        # a session this engine started is closed by close(), or at exit
+        session = parts.tp_session
+        self._closer = weakref.finalize(self, session.close) if parts.owns_tp_session and session is not None else None
         self.scheduler = Scheduler(
-            self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier, drafter=drafter
+            self.sched_config, stop_checker=self._stop_hit, host_tier=self.host_tier, drafter=parts.drafter
         )
         # Overlap scheduling (engine/overlap.py): forwards on a worker thread, the next step scheduled
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
@@ -194,28 +90,27 @@ class Engine:
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
 
-    def _draft_model(self, config: EngineConfig) -> LlamaModel:
-        """The draft model: this engine's own when `draft_model` is "self" or names it (a model drafting for
-        itself), else loaded as the target is (dtype, device, packed weights); it must share the vocabulary."""
-        if config.draft_model in ("self", self.model_name):
-            return self.model
-        cfg, state = weights.load(config.draft_model, dtype=self.model.dtype, device=self.device, seed=config.seed)
-        draft = LlamaModel.from_state_dict(cfg, state, dtype=self.model.dtype, device=self.device)
-        if cfg.vocab_size != self.cfg.vocab_size:
-            raise ValueError(
-                f"the draft model {config.draft_model} has a vocabulary of {cfg.vocab_size}, the model {self.cfg.vocab_size}"
-            )
-        if self.pack_weights:
-            pack_model(draft)
-        return draft
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (idempotent; nothing to do otherwise)."""
+        if self._closer is not None:
+            self._closer()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def fresh(self, **options) -> Engine:
         """A new engine (empty KV pool and radix cache) on this engine's loaded model, tokenizer and
-        runner kind, with these options changed (the pool keeps its size unless they change it)."""
+        tensor-parallel session, with these options changed (the pool keeps its size unless they change
+        it). Under tensor parallelism the new engine takes the ranks over: this one stops working."""
         if "num_pages" not in options and "mem_fraction" not in options:
             options["num_pages"] = self.sched_config.num_pages
         config = self.config.with_options(model=self.model_name, **options)
-        return Engine(self.model, config=config, tokenizer=self.tokenizer, runner_factory=self._runner_factory)
+        if self.tp_session is not None:
+            return Engine(config=config, tokenizer=self.tokenizer, tp_session=self.tp_session)
+        return Engine(self.model, config=config, tokenizer=self.tokenizer)
 
     def health(self) -> Optional[str]:
         """None while the engine can serve; else why not (a tensor-parallel rank died or hung)."""

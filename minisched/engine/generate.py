@@ -19,7 +19,7 @@ from minisched.model.detokenize import IncrementalDetokenizer
 from minisched.sched.req import InvalidRequest, Req
 
 
-class Engine(Protocol):
+class EngineSurface(Protocol):
     """What these functions use of the Engine (engine.py), which calls them."""
 
     scheduler: Any
@@ -36,7 +36,9 @@ class Engine(Protocol):
     def output_of(self, req: Req, index: int = 0, choice: int = 0) -> Output: ...
 
 
-def _submit(engine: Engine, prompts, sampling, chat: bool, n: int) -> tuple[list[Output], dict[str, tuple[int, int]]]:
+def _submit(
+    engine: EngineSurface, prompts, sampling, chat: bool, n: int
+) -> tuple[list[Output], dict[str, tuple[int, int]]]:
     if isinstance(prompts, (str, dict, torch.Tensor, np.ndarray)) or (
         isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
     ):
@@ -70,20 +72,20 @@ def _submit(engine: Engine, prompts, sampling, chat: bool, n: int) -> tuple[list
     return outputs, live
 
 
-def _abort_all(engine: Engine, live: dict) -> None:
+def _abort_all(engine: EngineSurface, live: dict) -> None:
     for rid in list(live):
         engine.abort(rid)
     live.clear()
 
 
-def _drive(engine: Engine) -> list[Req]:
+def _drive(engine: EngineSurface) -> list[Req]:
     if not engine.has_work():  # cannot happen while requests are live; never spin
         raise RuntimeError("scheduler idle with unfinished requests")
     return engine.step()
 
 
 def generate(
-    engine: Engine,
+    engine: EngineSurface,
     prompts: Sequence,
     sampling=None,
     *,
@@ -108,7 +110,7 @@ def generate(
 
 
 def stream(
-    engine: Engine, prompts: Sequence, sampling=None, *, chat: bool = False, n: int = 1
+    engine: EngineSurface, prompts: Sequence, sampling=None, *, chat: bool = False, n: int = 1
 ) -> Iterator[StreamChunk]:
     outputs, live = _submit(engine, prompts, sampling, chat, n)
     try:
@@ -117,7 +119,7 @@ def stream(
         _abort_all(engine, live)
 
 
-def _stream(engine: Engine, outputs: list[Output], live: dict[str, tuple[int, int]]) -> Iterator[StreamChunk]:
+def _stream(engine: EngineSurface, outputs: list[Output], live: dict[str, tuple[int, int]]) -> Iterator[StreamChunk]:
     for out in outputs:
         if out.error is not None:
             yield StreamChunk(out.index, out.rid, "", [], True, out, out.choice)

@@ -56,27 +56,27 @@ def available_bytes(device: torch.device, meminfo: str = "/proc/meminfo") -> int
 
 
 def want_cuda_graph(
-    cuda_graph: Optional[bool], device: torch.device, backend: str, check: bool, custom_runner: bool
+    cuda_graph: Optional[bool], device: torch.device, backend: str, check: bool, tensor_parallel: bool
 ) -> bool:
     """Decode by CUDA graph replay (engine/cuda_graph.py). None: on for CUDA with the native or Triton
-    kernels, check=False and the plain runner (a tensor-parallel runner's forward is not captured);
+    kernels, check=False and no tensor parallelism (its forward's collectives are not captured);
     True where that cannot work is an error."""
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise ValueError(f"cuda_graph must be True, False or None (the device's default), got {cuda_graph!r}")
-    usable = device.type == "cuda" and backend != "torch" and not check and not custom_runner
+    usable = device.type == "cuda" and backend != "torch" and not check and not tensor_parallel
     if cuda_graph and not usable:
         why = (
             f"the device is {device}"
             if device.type != "cuda"
-            else "a custom runner_factory (tensor parallel) is not captured"
-            if custom_runner
+            else "a tensor-parallel forward is not captured"
+            if tensor_parallel
             else "the torch reference backend reads index values on the host"
             if backend == "torch"
             else "check=True reads index values on the host (a sync, which capture forbids)"
         )
         raise ValueError(
             f"cuda_graph=True needs a CUDA device, the native or Triton kernels, check=False "
-            f"and the plain runner: {why}"
+            f"and no tensor parallelism: {why}"
         )
     return usable if cuda_graph is None else cuda_graph
 

@@ -7,7 +7,7 @@ CUDA stream: each `step()`
    for what batch N is still computing (`Scheduler.launch`), builds its inputs (`runner.prepare`)
    and queues its forward on the worker, which runs it as soon as N's is done;
 2. waits for batch N's tokens and applies them (`Scheduler.resolve`): finish checks, stop
-   strings and releases happen there, one step late (sched/overlap.py says what that costs).
+   strings and releases happen there, one step late (sched/scheduler.py says what that costs).
 
 So the worker never waits for the scheduler while there is work: step N+1's inputs are ready
 when step N's forward ends, and the scheduling of N+2 and the bookkeeping of N run during

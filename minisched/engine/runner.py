@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import torch
 from minisched import ops
 from minisched.base.page_table import build_csr
 from minisched.engine.cuda_graph import CudaGraphRunner
+from minisched.engine.kv_tier import HostKVMover
 from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
 from minisched.engine.structured import Matchers
 from minisched.engine.threads import ThreadTuner
@@ -37,6 +38,9 @@ from minisched.model.sampling import RowHistory, logprobs_of, make_generator, sa
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.req import Req, SamplingParams
 from minisched.sched.step_output import StepOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from minisched.parallel.launch import TPSession
 
 
 def cascade_groups(page_lists: list[list[int]], kv_lens: list[int], page_size: int):
@@ -104,6 +108,8 @@ class ModelRunner:
         check: bool = False,
         thread_tuner: Optional[ThreadTuner] = None,
         cuda_graphs: Optional[CudaGraphRunner] = None,
+        kv_mover: Optional[HostKVMover] = None,
+        tp_session: Optional[TPSession] = None,
     ):
         self.model = model
         self.cuda_graphs = cuda_graphs  # decode steps replay a captured graph (engine/cuda_graph.py)
@@ -119,11 +125,15 @@ class ModelRunner:
         self.num_cascade_steps = 0
         self._futures: Optional[torch.Tensor] = None  # overlap: tokens sampled for placeholder ids
         self.matchers = Matchers(model.cfg.vocab_size)  # structured outputs (engine/structured.py)
-        self.kv_mover = None  # the host KV tier's (engine/kv_tier.py): a batch's loads run first
+        self.kv_mover = kv_mover  # the host KV tier's (engine/kv_tier.py): a batch's loads run first
+        # tensor parallelism: the forward proper runs on every rank (the session's workers get a pool like this one)
+        self.tp_session = tp_session
+        if tp_session is not None:
+            tp_session.attach(kv_cache, page_size, backend, check)
 
     def health(self) -> Optional[str]:
-        """None while this runner can run steps (a tensor-parallel runner says why it cannot)."""
-        return None
+        """None while this runner can run steps, else why not (a tensor-parallel rank died or hung)."""
+        return None if self.tp_session is None else self.tp_session.health()
 
     # -- inputs --------------------------------------------------------------------------------------
     def _t(self, a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
@@ -185,8 +195,10 @@ class ModelRunner:
         return g
 
     def run_model(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        """The forward proper: logits of the rows to sample. (minisched.parallel's tensor-parallel runner
-        overrides it: it first sends the batch to the other ranks.)"""
+        """The forward proper: logits of the rows to sample (with tensor parallelism the session first sends
+        the step to the other ranks)."""
+        if self.tp_session is not None:
+            return self.tp_session.run_step(self.kv_cache, input_ids, meta, backend=self.backend, check=self.check)
         return self.model(input_ids, meta, self.kv_cache, backend=self.backend, check=self.check)
 
     def forward(self, batch: Batch) -> StepOutput:

@@ -1,34 +1,12 @@
-"""CPU threads for the model: how many the process may use, and `ThreadTuner`, which picks the count
-while serving by measuring (the Engine's default, `num_threads=None`)."""
+"""`ThreadTuner`: picks the model's CPU thread count while serving, by measuring (the Engine's default,
+`num_threads=None`); it starts at the usable cores (base/cpus.py)."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Optional
 
 import torch
-
-from minisched.base.values import cdiv
-
-
-def default_num_threads() -> int:
-    """CPU threads for the model: the cores this process may run on (its affinity mask, e.g. from
-    `taskset` or a cpuset), capped by a cgroup CPU quota (`docker --cpus`) when one is set.
-    Not more: with the OpenMP fork/join of torch's kernels, a thread without a core of its own
-    stalls every barrier."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, cdiv(int(quota), int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, n)
 
 
 def size_class(tokens: int) -> int:

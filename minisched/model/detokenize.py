@@ -88,7 +88,3 @@ class IncrementalDetokenizer:
             return ""
         delta, self.sent = final[len(sent) :], len(final)
         return delta
-
-    @property
-    def sent_text(self) -> str:
-        return self.text[: self.sent]

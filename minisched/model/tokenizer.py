@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
@@ -138,9 +138,6 @@ class MiniTokenizer:
     def encode(self, text: str) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_token_id] + ids) if self.add_bos and self.bos_token_id is not None else ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

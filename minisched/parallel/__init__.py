@@ -1,18 +1,22 @@
 """Tensor parallelism: one model split over several processes (`minisched ... --tp N`).
 
-Between the model and the engine. Rank 0 runs the Engine (scheduler, radix cache, sampling);
+Between the model and the engine (the engine imports it, never the other way). Rank 0 runs the Engine (scheduler, radix cache, sampling);
 the other ranks hold a shard of the model and a KV pool of their heads, and run every step rank 0
 sends them. The pieces, lowest first:
 
   group.py     TPGroup: torch.distributed (gloo on CPU, NCCL on CUDA) with timeouts; byte/time accounting
   shard.py     ShardPlan and shard_model: Megatron-style slices of a LlamaModel; TPShard, its `tp` hook
   protocol.py  the header and the ONE packed int tensor rank 0 broadcasts per step
-  runner.py    TPModelRunner (rank 0's ModelRunner, forward routed to every rank); worker_loop (ranks > 0)
-  launch.py    ModelSource, TPSession (spawn or torchrun, readiness, heartbeats, failure detection, close)
+  worker.py    worker_loop: what the ranks > 0 run
+  launch.py    TPSession (spawn or torchrun, readiness, heartbeats, failure detection, `run_step` for
+               rank 0's ModelRunner, close); source.py: ModelSource, what every rank loads
 
+The engine builds a session itself (`Engine("smollm2", tp=2)`, engine/build.py); by hand:
+
+    from minisched import Engine
     from minisched.parallel import ModelSource, TPSession
     with TPSession.start(2, ModelSource("smollm2")) as session:
-        engine = session.engine(page_size=16)
+        engine = Engine(tp_session=session, page_size=16)
         print(engine.generate(["Hello"])[0].text)
 """
 

@@ -1,7 +1,8 @@
 """Starting, watching and stopping the ranks of a tensor-parallel engine (what they load: source.py).
 
-    session = TPSession.start(2, ModelSource("smollm2"))     # rank 0: spawns rank 1 (or joins torchrun's)
-    engine = session.engine(page_size=16)                    # an Engine whose runner drives every rank
+    engine = Engine("smollm2", tp=2)                         # engine/build.py starts the session and owns it
+    session = TPSession.start(2, ModelSource("smollm2"))     # or by hand: rank 0 spawns rank 1 (or joins torchrun's)
+    engine = Engine(tp_session=session, page_size=16)        # an Engine whose runner drives every rank
     engine.generate([...]); session.close()                  # STOP to the workers, then join them
 
 One node: rank 0 (this process) hosts a `TCPStore` on a free loopback port and spawns ranks
@@ -36,12 +37,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from minisched.base.cpus import default_num_threads
 from minisched.model.llama import LlamaModel
 from minisched.parallel import protocol
 from minisched.parallel.group import TPError, TPGroup, seconds
-from minisched.parallel.runner import TPModelRunner, report_worker_error, worker_loop
 from minisched.parallel.shard import check_tp, shard_model
 from minisched.parallel.source import ModelSource
+from minisched.parallel.worker import report_worker_error, worker_loop
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for the slowest rank
 DEFAULT_STARTUP_TIMEOUT = 600.0  # seconds the ranks may take to start and load their weights
@@ -74,8 +76,6 @@ def rank_device(device, local_rank: int) -> torch.device:
 
 def default_threads(world: int) -> int:
     """CPU threads per rank: the usable cores shared out (ranks on one node compete for them)."""
-    from minisched.engine.threads import default_num_threads
-
     return max(1, default_num_threads() // world)
 
 
@@ -187,7 +187,7 @@ class TPSession:
         self.store = None
         self.group: Optional[TPGroup] = None
         self.model: Optional[LlamaModel] = None
-        self.runner: Optional[TPModelRunner] = None  # the current engine's runner
+        self.kv_cache: Optional[torch.Tensor] = None  # the newest engine's pool (the workers hold one like it)
         self.failure: Optional[str] = None
         self.closed = False
         self.last_activity = time.monotonic()
@@ -299,64 +299,49 @@ class TPSession:
             time.sleep(0.05)
 
     # -- engines -------------------------------------------------------------------------------------
-    def engine(self, config=None, tokenizer=None, **options):
-        """An Engine on this session's shard whose steps run on every rank (earlier engines of the session
-        stop working: the workers' KV pool belongs to the newest). `config` / `options`: EngineConfig's."""
-        from minisched.engine import Engine
-        from minisched.engine.config import EngineConfig
-
-        config = EngineConfig.from_options(config, **options)
-        fixed = {"model": self.source.name, "device": str(self.device), "tp": self.world}
-        if config.num_threads is None:  # fixed: the ranks share the node's cores
-            fixed["num_threads"] = self.num_threads
-        return Engine(
-            self.model,
-            config=config.with_options(**fixed),
-            tokenizer=tokenizer or self.source.tokenizer(),
-            runner_factory=self.make_runner,
-        )
-
-    def make_runner(self, *args, **kwargs) -> TPModelRunner:
-        """ModelRunner's arguments -> rank 0's runner; the workers set up a KV pool like its own."""
-        return TPModelRunner(self, *args, **kwargs)
-
-    def attach(self, runner: TPModelRunner) -> None:
-        """The newest engine's runner: every worker replaces its KV pool by one of the same shape."""
+    def attach(self, kv_cache: torch.Tensor, page_size: int, backend: str, check: bool) -> None:
+        """A new engine's KV pool: every worker replaces its own by one of the same shape (earlier engines
+        of the session stop working: the workers' pool belongs to the newest)."""
         from minisched import ops
 
-        cache = runner.kv_cache  # [L, 2, num_pages, page_size, Hkv, D]
         h = protocol.header(
             protocol.SETUP,
-            cache.shape[2],
-            runner.page_size,
-            ops.BACKENDS.index(runner.backend),
-            int(runner.check),
+            kv_cache.shape[2],  # [L, 2, num_pages, page_size, Hkv, D]
+            page_size,
+            ops.BACKENDS.index(backend),
+            int(check),
             device=self.device,
         )
         with self.group.lock:
             self._usable(None)
             self._send(lambda: self.group.broadcast(h))
-            self.runner = runner
+            self.kv_cache = kv_cache
 
-    def run_step(self, runner: TPModelRunner, input_ids: torch.Tensor, meta) -> torch.Tensor:
+    def health(self) -> Optional[str]:
+        """None while the ranks can run steps, else why not."""
+        return self.failure
+
+    def run_step(
+        self, kv_cache: torch.Tensor, input_ids: torch.Tensor, meta, *, backend: str, check: bool
+    ) -> torch.Tensor:
         """One forward on every rank: header and payload to the workers, then this rank's shard."""
         with self.group.lock:
-            self._usable(runner)
+            self._usable(kv_cache)
             h, payload = protocol.pack_step(input_ids, meta)  # before sending: a failure here leaves all in step
 
             def step():
                 self.group.broadcast(h)
                 self.group.broadcast(payload)
-                return self.model(input_ids, meta, runner.kv_cache, backend=runner.backend, check=runner.check)
+                return self.model(input_ids, meta, kv_cache, backend=backend, check=check)
 
             return self._send(step)
 
-    def _usable(self, runner) -> None:
+    def _usable(self, kv_cache: Optional[torch.Tensor]) -> None:
         if self.failure is not None:
             raise TPError(self.failure)
         if self.closed:
             raise TPError("the tensor-parallel session is closed")
-        if runner is not None and runner is not self.runner:
+        if kv_cache is not None and kv_cache is not self.kv_cache:
             raise TPError("this engine's KV pool on the other ranks was replaced by a newer engine of the session")
 
     def _send(self, fn):

@@ -38,21 +38,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minisched.base.flags import flag
 from minisched.base.values import is_int
 from minisched.sched.policy import POLICIES
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    page_size: int = 16
+    page_size: int = flag(16, "tokens per KV page")
     num_pages: int | None = 4096
     max_context_len: int | None = 4096
-    chunk_size: int | None = 512  # None: no chunked prefill
-    max_prefill_tokens: int = 8192
-    max_running_requests: int = 256
-    policy: str = "fcfs"
-    enable_radix_cache: bool = True
-    enable_mixed_chunk: bool = False
+    chunk_size: int | None = flag(512, "chunked-prefill tokens per step (0: no chunking)", none_as=0)
+    max_prefill_tokens: int = flag(4096, "prompt tokens one prefill batch may compute at most")
+    max_running_requests: int = flag(64, "decode batch size limit")
+    policy: str = flag(
+        "fcfs",
+        "waiting-queue order: first come, longest cached prefix, radix-tree DFS weight, longest output first",
+        choices=POLICIES,
+    )
+    enable_radix_cache: bool = flag(
+        True, "disable prefix reuse through the radix cache", name="--no-radix-cache", negate=True
+    )
+    enable_mixed_chunk: bool = flag(False, "let decode tokens ride along with prefill chunks", name="--mixed-chunk")
     max_prefill_rounds_between_decodes: int | None = 1
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.098
@@ -63,12 +70,28 @@ class SchedulerConfig:
     lpm_fallback_len: int = 128
     aging_rounds: int = 32
     max_stalled_steps: int = 32
-    priority_scheduling: bool = False
-    priority_preemption_threshold: int | None = 0
-    priority_aging_steps: int | None = 256
-    num_draft_tokens: int = 4
-    spec_max_batch_size: int = 8
-    spec_adaptive: bool = True
+    priority_scheduling: bool = flag(
+        False,
+        "order waiting requests by their priority (lower = more urgent, as vLLM; a JSONL or request body "
+        "field), preempting less urgent running ones",
+    )
+    priority_preemption_threshold: int | None = flag(
+        0,
+        "a request preempts running ones whose priority is worse by more than this (-1: never preempt)",
+        none_as=-1,
+    )
+    priority_aging_steps: int | None = flag(
+        256,
+        "a waiting or running request's priority improves by one every this many steps (0: no aging)",
+        none_as=0,
+    )
+    num_draft_tokens: int = flag(4, "speculative: draft tokens per request at most")
+    spec_max_batch_size: int = flag(
+        8, "speculative: no drafting while more requests than this run (large batches are compute-bound)"
+    )
+    spec_adaptive: bool = flag(
+        True, "speculative: adapt each request's draft length to what it accepts, pausing it when nothing is"
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:

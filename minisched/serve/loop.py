@@ -1,5 +1,5 @@
 """`ServingLoop`: what the HTTP side needs from whatever runs the engine, one engine thread
-(engine_loop.py) or a pool of replica processes (dp.py).
+(engine_loop.py) or a pool of replica processes (pool.py).
 
 All methods may be called from any thread; `submit`'s sinks receive their updates on their own
 event loops (`publish`). `health()` is read by /health; `collectors()` adds Prometheus

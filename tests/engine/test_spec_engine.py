@@ -147,7 +147,7 @@ def test_cli_speculative_flags(capsys):
     assert main([*argv, "--speculative", "draft", "--draft-model", "self"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     assert main([*argv, "--speculative", "draft"]) == 2
-    assert "draft_model" in capsys.readouterr().err
+    assert "--draft-model" in capsys.readouterr().err  # the flag, not the field
 
 
 # -- a draft model (engine/draft.py) -------------------------------------------------------------------

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from minisched import ops
+from minisched.base.cpus import default_num_threads
 from minisched.engine import Engine
-from minisched.engine.threads import ThreadTuner, default_num_threads
+from minisched.engine.threads import ThreadTuner
 from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import LlamaModel

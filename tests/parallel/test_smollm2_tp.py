@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from minisched.model import weights
-from minisched.parallel import ModelSource, TPSession
 from minisched.sched.req import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
@@ -29,14 +28,13 @@ def test_smollm2_tp3_equals_tp1():
     sampling = SamplingParams(max_new_tokens=20)
     kw = dict(page_size=16, chunk_size=64)
     threads = torch.get_num_threads()
-    session = TPSession.start(3, ModelSource("smollm2"), timeout=60, startup_timeout=300)
     try:
-        engine = session.engine(**kw)
-        assert engine.kv_cache.shape[-2] == 1  # one KV head per rank
-        first = engine.generate(chats[:1], sampling)  # warms the cache with the system prompt
-        outs = first + engine.generate(chats[1:], sampling)
+        with Engine("smollm2", tp=3, tp_timeout=60, **kw) as engine:  # starts ranks 1 and 2, closes them
+            session = engine.tp_session
+            assert engine.kv_cache.shape[-2] == 1  # one KV head per rank
+            first = engine.generate(chats[:1], sampling)  # warms the cache with the system prompt
+            outs = first + engine.generate(chats[1:], sampling)
     finally:
-        session.close()
         torch.set_num_threads(threads)
     assert [p.exitcode for p in session.procs] == [0, 0]
     ref_engine = Engine("smollm2", num_threads=threads, **kw)

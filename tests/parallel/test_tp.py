@@ -39,7 +39,7 @@ def engines(tp, **kw):
     """The TP=2 engine and the one-process engine on the full model, with the same options."""
     session, full = tp
     ref = Engine(full, tokenizer=MiniTokenizer.byte_level(full.cfg.vocab_size), num_threads=1, **kw)
-    return session.engine(**kw), ref
+    return Engine(tp_session=session, **kw), ref
 
 
 def prompts(lengths, seed=0):
@@ -147,5 +147,5 @@ def test_a_replaced_engine_fails_clearly_and_the_session_goes_on(tp):
     session, _ = tp
     assert session.failure is None
     with pytest.raises(TPError, match="replaced"):
-        session.run_step(old.runner, torch.zeros(1, dtype=torch.int32), None)
+        session.run_step(old.kv_cache, torch.zeros(1, dtype=torch.int32), None, backend=old.backend, check=False)
     assert protocol.HEADER_LEN == 1 + protocol.NUM_ARGS + len(protocol.FIELDS)

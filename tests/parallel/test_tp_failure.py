@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from minisched.engine import Engine
 from minisched.model.config import preset
 from minisched.parallel import ModelSource, TPError, TPSession
 from minisched.sched.req import SamplingParams
@@ -21,7 +22,7 @@ def test_killed_worker_fails_requests_then_a_new_session_works():
     threads = torch.get_num_threads()
     session = TPSession.start(2, source, timeout=20, startup_timeout=300)
     try:
-        engine = session.engine(page_size=4)
+        engine = Engine(tp_session=session, page_size=4)
         good = engine.generate([[5, 6, 7]], SAMPLING)[0].token_ids
         assert engine.health() is None
         worker = session.procs[0]
@@ -40,7 +41,7 @@ def test_killed_worker_fails_requests_then_a_new_session_works():
         torch.set_num_threads(threads)
     try:
         with TPSession.start(2, source, timeout=20, startup_timeout=300) as again:
-            assert again.engine(page_size=4).generate([[5, 6, 7]], SAMPLING)[0].token_ids == good
+            assert Engine(tp_session=again, page_size=4).generate([[5, 6, 7]], SAMPLING)[0].token_ids == good
         assert [p.exitcode for p in again.procs] == [0]
     finally:
         torch.set_num_threads(threads)
@@ -52,7 +53,7 @@ def test_idle_longer_than_the_timeout_is_not_a_failure():
     threads = torch.get_num_threads()
     try:
         with TPSession.start(2, ModelSource(config=preset("tiny"), seed=0), timeout=4, startup_timeout=300) as s:
-            engine = s.engine(page_size=4)
+            engine = Engine(tp_session=s, page_size=4)
             first = engine.generate([[5, 6, 7]], SAMPLING)[0].token_ids
             sent = s.group.stats.snapshot()["broadcast"][0]
             time.sleep(6)
@@ -78,7 +79,7 @@ def test_rank_0_loading_longer_than_the_timeout_is_not_a_failure(monkeypatch):
     threads = torch.get_num_threads()
     try:
         with TPSession.start(2, ModelSource(config=preset("tiny"), seed=0), timeout=2, startup_timeout=300) as s:
-            assert s.engine(page_size=4).generate([[5, 6, 7]], SAMPLING)[0].error is None
+            assert Engine(tp_session=s, page_size=4).generate([[5, 6, 7]], SAMPLING)[0].error is None
         assert [p.exitcode for p in s.procs] == [0]
     finally:
         torch.set_num_threads(threads)

@@ -1,42 +1,23 @@
-"""Running a step on every rank: rank 0's `TPModelRunner` and the other ranks' `worker_loop`.
+"""The ranks > 0: `worker_loop` runs every step rank 0 sends.
 
 Rank 0 holds the Engine (scheduler, radix cache, sampling); its runner is the ordinary
 `ModelRunner` (inputs, cascade groups, per-request generators, sampling) whose forward proper
-(`run_model`) first sends the step to the other ranks, then runs its own shard. The workers hold
-a sharded model and a KV pool, nothing else: no requests, no page bookkeeping. They run the
-same forward on what they receive; the collectives inside it keep the ranks in step, and the
-logits end up on rank 0.
+goes through `TPSession.run_step` (launch.py): the step to the other ranks, then its own shard.
+The workers hold a sharded model and a KV pool, nothing else: no requests, no page bookkeeping.
+They run the same forward on what they receive; the collectives inside it keep the ranks in
+step, and the logits end up on rank 0.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import torch
 
 from minisched import ops
-from minisched.engine.runner import ModelRunner
-from minisched.model.llama import ForwardMeta, LlamaModel
+from minisched.model.llama import LlamaModel
 from minisched.parallel import protocol
 from minisched.parallel.group import TPGroup
-
-
-class TPModelRunner(ModelRunner):
-    """Rank 0's runner (the Engine builds it through `runner_factory`): the ordinary ModelRunner, with
-    the forward proper routed through the session. No thread tuner: the ranks' thread counts are fixed."""
-
-    def __init__(self, session, *args, **kwargs):
-        kwargs["thread_tuner"] = None
-        super().__init__(*args, **kwargs)
-        self.session = session
-        session.attach(self)
-
-    def health(self) -> Optional[str]:
-        return self.session.failure
-
-    def run_model(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        return self.session.run_step(self, input_ids, meta)
 
 
 def worker_loop(group: TPGroup, model: LlamaModel) -> None:

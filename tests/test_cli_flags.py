@@ -1,0 +1,70 @@
+"""The engine options are generated from the config fields (base/flags.py): every flag the command line
+had stays, with its default; values travel back to the one EngineConfig, command-line spellings undone."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from minisched.cli.common import CLIError, engine_args, engine_config
+from minisched.engine.config import EngineConfig
+
+# every engine option of the command line before the flags were generated (names stay)
+FLAGS = """--model --device --dtype --backend --page-size --num-pages --mem-fraction --max-context-len --policy
+--chunk-size --max-running-requests --no-radix-cache --mixed-chunk --cascade --threads --tp --tp-timeout
+--quantize --pack-weights --no-pack-weights --host-kv-pages --host-kv-write-through --priority-scheduling
+--priority-preemption-threshold --priority-aging-steps --speculative --draft-model --num-draft-tokens
+--spec-max-batch-size --spec-adaptive --no-spec-adaptive --ngram-min-match --ngram-max-match --overlap
+--no-overlap --cuda-graph --no-cuda-graph""".split()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    engine_args(p)
+    return p
+
+
+def test_every_flag_is_there():
+    usage = parser().format_help()
+    missing = [f for f in FLAGS if f"{f} " not in usage and f"{f}," not in usage and f"{f}\n" not in usage]
+    assert not missing
+
+
+def test_defaults_are_the_configs():
+    assert engine_config(parser().parse_args([])) == EngineConfig(model="smollm2")
+
+
+def test_values_reach_the_config():
+    args = parser().parse_args(
+        "--chunk-size 0 --no-radix-cache --mixed-chunk --priority-preemption-threshold -1 --priority-aging-steps 0 "
+        "--threads 3 --no-spec-adaptive --overlap --no-pack-weights --policy lpm --dtype bfloat16 "
+        "--max-running-requests 7 --max-prefill-tokens 256 --speculative ngram".split()
+    )
+    cfg = engine_config(args)
+    s = cfg.scheduler
+    assert (s.chunk_size, s.enable_radix_cache, s.enable_mixed_chunk) == (None, False, True)
+    assert (s.priority_preemption_threshold, s.priority_aging_steps, s.spec_adaptive) == (None, None, False)
+    assert (s.policy, s.max_running_requests, s.max_prefill_tokens) == ("lpm", 7, 256)
+    assert (cfg.num_threads, cfg.overlap, cfg.pack_weights, cfg.dtype) == (3, True, False, "bfloat16")
+    assert cfg.speculative == "ngram"
+
+
+def test_choices_come_from_the_owners():
+    from minisched.sched.policy import POLICIES
+    from minisched.sched.spec import SPECULATIVE
+
+    help_text = parser().format_help()
+    assert "{" + ",".join(POLICIES) + "}" in help_text
+    assert "{" + ",".join(SPECULATIVE) + "}" in help_text
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--policy", "random"])
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [("--chunk-size -3", "--chunk-size"), ("--max-running-requests 0", "--max-running-requests"), ("--tp 0", "--tp")],
+)
+def test_errors_name_the_flag(argv, flag):
+    with pytest.raises(CLIError, match=flag):
+        engine_config(parser().parse_args(argv.split()))
