@@ -258,3 +258,86 @@ def test_tests_do_not_import_each_other():
     assert not bad, "tests import test modules or conftest (move the shared code to tests/helpers/):\n" + "\n".join(
         sorted(set(bad), key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
     )
+
+
+# -- the scheduler's seal ----------------------------------------------------------------------------------
+
+# A Scheduler's own state (minisched/sched/scheduler.py): outside minisched/sched/ it is read through the
+# scheduler's public methods (snapshot, records, drain_records, flush_cache, get, ...), never directly.
+SCHEDULER_STATE = {
+    "waiting",
+    "running",
+    "chunked_req",
+    "pool",
+    "tree",
+    "forks",
+    "policy",
+    "events",
+    "step_stats",
+    "reqs",
+    "in_flight",
+    "speculator",
+    "unrun_loads",
+    "new_token_ratio",
+    "prefill_rounds",
+    "stalled",
+    "step_count",
+    "num_retracted",
+}
+SCHEDULER_NAMES = {"sched", "scheduler"}  # what a scheduler is called: a variable or an attribute
+# `_private` attributes of another object that are a library's documented call, not its state
+PUBLIC_UNDERSCORE = {"_exit"}  # os._exit: how a forked child leaves without running the parent's cleanup
+
+
+def names_a_scheduler(node: ast.expr, aliases: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in SCHEDULER_NAMES or node.id in aliases
+    return isinstance(node, ast.Attribute) and node.attr in SCHEDULER_NAMES
+
+
+def seal_breaks(path: Path, root: Path = ROOT) -> list[str]:
+    """`x.<scheduler state>` where x names a scheduler (`sched`, `...scheduler`, or a name bound to one or to
+    `Scheduler(...)`), and `x._private` where x is not `self` / `cls` (another object's private field)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            made = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Scheduler"
+            if made or names_a_scheduler(value, set()):
+                aliases.add(node.targets[0].id)
+    bad = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        where = f"  {path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}"
+        if node.attr in SCHEDULER_STATE and names_a_scheduler(node.value, aliases):
+            bad.append(where + "  (a scheduler's state)")
+        private = node.attr.startswith("_") and not node.attr.startswith("__")
+        own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        if private and not own and node.attr not in PUBLIC_UNDERSCORE:
+            bad.append(where + "  (another object's private field)")
+    return bad
+
+
+def test_the_scheduler_is_sealed():
+    """No module outside minisched/sched/ reads a scheduler's queues, pool, tree or records, nor any module
+    another object's `_private` field: collaborators use public methods."""
+    bad = [line for module, path in MODULES.items() if layer_of(module) != "sched" for line in seal_breaks(path)]
+    assert not bad, "reads of a scheduler's state or of another object's private field:\n" + "\n".join(bad)
+
+
+def test_the_seal_check_sees_aliases_and_private_fields(tmp_path):
+    src = (
+        "def f(engine, other):\n    s = engine.scheduler\n    a = s.waiting\n    b = engine.scheduler.events\n"
+        "    c = other._hidden\n    d = self._mine\n    e = s.snapshot().running\n    os._exit(0)\n"
+        "    q = Scheduler(cfg)\n    q.tree.evict(1)\n"
+    )
+    (tmp_path / "x.py").write_text(src)
+    got = [line.split(": ", 1)[1] for line in seal_breaks(tmp_path / "x.py", tmp_path)]
+    assert got == [
+        "s.waiting  (a scheduler's state)",
+        "engine.scheduler.events  (a scheduler's state)",
+        "other._hidden  (another object's private field)",
+        "q.tree  (a scheduler's state)",
+    ]

@@ -191,25 +191,29 @@ def run_http_bench(
 def _events(br: BenchRequest, tr: _Trace, start: float) -> list[Event]:
     """The client's view of one request as lifecycle events (absolute times)."""
     n, arrival = len(br.prompt_ids), start + br.arrival
-    out = [Event(arrival, 0, br.rid, None, ReqStatus.WAITING, n, 0, 0, 0)]
+
+    def event(time, src, dst, output_len=0, kv_len=0, cached_len=0, note=""):
+        return Event(
+            time=time,
+            step=0,
+            rid=br.rid,
+            src=src,
+            dst=dst,
+            prompt_len=n,
+            output_len=output_len,
+            kv_len=kv_len,
+            cached_len=cached_len,
+            note=note,
+        )
+
+    out = [event(arrival, None, ReqStatus.WAITING)]
     if tr.error is not None:
         end = max(tr.first or arrival, tr.sent or arrival)
-        return out + [Event(end, 0, br.rid, ReqStatus.WAITING, ReqStatus.ABORTED, n, 0, 0, 0, "error")]
+        return out + [event(end, ReqStatus.WAITING, ReqStatus.ABORTED, note="error")]
     first = tr.first if tr.first is not None else tr.done
     out += [
-        Event(first, 0, br.rid, ReqStatus.WAITING, ReqStatus.PREFILLING, n, 0, 0, tr.cached_tokens),
-        Event(first, 0, br.rid, ReqStatus.PREFILLING, ReqStatus.RUNNING, n, 1, n, tr.cached_tokens),
-        Event(
-            tr.done,
-            0,
-            br.rid,
-            ReqStatus.RUNNING,
-            ReqStatus.FINISHED,
-            n,
-            tr.output_tokens,
-            n,
-            tr.cached_tokens,
-            tr.finish_reason,
-        ),
+        event(first, ReqStatus.WAITING, ReqStatus.PREFILLING, cached_len=tr.cached_tokens),
+        event(first, ReqStatus.PREFILLING, ReqStatus.RUNNING, 1, n, tr.cached_tokens),
+        event(tr.done, ReqStatus.RUNNING, ReqStatus.FINISHED, tr.output_tokens, n, tr.cached_tokens, tr.finish_reason),
     ]
     return out

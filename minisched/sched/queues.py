@@ -15,6 +15,7 @@ from minisched.sched.kv_pool import KVPool
 from minisched.sched.policy import SchedulePolicy
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, Req, ReqStatus
+from minisched.sched.spec import Speculator
 
 
 class Queues(Protocol):
@@ -32,6 +33,7 @@ class Queues(Protocol):
     stalled: int
     forks: ForkPages
     step_count: int
+    speculator: Speculator | None
 
     def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None: ...
 

@@ -247,6 +247,29 @@ class RadixCache:
                 self._push(parent)
         return freed
 
+    def flush(self) -> tuple[list[int], int]:
+        """Drop every unlocked node for good, on the device and on the host (no write-back): (the
+        device pages freed, the host pages dropped). A locked node's ancestors are locked too, so the
+        unlocked nodes are whole subtrees under locked nodes or the root."""
+        freed: list[int] = []
+        dropped = self.host.stats.dropped_pages if self.host is not None else 0
+        tops, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                (stack if child.lock_ref else tops).append(child)
+        for top in tops:
+            sub = [top]
+            for nd in sub:  # (grows while read: the whole subtree)
+                sub.extend(nd.children.values())
+                freed.extend(nd.pages)
+                self.evictable_pages -= len(nd.pages)
+                nd.pages = []
+            self._drop(top)
+        if self.host is not None:
+            dropped = self.host.stats.dropped_pages - dropped
+        return freed, dropped
+
     def _host_room(self, k: int, keep: TreeNode) -> bool:
         """Make room for k pages on the host by its LRU eviction (never `keep` or its ancestors)."""
         host = self.host
