@@ -19,16 +19,13 @@ Pure Python.
 
 from __future__ import annotations
 
-import time
-
 from minisched.base.values import cdiv
 from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.deferral import InBatchPrefixes
-from minisched.sched.policy import take_admitted
 from minisched.sched.prefill_adder import PrefillAdder
 from minisched.sched.queues import Queues
-from minisched.sched.req import Req, ReqStatus
+from minisched.sched.req import Req
 from minisched.sched.retraction import make_room_for_decode
 
 
@@ -88,9 +85,9 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         defer=defer,
         forks=sched.forks,
     )
-    carried, sched.chunked_req = sched.chunked_req, None
+    carried = sched.take_carried()
     if carried is not None and not adder.add_chunked_req(carried):
-        sched.chunked_req = carried  # its pages do not fit yet: decode first
+        sched.carry(carried)  # its pages do not fit yet: decode first
         return None, 0, None
     if adder.new_chunked_req is None and sched.waiting:
         # a request preempted while its row is in a launched batch waits for that batch to resolve
@@ -107,15 +104,8 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
             preemption.preempt(sched, adder, victims)
             admitted += adder.add_waiting(ready[ready.index(head) :])
         if admitted:
-            sched.waiting = take_admitted(
-                sched.waiting, admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs"
-            )
-            now = time.monotonic()
-            for req in admitted:
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                sched.set_status(req, ReqStatus.PREFILLING)
-    sched.chunked_req = adder.new_chunked_req
+            sched.admit(admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs")
+    sched.carry(adder.new_chunked_req)
     if not adder.can_run:
         adder.finish()
         return None, adder.cache_hit_tokens, None

@@ -125,12 +125,7 @@ def plan(sched: Queues, adder: PrefillAdder, head: Req) -> list[Req]:
 def preempt(sched: Queues, adder: PrefillAdder | None, victims: Sequence[Req]) -> None:
     """Retract `victims` (running, or the carried chunk) back to the waiting queue; the adder, if
     any, gets their reservations and slots back."""
-    for v in victims:
+    for k, v in enumerate(victims):
         if adder is not None:
             adder.release(v)
-        if v is sched.chunked_req:
-            sched.chunked_req = None
-        else:
-            sched.running.remove(v)
-        sched.retract(v, "preempted")
-    sched.waiting[:0] = victims
+        sched.retract(v, "preempted", at=k)

@@ -75,15 +75,13 @@ def make_room_for_decode(sched: Queues) -> int:
             sched.finished_early(req)
             break
         if len(running) == 1:
-            victim, sched.chunked_req = sched.chunked_req, None
+            victim = sched.chunked_req
         else:
             cfg = sched.config
             victim = pick_victim(running, sched.step_count, cfg.priority_aging_steps, cfg.priority_scheduling)
-            running.remove(victim)
-        sched.retract(victim)
+        sched.retract(victim, at=len(retracted))  # the retracted go to the queue's head, in this order
         retracted.append(victim)
     if retracted:
-        sched.waiting[:0] = retracted
         if running:
             sched.new_token_ratio = reestimate_ratio(running, sched.config.retract_decode_steps)
     return len(retracted)

@@ -82,9 +82,18 @@ from minisched.sched.forks import ForkPages
 from minisched.sched.in_flight import InFlight
 from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool
-from minisched.sched.policy import SchedulePolicy
+from minisched.sched.policy import SchedulePolicy, take_admitted
 from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason, new_request
+from minisched.sched.req import (
+    FinishReason,
+    InvalidRequest,
+    Place,
+    Req,
+    ReqStatus,
+    SamplingParams,
+    finish_reason,
+    new_request,
+)
 from minisched.sched.retraction import fail_stalled
 from minisched.sched.snapshot import CacheFlush, Records, SchedulerSnapshot
 from minisched.sched.spec import Drafter, Speculator
@@ -168,7 +177,7 @@ class Scheduler:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.reqs[rid] = req
-        self.waiting.append(req)
+        self._put(req, Place.WAITING)
         self.record(req, None, ReqStatus.WAITING, at=arrival_time)
         return req
 
@@ -329,16 +338,15 @@ class Scheduler:
                 batch.draft_futures += more
                 continue
             if req.max_new_tokens == 0:  # prefill only: ends at resolve, without a token
-                flight.limbo.append(req)
+                self._put(req, Place.LIMBO)
                 continue
             req.pending_ids.append(fid)
             done = len(req.output_ids) + len(req.pending_ids) >= req.max_new_tokens or p + e + 1 >= max_ctx
             if req.status is ReqStatus.PREFILLING:
-                self.set_status(req, ReqStatus.RUNNING)
-                (flight.limbo if done else self.running).append(req)
+                self._set_status(req, ReqStatus.RUNNING)
+                self._put(req, Place.LIMBO if done else Place.RUNNING)
             elif done:
-                self.running.remove(req)
-                flight.limbo.append(req)
+                self._put(req, Place.LIMBO)
         batch.future_ids = futures
 
     def resolve(self, batch: Batch, next_token_ids: Sequence[int] | StepOutput) -> list[Req]:
@@ -409,7 +417,7 @@ class Scheduler:
                 keep = cdiv(req.kv_len, self.config.page_size)
                 self.pool.free(req.page_ids[keep:])
                 del req.page_ids[keep:]
-            if not req.pending_ids and req in self.in_flight.limbo:
+            if not req.pending_ids and req.place is Place.LIMBO:
                 raise RuntimeError(f"{req.rid}: held back at its length limit but not finished")
             if b < first_decode:  # its prompt completed in this batch: share its pages
                 self.cache_unfinished(req, valid)
@@ -460,18 +468,58 @@ class Scheduler:
         self._finished_early = failed
         return list(failed)
 
-    # -- request state (also used by batch_builder.py) ------------------------
+    # -- request state: every status change and queue move is made here (batch_builder.py, retraction.py
+    # and preemption.py call these through the Queues protocol) --------------------------------------
     def unlink(self, req: Req) -> None:
-        """Take a live request out of whichever queue holds it."""
-        limbo = self.in_flight.limbo
-        if limbo and req in limbo:
-            limbo.remove(req)
-        elif req.status is ReqStatus.WAITING:
+        """Take a live request out of the queue that holds it (its `place`)."""
+        place = req.place
+        if place is Place.WAITING:
             self.waiting.remove(req)
-        elif req is self.chunked_req:
-            self.chunked_req = None
-        elif req.status is ReqStatus.RUNNING:
+        elif place is Place.RUNNING:
             self.running.remove(req)
+        elif place is Place.CHUNKED:
+            self.chunked_req = None
+        elif place is Place.LIMBO:
+            self.in_flight.limbo.remove(req)
+        req.place = Place.NONE
+
+    def _put(self, req: Req, place: Place, at: int | None = None) -> None:
+        """Move `req` from its queue to `place` (`at`: its index in the waiting queue; default the end)."""
+        self.unlink(req)
+        if place is Place.WAITING:
+            self.waiting.insert(len(self.waiting) if at is None else at, req)
+        elif place is Place.RUNNING:
+            self.running.append(req)
+        elif place is Place.CHUNKED:
+            if self.chunked_req is not None:
+                raise RuntimeError(f"{req.rid}: carried while {self.chunked_req.rid} is carried")
+            self.chunked_req = req
+        elif place is Place.LIMBO:
+            self.in_flight.limbo.append(req)
+        req.place = place
+
+    def admit(self, admitted: list[Req], aging: bool) -> None:
+        """The waiting requests the PrefillAdder admitted into this step's batch leave the queue (with
+        `aging`, those they overtook count it) and start prefilling."""
+        self.waiting = take_admitted(self.waiting, admitted, aging=aging)
+        now = time.monotonic()
+        for req in admitted:
+            req.place = Place.NONE  # (out of the queue all at once: take_admitted)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self._set_status(req, ReqStatus.PREFILLING)
+
+    def take_carried(self) -> Req | None:
+        """The carried chunked request, out of its place (this round's batch offers it first), or None."""
+        req = self.chunked_req
+        if req is not None:
+            self.unlink(req)
+        return req
+
+    def carry(self, req: Req | None) -> None:
+        """`req` (a prefilling request whose prompt is not done) is carried to the next round."""
+        if req is not None:
+            self._put(req, Place.CHUNKED)
 
     def end(self, req: Req, kv_len: int, status: ReqStatus, reason: FinishReason) -> None:
         """Finish or abort a live request holding `kv_len` tokens of valid K/V (placeholders dropped)."""
@@ -487,18 +535,21 @@ class Scheduler:
         self.tree.cache_finished_req(req, self.pool)  # KV into the radix cache, locks dropped, rest freed
         req.finish_reason = reason
         req.finish_time = time.monotonic()
-        self.set_status(req, status, reason.value)
+        self._set_status(req, status, reason.value)
         del self.reqs[req.rid]
 
-    def retract(self, req: Req, note: str = "") -> None:
-        """Back to waiting (the caller queues it): its full pages stay cached, the rest are freed. A
-        request of a launched batch (preemption) keeps only its committed K/V; its token is dropped."""
+    def retract(self, req: Req, note: str = "", at: int = 0) -> None:
+        """Back to the waiting queue, at index `at` (the head by default): its full pages stay cached, the
+        rest are freed. A request of a launched batch (preemption) keeps only its committed K/V; its
+        token is dropped."""
+        self.unlink(req)
         req.kv_len = self.in_flight.committed_len(req)
         req.pending_ids.clear()
         self.tree.cache_finished_req(req, self.pool)
         req.num_retractions += 1
-        self.set_status(req, ReqStatus.RETRACTED, note)
-        self.set_status(req, ReqStatus.WAITING)
+        self._set_status(req, ReqStatus.RETRACTED, note)
+        self._set_status(req, ReqStatus.WAITING)
+        self._put(req, Place.WAITING, at)
 
     def cache_unfinished(self, req: Req, kv_len: int) -> None:
         self.tree.cache_unfinished_req(req, self.pool, kv_len)
@@ -522,7 +573,7 @@ class Scheduler:
             )
         )
 
-    def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
+    def _set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
         self.record(req, req.status, dst, note)
         req.status = dst
 
