@@ -75,7 +75,7 @@ class RadixCache:
         if len(heap) > 2 * (self.total_pages + self.host_nodes) + 1024:  # drop stale entries now and then
             keep = TreeNode.device_leaf if heap is self._heap else (lambda nd: not nd.pages and not nd.children)
             heap[:] = [
-                (nd.last_access, next(self._seq), nd) for nd in self._iter_nodes() if nd.lock_ref == 0 and keep(nd)
+                (nd.last_access, next(self._seq), nd) for nd in self.iter_nodes() if nd.lock_ref == 0 and keep(nd)
             ]
             heapq.heapify(heap)
 
@@ -369,7 +369,8 @@ class RadixCache:
         req.last_node, req.n_cached_pages = node, n_full
 
     # -- inspection -----------------------------------------------------------
-    def _iter_nodes(self):
+    def iter_nodes(self):
+        """Every node but the root (depth first)."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -378,7 +379,7 @@ class RadixCache:
 
     def all_pages(self) -> list[int]:
         """Every device page the tree holds."""
-        return [p for nd in self._iter_nodes() for p in nd.pages]
+        return [p for nd in self.iter_nodes() for p in nd.pages]
 
     def path_pages(self, node: TreeNode) -> list[int]:
         chunks = []
@@ -391,7 +392,7 @@ class RadixCache:
         """Structural invariants, lock refs equal to `expected_locks` (id(node) -> count) when given,
         and the host tier's accounting; raises AssertionError."""
         ps, ev, pr, on_host = self.page_size, 0, 0, 0
-        for nd in self._iter_nodes():
+        for nd in self.iter_nodes():
             k = len(nd.key) // ps
             assert nd.key and len(nd.key) == k * ps, f"node key of {len(nd.key)} tokens is not whole pages"
             assert len(nd.pages) in (0, k), f"node of {k} pages holds {len(nd.pages)} device pages"
