@@ -16,7 +16,9 @@ fixed seed, outputs forced to their length (`ignore_eos`):
   static      the baseline: when the engine is idle, the requests that have arrived (up to
               `static_batch`) form a batch that runs until all of them finish; nothing joins it
 
-Latencies are measured from each request's scheduled arrival (queueing included).
+Both step the `Engine` (`Engine.step`: overlap scheduling, grammars and host-tier loads as when
+serving). Latencies are measured from each request's scheduled arrival (queueing included:
+`Engine.add_request(arrival_time=)` dates the request and its arrival event back).
 """
 
 from __future__ import annotations
