@@ -166,12 +166,20 @@ def run_http_bench(
         finish = tr.done - start if ok else None
         results.append(
             RequestResult(
-                br.rid, len(br.prompt_ids), tr.output_tokens if ok else 0, arrival, first, finish, tr.cached_tokens
+                rid=br.rid,
+                prompt_tokens=len(br.prompt_ids),
+                output_tokens=tr.output_tokens if ok else 0,
+                arrival=arrival,
+                first_token=first,
+                finish=finish,
+                cached_tokens=tr.cached_tokens,
             )
         )
         itl += [b - a for a, b in zip(tr.chunks, tr.chunks[1:])] if ok else []
         events += _events(br, tr, start)
-    run = RunResult(name, results, end - start, start, 0.0, 0, 0.0)
+    run = RunResult(
+        name=name, requests=results, duration=end - start, start=start, step_time=0.0, retractions=0, scheduler_time=0.0
+    )
     summary = summarize(run)
     failed = [tr.error for tr in traces if tr.error is not None]
     summary.update(itl_s=percentiles(itl), failed=len(failed), errors=sorted(set(failed))[:5], url=url, model=model)

@@ -84,7 +84,7 @@ def make_workload(
     return reqs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestResult:
     rid: str
     prompt_tokens: int
@@ -111,7 +111,7 @@ class RequestResult:
         return (self.finish - self.first_token) / (self.output_tokens - 1)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunResult:
     name: str
     requests: list[RequestResult]
