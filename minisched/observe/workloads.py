@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from minisched.sched.req import SamplingParams
+from minisched.sched.req import Req, SamplingParams
 
 WORKLOADS = ("mixed", "shared-prefix", "long-prompt", "poisson")
 TOKEN_RANGE = (1000, 20000)  # ordinary BPE tokens in SmolLM2's (and most) vocabularies
@@ -178,7 +178,8 @@ def run_workload(
         raise ValueError(f"mode must be 'continuous' or 'static', got {mode!r}")
     pending = sorted(workload, key=lambda r: r.arrival)
     queue: list[BenchRequest] = []
-    reqs, results = {}, {}
+    reqs: dict[str, Req] = {}
+    results: dict[str, Req] = {}
     retract0, forward0 = engine.scheduler.snapshot().retractions, engine.runner.forward_time
     start = time.monotonic()
 
@@ -189,7 +190,7 @@ def run_workload(
             # and its arrival event (the report's Gantt bar) says so as well.
             reqs[br.rid] = engine.add_request(list(br.prompt_ids), sp, rid=br.rid, arrival_time=start + br.arrival)
 
-    interrupted, step_times = False, []
+    interrupted, step_times = False, list[float]()
     try:
         _replay(engine, pending, queue, mode, static_batch, admit, results, start, progress, len(workload), step_times)
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, abort the rest (their pages come back)
