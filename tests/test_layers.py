@@ -6,6 +6,10 @@ scheduler is plain Python (no torch, no kernels), so it may import only base. Ev
 at module level, inside a function (a lazy import) and under `if TYPE_CHECKING:` (a dependency for a
 reader and for import-linter as much as any other). The modules of minisched import each other without a
 cycle. Tests import shared code from tests/helpers/, never another test module or a conftest.py.
+
+The scheduler is sealed: outside minisched/sched/ no module reads a Scheduler's queues, pool, tree or
+records, nor any object's `_private` field (collaborators use public methods), and inside it only
+scheduler.py moves a request between queues or sets its status.
 """
 
 from __future__ import annotations
@@ -258,3 +262,147 @@ def test_tests_do_not_import_each_other():
     assert not bad, "tests import test modules or conftest (move the shared code to tests/helpers/):\n" + "\n".join(
         sorted(set(bad), key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
     )
+
+
+# -- the scheduler's seal ----------------------------------------------------------------------------------
+
+# A Scheduler's own state (minisched/sched/scheduler.py): outside minisched/sched/ it is read through the
+# scheduler's public methods (snapshot, records, drain_records, flush_cache, get, ...), never directly.
+SCHEDULER_STATE = {
+    "waiting",
+    "running",
+    "chunked_req",
+    "pool",
+    "tree",
+    "forks",
+    "policy",
+    "events",
+    "step_stats",
+    "reqs",
+    "in_flight",
+    "speculator",
+    "unrun_loads",
+    "new_token_ratio",
+    "prefill_rounds",
+    "stalled",
+    "step_count",
+    "num_retracted",
+}
+SCHEDULER_NAMES = {"sched", "scheduler"}  # what a scheduler is called: a variable or an attribute
+# `_private` attributes of another object that are a library's documented call, not its state
+PUBLIC_UNDERSCORE = {"_exit"}  # os._exit: how a forked child leaves without running the parent's cleanup
+
+
+def names_a_scheduler(node: ast.expr, aliases: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in SCHEDULER_NAMES or node.id in aliases
+    return isinstance(node, ast.Attribute) and node.attr in SCHEDULER_NAMES
+
+
+def seal_breaks(path: Path, root: Path = ROOT) -> list[str]:
+    """`x.<scheduler state>` where x names a scheduler (`sched`, `...scheduler`, or a name bound to one or to
+    `Scheduler(...)`), and `x._private` where x is not `self` / `cls` (another object's private field)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            made = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Scheduler"
+            if made or names_a_scheduler(value, set()):
+                aliases.add(node.targets[0].id)
+    bad = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        where = f"  {path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}"
+        if node.attr in SCHEDULER_STATE and names_a_scheduler(node.value, aliases):
+            bad.append(where + "  (a scheduler's state)")
+        private = node.attr.startswith("_") and not node.attr.startswith("__")
+        own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        if private and not own and node.attr not in PUBLIC_UNDERSCORE:
+            bad.append(where + "  (another object's private field)")
+    return bad
+
+
+def test_the_scheduler_is_sealed():
+    """No module outside minisched/sched/ reads a scheduler's queues, pool, tree or records, nor any module
+    another object's `_private` field: collaborators use public methods."""
+    bad = [line for module, path in MODULES.items() if layer_of(module) != "sched" for line in seal_breaks(path)]
+    assert not bad, "reads of a scheduler's state or of another object's private field:\n" + "\n".join(bad)
+
+
+def test_the_seal_check_sees_aliases_and_private_fields(tmp_path):
+    src = (
+        "def f(engine, other):\n    s = engine.scheduler\n    a = s.waiting\n    b = engine.scheduler.events\n"
+        "    c = other._hidden\n    d = self._mine\n    e = s.snapshot().running\n    os._exit(0)\n"
+        "    q = Scheduler(cfg)\n    q.tree.evict(1)\n"
+    )
+    (tmp_path / "x.py").write_text(src)
+    got = [line.split(": ", 1)[1] for line in seal_breaks(tmp_path / "x.py", tmp_path)]
+    assert got == [
+        "s.waiting  (a scheduler's state)",
+        "engine.scheduler.events  (a scheduler's state)",
+        "other._hidden  (another object's private field)",
+        "q.tree  (a scheduler's state)",
+    ]
+
+
+# A request's status and its queue change together, in one place: the Scheduler's methods (scheduler.py).
+QUEUE_FIELDS = {"waiting", "running", "chunked_req", "limbo", "status", "place"}
+MOVES = {"append", "remove", "insert", "pop", "clear", "extend"}
+MOVER = PACKAGE / "sched" / "scheduler.py"
+
+
+def queue_writes(path: Path, root: Path = ROOT) -> list[str]:
+    """Assignments to another object's queue or status field (`x.waiting = ...`, `x.running[:0] = ...`,
+    `x.status = ...`) and calls that change a queue in place (`x.running.remove(r)`); `self.<field>` is a
+    class's own and not counted."""
+    bad = []
+
+    def field_of(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Attribute) and node.attr in QUEUE_FIELDS:
+            own = isinstance(node.value, ast.Name) and node.value.id == "self"
+            return None if own else node.attr
+        return None
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [t for tgt in node.targets for t in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MOVES:
+            targets = [node.func.value]
+        for t in targets:
+            if field_of(t) is not None:
+                bad.append(
+                    (node.lineno, f"  {path.relative_to(root)}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+                )
+    return [line for _, line in sorted(bad)]
+
+
+def test_only_the_scheduler_moves_requests():
+    """Outside scheduler.py no module writes a request's status or a scheduler queue: batch_builder.py,
+    retraction.py and preemption.py call the Scheduler's methods (admit, carry, retract, end), which keep
+    `Req.place` and the status in step (docs/architecture.md, "The scheduler's surface")."""
+    bad = [line for path in MODULES.values() if path != MOVER for line in queue_writes(path)]
+    assert not bad, "a request moved or its status set outside the Scheduler:\n" + "\n".join(bad)
+
+
+def test_the_queue_check_sees_each_kind_of_write(tmp_path):
+    src = (
+        "def f(sched, req, adder):\n    sched.waiting = []\n    sched.running.remove(req)\n"
+        "    sched.waiting[:0] = [req]\n    req.status = 1\n    carried, sched.chunked_req = sched.chunked_req, None\n"
+        "    self.running = []\n    n = len(sched.running)\n    adder.can_run.append(req)\n"
+    )
+    (tmp_path / "x.py").write_text(src)
+    got = [line.split(": ", 1)[1] for line in queue_writes(tmp_path / "x.py", tmp_path)]
+    assert got == [
+        "sched.waiting = []",
+        "sched.running.remove(req)",
+        "sched.waiting[:0] = [req]",
+        "req.status = 1",
+        "carried, sched.chunked_req = (sched.chunked_req, None)",
+    ]

@@ -111,7 +111,7 @@ def pct(xs: list[int], q: float) -> int:
 
 
 def prefill_tokens(sched: Scheduler) -> int:
-    return sum(s.num_prefill_tokens for s in sched.step_stats)
+    return sum(s.num_prefill_tokens for s in sched.records().step_stats)
 
 
 # -- scenarios --------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def retraction(eos: bool = True, **kw) -> dict:
             d.add(f"r{i}", prompt, rng.randint(256, 1024))
     done = d.drain()
     unique = sum(len(r.prompt_ids) for r in d.reqs.values())
-    st = d.sched.step_stats
+    st = d.sched.records().step_stats
     decode_steps = sum(1 for s in st if s.num_decode_tokens)
     return {
         "retractions": sum(s.num_retracted for s in st),

@@ -119,7 +119,7 @@ def bench_radix(n_reqs: int, seed: int = 0) -> dict:
     for q in queries:
         tree.match_prefix(q)
     w_match, c_match = time.perf_counter() - w0, time.thread_time() - c0
-    nodes = sum(1 for _ in tree._iter_nodes())
+    nodes = sum(1 for _ in tree.iter_nodes())
     cached = tree.total_pages
     w0, c0 = time.perf_counter(), time.thread_time()
     tree.evict(1000)

@@ -68,7 +68,7 @@ def main() -> None:
         for r in range(args.rounds):
             for graph in (False, True) if r % 2 == 0 else (True, False):
                 eng = engines[graph]
-                eng.scheduler.pool.free(eng.scheduler.tree.evict(eng.sched_config.num_pages))
+                eng.scheduler.flush_cache()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 outs = eng.generate(prompts, sp)

@@ -47,7 +47,7 @@ def chats(n: int, turns: int, vocab: int, seed: int = 0) -> list[list[list[int]]
 
 def run_chats(engine: Engine, rounds) -> dict:
     sp = SamplingParams(max_new_tokens=OUT, ignore_eos=True)
-    engine.scheduler.step_stats.clear()
+    engine.scheduler.drain_records()
     t0, outs = time.perf_counter(), []
     for ps in rounds:
         outs += engine.generate(ps, sp)
@@ -57,7 +57,7 @@ def run_chats(engine: Engine, rounds) -> dict:
     ttft = sorted(o.ttft for o in outs)
     return {
         "seconds": dt,
-        "prefill_tokens": sum(s.num_prefill_tokens for s in engine.scheduler.step_stats),
+        "prefill_tokens": sum(s.num_prefill_tokens for s in engine.scheduler.records().step_stats),
         "prompt_tokens": prompt,
         "cache_hit_rate": cached / prompt,
         "ttft_p50": statistics.median(ttft),
@@ -74,10 +74,10 @@ def run_retraction(engine: Engine) -> dict:
 
     rng = random.Random(1)
     ps = [[rng.randrange(3, hi) for _ in range(64)] for _ in range(24)]
-    engine.scheduler.step_stats.clear()
+    engine.scheduler.drain_records()
     t0 = time.perf_counter()
     outs = engine.generate(ps, SamplingParams(max_new_tokens=48, ignore_eos=True))
-    stats = engine.scheduler.step_stats
+    stats = engine.scheduler.records().step_stats
     return {
         "seconds": time.perf_counter() - t0,
         "steps": len(stats),

@@ -56,8 +56,7 @@ def timed(engine: Engine) -> list:
 
 
 def one_run(engine: Engine, spans: list, prompts: list[list[int]], sp: SamplingParams) -> dict:
-    sched = engine.scheduler
-    sched.pool.free(sched.tree.evict(sched.config.num_pages))  # cache-cold: every run computes the same
+    engine.scheduler.flush_cache()  # cache-cold: every run computes the same
     spans.clear()
     steps0 = len(engine.step_times)
     t0 = time.perf_counter()

@@ -43,13 +43,13 @@ def pct(xs: list[float], q: float) -> float:
 
 def one_run(engine: Engine, args, prio: bool, seed: int) -> dict:
     sched = engine.scheduler
-    sched.pool.free(sched.tree.evict(sched.config.num_pages))
+    sched.flush_cache()
     rng = random.Random(seed)
     vocab = min(engine.cfg.vocab_size, 30000)
     low_prio = 5 if prio else 0
     hp_sp = SamplingParams(max_new_tokens=args.hp_new, ignore_eos=True, priority=-1 if prio else 0)
     low, urgent, arrived, first = [], [], {}, {}
-    e0 = len(sched.events)
+    sched.drain_records()
     t0, tokens0, step = time.perf_counter(), 0, 0
 
     def record() -> None:
@@ -92,7 +92,7 @@ def one_run(engine: Engine, args, prio: bool, seed: int) -> dict:
         ttft_steps_p50=pct(steps, 0.5),
         ttft_steps_p99=pct(steps, 0.99),
         low_tok_s=low_tokens / window,
-        preemptions=sum(1 for e in sched.events[e0:] if e.note == "preempted"),
+        preemptions=sum(1 for e in sched.records().events if e.note == "preempted"),
         urgent=len(urgent),
     )
 

@@ -38,11 +38,11 @@ def loadavg() -> float:
 
 
 def run(engine: Engine, prompts, sampling, n: int) -> dict:
-    engine.scheduler.step_stats.clear()
+    engine.scheduler.drain_records()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sampling, n=n)
     dt = time.perf_counter() - t0
-    stats = engine.scheduler.step_stats
+    stats = engine.scheduler.records().step_stats
     return {
         "seconds": dt,
         "output_tokens": sum(len(o.token_ids) for o in outs),

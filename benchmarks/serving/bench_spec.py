@@ -77,10 +77,9 @@ def workloads(n: int) -> dict[str, list]:
 
 def one_run(engine: Engine, prompts: list, sp: SamplingParams) -> dict:
     sched = engine.scheduler
-    sched.pool.free(sched.tree.evict(sched.config.num_pages))  # cache-cold: every run computes the same
-    spec = sched.speculator
-    before = None if spec is None else (spec.stats.draft_tokens, spec.stats.accepted_tokens, spec.stats.verify_steps)
-    s0 = len(sched.step_stats)
+    sched.flush_cache()  # cache-cold: every run computes the same
+    sched.drain_records()
+    before = sched.snapshot().spec
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, sp) for p in prompts]
     while engine.has_work():
@@ -89,7 +88,7 @@ def one_run(engine: Engine, prompts: list, sp: SamplingParams) -> dict:
     outs = [engine.output_of(r) for r in reqs]
     first = min(r.first_token_time for r in reqs)
     decode_wall = max(r.finish_time for r in reqs) - first
-    stats = sched.step_stats[s0:]
+    stats = sched.records().step_stats
     tokens = sum(len(o.token_ids) for o in outs)
     decode_steps = sum(1 for s in stats if s.mode in ("decode", "verify", "mixed"))
     first_tokens = len(outs)  # each request's first token comes from its prefill
@@ -104,10 +103,11 @@ def one_run(engine: Engine, prompts: list, sp: SamplingParams) -> dict:
         verify_steps=0,
         ids=[o.token_ids for o in outs],
     )
+    spec = sched.snapshot().spec
     if spec is not None:
-        drafted = spec.stats.draft_tokens - before[0]
-        res["acceptance"] = (spec.stats.accepted_tokens - before[1]) / drafted if drafted else 0.0
-        res["verify_steps"] = spec.stats.verify_steps - before[2]
+        drafted = spec.draft_tokens - before.draft_tokens
+        res["acceptance"] = (spec.accepted_tokens - before.accepted_tokens) / drafted if drafted else 0.0
+        res["verify_steps"] = spec.verify_steps - before.verify_steps
         res["drafted"] = drafted
     return res
 

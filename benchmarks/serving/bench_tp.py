@@ -57,7 +57,7 @@ def run_batch(engine: Engine, threads: int, prompts, new_tokens: int, stats) -> 
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
-        s = engine.scheduler.step_stats[-1]
+        s = engine.scheduler.drain_records().step_stats[-1]
         comm = CommStats.delta(stats.snapshot(), before) if stats else {}
         steps.append(dict(mode=s.mode, tokens=s.num_prefill_tokens + s.num_decode_tokens, seconds=dt, comm=comm))
     return steps

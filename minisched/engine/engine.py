@@ -159,13 +159,16 @@ class Engine:
         rid: Optional[str] = None,
         chat: bool = False,
         priority: Optional[int] = None,
+        arrival_time: Optional[float] = None,
     ) -> Req:
         """Queue one request; raises InvalidRequest (a ValueError) if it can never run. `priority` (lower
-        is more urgent; with `priority_scheduling`) replaces `sampling.priority`."""
+        is more urgent; with `priority_scheduling`) replaces `sampling.priority`; `arrival_time`
+        (time.monotonic()) dates its arrival back (a replayed workload's scheduled arrival)."""
         if priority is not None:
             base = SamplingParams(**sampling) if isinstance(sampling, dict) else (sampling or SamplingParams())
             sampling = dataclasses.replace(base, priority=priority)
-        return self.add_choices(prompt, sampling, 1, rids=None if rid is None else [rid], chat=chat)[0]
+        rids = None if rid is None else [rid]
+        return self.add_choices(prompt, sampling, 1, rids=rids, chat=chat, arrival_time=arrival_time)[0]
 
     def add_choices(
         self,
@@ -175,6 +178,7 @@ class Engine:
         *,
         rids: Optional[Sequence[str]] = None,
         chat: bool = False,
+        arrival_time: Optional[float] = None,
     ) -> list[Req]:
         """Queue `n` choices of one prompt (OpenAI's `n`); returns their requests. For n > 1 the prompt
         is prefilled once (SGLang's parallel sampling): a prefill-only request goes first and the
@@ -194,9 +198,9 @@ class Engine:
         sampling = self._with_eos(sampling)
         gate = self.grammars.submit(sampling.grammar) if sampling.grammar is not None else None
         if n == 1:
-            return [self.scheduler.add_request(rids[0], ids, sampling, gate=gate)]
+            return [self.scheduler.add_request(rids[0], ids, sampling, gate=gate, arrival_time=arrival_time)]
         lead_sp = dataclasses.replace(sampling, max_new_tokens=0, logprobs=None, grammar=None)
-        lead = self.scheduler.add_request(f"{rids[0]}#prompt", ids, lead_sp)
+        lead = self.scheduler.add_request(f"{rids[0]}#prompt", ids, lead_sp, arrival_time=arrival_time)
         reqs = []
         try:
             for j, rid in enumerate(rids):
@@ -207,7 +211,12 @@ class Engine:
                 )
                 reqs.append(
                     self.scheduler.add_request(
-                        rid, ids, dataclasses.replace(sp, prompt_logprobs=None), after=lead, gate=gate
+                        rid,
+                        ids,
+                        dataclasses.replace(sp, prompt_logprobs=None),
+                        after=lead,
+                        gate=gate,
+                        arrival_time=arrival_time,
                     )
                 )
         except BaseException:
@@ -237,10 +246,8 @@ class Engine:
             self.last_error = exc
             done = self.scheduler.take_finished()
         finally:
-            if self.scheduler.unrun_loads:  # a failed step's host-tier loads: their nodes' pages must hold their K/V
-                loads, self.scheduler.unrun_loads = self.scheduler.unrun_loads, []
-                for handle, pages in loads:
-                    self.runner.kv_mover.to_device(handle, pages)
+            for handle, pages in self.scheduler.take_unrun_loads():  # a failed step's host-tier loads
+                self.runner.kv_mover.to_device(handle, pages)
             self.step_times.append((t0, time.monotonic()))
         return done
 
@@ -248,12 +255,11 @@ class Engine:
         """Requests whose grammar failed to compile end with an error; when nothing but compiling
         grammars is left to do, wait a little for one (instead of spinning)."""
         sched = self.scheduler
-        gated = [r for r in sched.waiting if r.gate is not None]
-        for r in gated:
+        for r in sched.gated_requests():
             if r.gate.done() and r.gate.exception() is not None:
                 sched.fail_waiting(r, f"the grammar failed to compile: {r.gate.exception()}")
-        pending = [r.gate for r in sched.waiting if not r.ready and r.gate is not None]
-        if pending and len(pending) == len(sched.waiting) and not sched.running and sched.chunked_req is None:
+        pending = sched.only_gated_work()
+        if pending:
             concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
 
     # -- stop strings and text --------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def _stream(engine: EngineSurface, outputs: list[Output], live: dict[str, tuple[
     for out in outputs:
         if out.error is not None:
             yield StreamChunk(out.index, out.rid, "", [], True, out, out.choice)
-    reqs = {rid: engine.scheduler.reqs[rid] for rid in live}
+    reqs = {rid: engine.scheduler.get(rid) for rid in live}
     detok = {
         rid: IncrementalDetokenizer(
             engine.tokenizer,

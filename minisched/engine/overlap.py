@@ -31,6 +31,7 @@ from minisched.engine.runner import ForwardJob, ModelRunner
 from minisched.sched.batch import Batch
 from minisched.sched.req import Req
 from minisched.sched.scheduler import Scheduler
+from minisched.sched.step_output import StepOutput
 
 
 class SkippedStep(RuntimeError):
@@ -46,7 +47,7 @@ class OverlapLoop:
         self._broken = False  # a job failed: the jobs queued behind it are skipped until `step` cleans up
         self.forward_times: list[tuple[float, float]] = []  # (start, end) of each forward on the worker
 
-    def _run(self, job: ForwardJob) -> list[int]:
+    def _run(self, job: ForwardJob) -> StepOutput:
         if self._broken:
             raise SkippedStep("a step before this one failed")
         t0 = time.perf_counter()

@@ -2,8 +2,10 @@
 
 The runner owns the KV pool tensor `kv_cache[L, 2, num_pages, page_size, Hkv, D]` (the scheduler
 owns the page bookkeeping) and the per-request random generators. It satisfies the scheduler's
-runner protocol: `forward(batch) -> list[int]`, one token per request in batch order (rows that
-are unfinished prompt chunks get 0: the scheduler ignores them, and they draw no random number).
+runner protocol: `forward(batch) -> StepOutput`, one token per request in batch order (rows that
+are unfinished prompt chunks get 0: the scheduler ignores them, and they draw no random number)
+and the log-probabilities the rows asked for. Every sampled row's token is drawn by `_sample_rows`,
+a plain step's and a VERIFY step's rows without drafts alike.
 
 Cascade decode (`cascade=True`): in a decode batch, requests whose page lists start with the
 same page (a shared radix-cache prefix, e.g. a common system prompt) form a group; the group's
@@ -71,9 +73,10 @@ def cascade_groups(page_lists: list[list[int]], kv_lens: list[int], page_size: i
 
 
 FUTURE_RING = 1 << 16  # placeholder-token slots (overlap): far more than the rows of the two batches in flight
+NO_SPANS = LogitsPlan(np.zeros(0, dtype=np.int64), None)  # a VERIFY step reads no prompt logprobs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ForwardJob:
     """One step's inputs, built by `prepare` on the scheduling thread. `execute` reads nothing else,
     so it may run on another thread while the scheduler changes its requests (overlap scheduling)."""
@@ -122,6 +125,7 @@ class ModelRunner:
         self.device = model.device
         self._generators: weakref.WeakKeyDictionary[Req, torch.Generator] = weakref.WeakKeyDictionary()
         self.num_forwards = 0
+        self.forward_time = 0.0  # seconds in `execute` (forward and sampling), summed over the steps
         self.num_cascade_steps = 0
         self._futures: Optional[torch.Tensor] = None  # overlap: tokens sampled for placeholder ids
         self.matchers = Matchers(model.cfg.vocab_size)  # structured outputs (engine/structured.py)
@@ -225,22 +229,22 @@ class ModelRunner:
                 else:
                     history.append(None)
         return ForwardJob(
-            input_ids,
-            meta,
-            batch.num_tokens,
-            batch.batch_size,
-            rows,
-            [r.sampling for r in reqs],
-            [self.generator_for(r) for r in reqs],
-            any(r.pending_ids for r in batch.reqs),
-            slots,
-            plan,
-            reqs,
-            batch.loads,
-            batch.copies,
-            history,
-            list(batch.drafts) if verify else None,
-            batch.qo_indptr().tolist() if verify else None,
+            input_ids=input_ids,
+            meta=meta,
+            num_tokens=batch.num_tokens,
+            batch_size=batch.batch_size,
+            rows=rows,
+            params=[r.sampling for r in reqs],
+            generators=[self.generator_for(r) for r in reqs],
+            has_futures=any(r.pending_ids for r in batch.reqs),
+            future_slots=slots,
+            plan=plan,
+            reqs=reqs,
+            loads=batch.loads,
+            copies=batch.copies,
+            history=history,
+            drafts=list(batch.drafts) if verify else None,
+            qo=batch.qo_indptr().tolist() if verify else None,
         )
 
     def _future_map(self) -> torch.Tensor:
@@ -248,14 +252,24 @@ class ModelRunner:
             self._futures = torch.zeros(FUTURE_RING, dtype=torch.int32, device=self.device)
         return self._futures
 
-    def execute(self, job: ForwardJob) -> list[int]:
+    def execute(self, job: ForwardJob) -> StepOutput:
         """Forward and sampling; one token per row (0 for rows that sample none). Placeholders in the
         inputs are swapped for the tokens earlier jobs sampled (they ran before this one, in order)."""
         self.num_forwards += 1
         tuner = self.thread_tuner
         if tuner is not None:
             tuner.before_step(job.num_tokens)
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        logits = self._run_forward(job)
+        out = self._verify(job, logits) if job.drafts is not None else self._sample(job, logits)
+        took = time.perf_counter() - t0
+        self.forward_time += took
+        if tuner is not None:
+            tuner.after_step(job.num_tokens, took)
+        return out
+
+    def _run_forward(self, job: ForwardJob) -> torch.Tensor:
+        """The job's host-tier loads and page copies, then the forward: the logits of its plan's rows."""
         for handle, pages in job.loads:  # host-tier hits back into their device pages, before anything reads them
             self.kv_mover.to_device(handle, pages)
         if job.copies:  # all layers, K and V, one launch
@@ -265,64 +279,71 @@ class ModelRunner:
         if job.has_futures:
             fut = self._future_map()
             input_ids = torch.where(input_ids < 0, fut[(-input_ids.long() - 1) % FUTURE_RING], input_ids)
-        tokens = [0] * job.batch_size
         graphs = self.cuda_graphs
         logits = graphs.run(input_ids, job.meta) if graphs is not None else None
-        if logits is None:
-            logits = self.run_model(input_ids, job.meta)
-        if job.drafts is not None:
-            out = self._verify(job, logits)
-            if tuner is not None:
-                tuner.after_step(job.num_tokens, time.perf_counter() - t0)
-            return out
-        plan, picked, sample_logits = job.plan, [], logits
-        if job.rows:
+        return self.run_model(input_ids, job.meta) if logits is None else logits
+
+    def _sample_rows(self, job: ForwardJob, logits: torch.Tensor, which: list[int], tokens: list[int]) -> list[int]:
+        """The one way a row's token is drawn: sampled rows `which` (indices into the job's sampled rows)
+        from `logits` (one row each, in that order): their history (placeholders resolved), grammar
+        masks, sampling, the grammars' acceptance; the tokens go to `tokens` at their batch rows."""
+        params = [job.params[i] for i in which]
+        history = None
+        if job.history:
+            history = [job.history[i] for i in which]
+            history = self._resolve_history(history) if job.has_futures else history
+        constrained = any(p.grammar is not None for p in params)
+        reqs = [job.reqs[i] for i in which] if constrained else []
+        masks = self.matchers.masks(reqs) if constrained else None
+        picked = sample(logits, params, [job.generators[i] for i in which], history, masks)
+        if constrained:
+            self.matchers.accept(reqs, picked)
+        for i, t in zip(which, picked):
+            tokens[job.rows[i]] = t
+        return picked
+
+    def _sample(self, job: ForwardJob, logits: torch.Tensor) -> StepOutput:
+        """A step without drafts: every sampled row's token at its plan row, and the logprobs asked for."""
+        plan, tokens, picked, sample_logits = job.plan, [0] * job.batch_size, [], logits
+        which = list(range(len(job.rows)))
+        if which:
             sample_logits = logits if plan.sample_at is None else logits[torch.tensor(plan.sample_at)]
-            history = self._resolve_history(job.history) if job.has_futures and job.history else job.history
-            constrained = any(p.grammar is not None for p in job.params)
-            masks = self.matchers.masks(job.reqs) if constrained else None
-            picked = sample(sample_logits, job.params, job.generators, history, masks)
-            if constrained:
-                self.matchers.accept(job.reqs, picked)
-            for b, t in zip(job.rows, picked):
-                tokens[b] = t
+            picked = self._sample_rows(job, sample_logits, which, tokens)
             if job.future_slots is not None:
                 self._future_map()[job.future_slots] = torch.tensor(picked, dtype=torch.int32, device=self.device)
-        ks = [p.logprobs for p in job.params]
-        out = StepOutput(tokens)
-        if plan.spans or any(k is not None for k in ks):
-            out = read_logprobs(logits, plan, sample_logits, job.rows, picked, ks, job.batch_size, tokens)
-        if tuner is not None:
-            tuner.after_step(job.num_tokens, time.perf_counter() - t0)
-        return out
+        return self._with_logprobs(job, logits, plan, sample_logits, which, picked, tokens)
+
+    def _with_logprobs(
+        self,
+        job: ForwardJob,
+        logits: torch.Tensor,
+        plan: LogitsPlan,
+        sample_logits: torch.Tensor,
+        which: list[int],
+        picked: list[int],
+        tokens: list[int],
+    ) -> StepOutput:
+        """The step's output: the tokens, and the logprobs rows `which` (sampled from `sample_logits`)
+        and the plan's prompt spans asked for."""
+        ks = [job.params[i].logprobs for i in which]
+        if not plan.spans and all(k is None for k in ks):
+            return StepOutput(tokens)
+        rows = [job.rows[i] for i in which]
+        return read_logprobs(logits, plan, sample_logits, rows, picked, ks, job.batch_size, tokens)
 
     def _verify(self, job: ForwardJob, logits: torch.Tensor) -> StepOutput:
-        """A VERIFY step (sched/spec.py): rows without drafts sample their token as a decode step does;
-        rows with drafts get their accepted run (`verify_drafts`: greedy, or the rejection rule)."""
+        """A VERIFY step (sched/spec.py; every row is sampled): rows without drafts sample their token as
+        a decode step does; rows with drafts get their accepted run (`verify_drafts`: greedy, or the
+        rejection rule)."""
         qo, drafts, n = job.qo, job.drafts, job.batch_size
         tokens, more = [0] * n, [[] for _ in range(n)]
         plain = [i for i in range(n) if not drafts[i]]
-        out = StepOutput(tokens, more_tokens=more)
+        out = StepOutput(tokens)
         if plain:
             sub = logits[torch.tensor([qo[i] for i in plain], device=logits.device)]
-            params = [job.params[i] for i in plain]
-            reqs = [job.reqs[i] for i in plain]
-            history = None
-            if job.history:
-                history = [job.history[i] for i in plain]
-                history = self._resolve_history(history) if job.has_futures else history
-            constrained = any(p.grammar is not None for p in params)
-            masks = self.matchers.masks(reqs) if constrained else None
-            picked = sample(sub, params, [job.generators[i] for i in plain], history, masks)
-            if constrained:
-                self.matchers.accept(reqs, picked)
-            for i, t in zip(plain, picked):
-                tokens[i] = t
-            ks = [p.logprobs for p in params]
-            if any(k is not None for k in ks):
-                empty = LogitsPlan(np.zeros(0, dtype=np.int64), None)
-                out = read_logprobs(logits, empty, sub, plain, picked, ks, n, tokens)
-                out.more_tokens = more
+            picked = self._sample_rows(job, sub, plain, tokens)
+            out = self._with_logprobs(job, logits, NO_SPANS, sub, plain, picked, tokens)
+        out.more_tokens = more
         drafted = [i for i in range(n) if drafts[i]]
         if drafted:
             runs = verify_drafts(

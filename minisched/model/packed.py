@@ -98,16 +98,16 @@ def pack_model(model: nn.Module) -> nn.Module:
             if not isinstance(w, torch.Tensor):
                 continue
             packed = PackedWeight(w)
-            del layer._parameters[name]
+            delattr(layer, name)  # (nn.Module: out of its parameters, so a module may take the name)
             setattr(layer, name, packed)
     if not isinstance(model.lm_head, (torch.Tensor, type(None))):
         return model
     if model.lm_head is None:  # tied: the head is the embedding
         packed = PackedWeight(model.embed)
-        del model._parameters["embed"]
+        del model.embed
         model.embed = packed
     else:
         packed = PackedWeight(model.lm_head)
-        del model._parameters["lm_head"]
+        del model.lm_head
     model.lm_head = packed
     return model

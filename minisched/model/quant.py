@@ -110,17 +110,15 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
             if k % 32:
                 raise ValueError(f"--quantize {cfg.mode}: {name} has {k} input channels, not a multiple of 32")
             q = _weight(w, cfg)
-            layer._parameters.pop(name, None)
-            layer._modules.pop(name, None)
+            delattr(layer, name)  # (nn.Module: a parameter or a module; the new weight may be either)
             setattr(layer, name, q)
     if _converted(model.lm_head, cfg):
         return model
     head = plain(model.embed if model.lm_head is None else model.lm_head).float()
     head_q = _weight(head, cfg)
     if isinstance(model.embed, PackedWeight):  # a packed tied model: the lookup needs its own fp32 table
-        model._modules.pop("embed")
+        del model.embed
         model.embed = nn.Parameter(head.clone(), requires_grad=False)
-    model._parameters.pop("lm_head", None)
-    model._modules.pop("lm_head", None)
+    del model.lm_head
     model.lm_head = head_q  # a tied model keeps its fp32 embedding for the lookup
     return model

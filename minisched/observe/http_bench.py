@@ -166,12 +166,20 @@ def run_http_bench(
         finish = tr.done - start if ok else None
         results.append(
             RequestResult(
-                br.rid, len(br.prompt_ids), tr.output_tokens if ok else 0, arrival, first, finish, tr.cached_tokens
+                rid=br.rid,
+                prompt_tokens=len(br.prompt_ids),
+                output_tokens=tr.output_tokens if ok else 0,
+                arrival=arrival,
+                first_token=first,
+                finish=finish,
+                cached_tokens=tr.cached_tokens,
             )
         )
         itl += [b - a for a, b in zip(tr.chunks, tr.chunks[1:])] if ok else []
         events += _events(br, tr, start)
-    run = RunResult(name, results, end - start, start, 0.0, 0, 0.0)
+    run = RunResult(
+        name=name, requests=results, duration=end - start, start=start, step_time=0.0, retractions=0, scheduler_time=0.0
+    )
     summary = summarize(run)
     failed = [tr.error for tr in traces if tr.error is not None]
     summary.update(itl_s=percentiles(itl), failed=len(failed), errors=sorted(set(failed))[:5], url=url, model=model)
@@ -191,25 +199,29 @@ def run_http_bench(
 def _events(br: BenchRequest, tr: _Trace, start: float) -> list[Event]:
     """The client's view of one request as lifecycle events (absolute times)."""
     n, arrival = len(br.prompt_ids), start + br.arrival
-    out = [Event(arrival, 0, br.rid, None, ReqStatus.WAITING, n, 0, 0, 0)]
+
+    def event(time, src, dst, output_len=0, kv_len=0, cached_len=0, note=""):
+        return Event(
+            time=time,
+            step=0,
+            rid=br.rid,
+            src=src,
+            dst=dst,
+            prompt_len=n,
+            output_len=output_len,
+            kv_len=kv_len,
+            cached_len=cached_len,
+            note=note,
+        )
+
+    out = [event(arrival, None, ReqStatus.WAITING)]
     if tr.error is not None:
         end = max(tr.first or arrival, tr.sent or arrival)
-        return out + [Event(end, 0, br.rid, ReqStatus.WAITING, ReqStatus.ABORTED, n, 0, 0, 0, "error")]
+        return out + [event(end, ReqStatus.WAITING, ReqStatus.ABORTED, note="error")]
     first = tr.first if tr.first is not None else tr.done
     out += [
-        Event(first, 0, br.rid, ReqStatus.WAITING, ReqStatus.PREFILLING, n, 0, 0, tr.cached_tokens),
-        Event(first, 0, br.rid, ReqStatus.PREFILLING, ReqStatus.RUNNING, n, 1, n, tr.cached_tokens),
-        Event(
-            tr.done,
-            0,
-            br.rid,
-            ReqStatus.RUNNING,
-            ReqStatus.FINISHED,
-            n,
-            tr.output_tokens,
-            n,
-            tr.cached_tokens,
-            tr.finish_reason,
-        ),
+        event(first, ReqStatus.WAITING, ReqStatus.PREFILLING, cached_len=tr.cached_tokens),
+        event(first, ReqStatus.PREFILLING, ReqStatus.RUNNING, 1, n, tr.cached_tokens),
+        event(tr.done, ReqStatus.RUNNING, ReqStatus.FINISHED, tr.output_tokens, n, tr.cached_tokens, tr.finish_reason),
     ]
     return out

@@ -129,10 +129,11 @@ class RunRecord:
         own config is added under config["scheduler"] unless the caller already put one there."""
         config = dict(config or {})
         config.setdefault("scheduler", dataclasses.asdict(scheduler.config))
+        records = scheduler.records()
         return cls.from_events(
             name,
-            scheduler.events,
-            scheduler.step_stats,
+            records.events,
+            records.step_stats,
             scheduler.config.num_pages,
             scheduler.config.page_size,
             config,

@@ -16,7 +16,9 @@ fixed seed, outputs forced to their length (`ignore_eos`):
   static      the baseline: when the engine is idle, the requests that have arrived (up to
               `static_batch`) form a batch that runs until all of them finish; nothing joins it
 
-Latencies are measured from each request's scheduled arrival (queueing included).
+Both step the `Engine` (`Engine.step`: overlap scheduling, grammars and host-tier loads as when
+serving). Latencies are measured from each request's scheduled arrival (queueing included:
+`Engine.add_request(arrival_time=)` dates the request and its arrival event back).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from minisched.sched.req import SamplingParams
+from minisched.sched.req import Req, SamplingParams
 
 WORKLOADS = ("mixed", "shared-prefix", "long-prompt", "poisson")
 TOKEN_RANGE = (1000, 20000)  # ordinary BPE tokens in SmolLM2's (and most) vocabularies
@@ -82,7 +84,7 @@ def make_workload(
     return reqs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestResult:
     rid: str
     prompt_tokens: int
@@ -109,15 +111,15 @@ class RequestResult:
         return (self.finish - self.first_token) / (self.output_tokens - 1)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunResult:
     name: str
     requests: list[RequestResult]
     duration: float
     start: float  # time.monotonic() at the start
-    step_time: float  # seconds inside model forward steps (engine.step)
+    step_time: float  # seconds inside engine steps (engine.step)
     retractions: int
-    scheduler_time: float  # seconds in the scheduler (get_next_batch + process_batch_result)
+    scheduler_time: float  # of those, the seconds outside the runner's forward and sampling
     interrupted: bool = False  # Ctrl-C ended the run early: unfinished requests were aborted
 
     def summary(self) -> dict:
@@ -162,20 +164,6 @@ def summarize(run: RunResult) -> dict:
     }
 
 
-class _TimedScheduler:
-    """Wraps the runner so time inside the model forward is separated from scheduler time."""
-
-    def __init__(self, runner):
-        self.runner, self.forward_time = runner, 0.0
-
-    def forward(self, batch):
-        t = time.monotonic()
-        try:
-            return self.runner.forward(batch)
-        finally:
-            self.forward_time += time.monotonic() - t
-
-
 def run_workload(
     engine,
     workload: list[BenchRequest],
@@ -190,29 +178,21 @@ def run_workload(
         raise ValueError(f"mode must be 'continuous' or 'static', got {mode!r}")
     pending = sorted(workload, key=lambda r: r.arrival)
     queue: list[BenchRequest] = []
-    reqs, results = {}, {}
-    timed = _TimedScheduler(engine.runner)
-    sched = engine.scheduler
-    retract0 = sum(s.num_retracted for s in sched.step_stats)
+    reqs: dict[str, Req] = {}
+    results: dict[str, Req] = {}
+    retract0, forward0 = engine.scheduler.snapshot().retractions, engine.runner.forward_time
     start = time.monotonic()
 
     def admit(items):
         for br in items:
             sp = SamplingParams(max_new_tokens=br.max_new_tokens, ignore_eos=True)
-            req = engine.add_request(list(br.prompt_ids), sp, rid=br.rid)
-            # Latencies count from the scheduled arrival: a request due while a step ran waited
-            # for it, and its arrival event (the report's Gantt bar) says so as well.
-            req.arrival_time = start + br.arrival
-            ev = sched.events[-1]
-            if ev.rid == req.rid and ev.src is None:
-                sched.events[-1] = dataclasses.replace(ev, time=req.arrival_time)
-            reqs[br.rid] = req
+            # Latencies count from the scheduled arrival: a request due while a step ran waited for it,
+            # and its arrival event (the report's Gantt bar) says so as well.
+            reqs[br.rid] = engine.add_request(list(br.prompt_ids), sp, rid=br.rid, arrival_time=start + br.arrival)
 
-    interrupted, step_times = False, []
+    interrupted, step_times = False, list[float]()
     try:
-        _replay(
-            sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, len(workload), step_times
-        )
+        _replay(engine, pending, queue, mode, static_batch, admit, results, start, progress, len(workload), step_times)
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, abort the rest (their pages come back)
         interrupted = True
         for rid in list(reqs):
@@ -226,52 +206,59 @@ def run_workload(
         rel = lambda t: None if t is None else t - start  # noqa: E731
         out.append(
             RequestResult(
-                br.rid,
-                len(br.prompt_ids),
-                len(req.output_ids) if req else 0,
-                br.arrival,
-                rel(req.first_token_time) if req else None,
-                rel(req.finish_time) if req else None,
-                req.cache_hit_tokens if req else 0,
-                req.num_retractions if req else 0,
-                list(req.output_ids) if req else [],
+                rid=br.rid,
+                prompt_tokens=len(br.prompt_ids),
+                output_tokens=len(req.output_ids) if req else 0,
+                arrival=br.arrival,
+                first_token=rel(req.first_token_time) if req else None,
+                finish=rel(req.finish_time) if req else None,
+                cached_tokens=req.cache_hit_tokens if req else 0,
+                num_retractions=req.num_retractions if req else 0,
+                output_ids=list(req.output_ids) if req else [],
             )
         )
-    retractions = sum(s.num_retracted for s in sched.step_stats) - retract0
     return RunResult(
-        name or mode, out, duration, start, step_time, retractions, step_time - timed.forward_time, interrupted
+        name=name or mode,
+        requests=out,
+        duration=duration,
+        start=start,
+        step_time=step_time,
+        retractions=engine.scheduler.snapshot().retractions - retract0,
+        scheduler_time=step_time - (engine.runner.forward_time - forward0),
+        interrupted=interrupted,
     )
 
 
 def _replay(
-    sched, timed, pending, queue, mode, static_batch, admit, results, start, progress, total, step_times: list
+    engine, pending, queue, mode, static_batch, admit, results, start, progress, total, step_times: list
 ) -> None:
-    while pending or queue or sched.has_work():
+    while pending or queue or engine.has_work():
         now = time.monotonic() - start
         while pending and pending[0].arrival <= now:
             queue.append(pending.pop(0))
         if mode == "continuous" and queue:
             admit(queue)
             queue = []
-        elif mode == "static" and queue and not sched.has_work():
+        elif mode == "static" and queue and not engine.has_work():
             admit(queue[:static_batch])
             queue = queue[static_batch:]
-        if not sched.has_work():
+        if not engine.has_work():
             if pending:
                 time.sleep(max(0.0, min(pending[0].arrival - (time.monotonic() - start), 0.05)))
             continue
         t = time.monotonic()
-        for req in sched.step(timed):
+        for req in engine.step():
             results[req.rid] = req
         step_times.append(time.monotonic() - t)
         if progress is not None:
+            snap = engine.scheduler.snapshot()
             progress(
                 {
                     "elapsed": time.monotonic() - start,
                     "done": len(results),
                     "total": total,
-                    "running": len(sched.running),
-                    "waiting": len(sched.waiting) + len(queue) + len(pending),
+                    "running": snap.running,
+                    "waiting": snap.waiting + len(queue) + len(pending),
                 }
             )
 

@@ -35,7 +35,7 @@ class ForwardMode(enum.Enum):
     VERIFY = "verify"  # decode requests, each with its draft tokens (extend_len 1 + drafts)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Batch:
     mode: ForwardMode
     reqs: list[Req]
@@ -90,9 +90,6 @@ class Batch:
         out = np.zeros(len(self.reqs) + 1, dtype=np.int32)
         np.cumsum(self.extend_lens, out=out[1:])
         return out
-
-    def seq_lens(self) -> np.ndarray:
-        return np.asarray([p + e for p, e in zip(self.prefix_lens, self.extend_lens)], dtype=np.int32)
 
     def out_slots(self) -> np.ndarray:
         ps, parts, single = self.page_size, [], []

@@ -19,16 +19,13 @@ Pure Python.
 
 from __future__ import annotations
 
-import time
-
 from minisched.base.values import cdiv
 from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.deferral import InBatchPrefixes
-from minisched.sched.policy import take_admitted
 from minisched.sched.prefill_adder import PrefillAdder
 from minisched.sched.queues import Queues
-from minisched.sched.req import Req, ReqStatus
+from minisched.sched.req import Req
 from minisched.sched.retraction import make_room_for_decode
 
 
@@ -76,21 +73,21 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
     mixed = len(sched.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
     adder = PrefillAdder(
-        sched.pool,
-        sched.tree,
-        sched.new_token_ratio,
-        cfg.max_prefill_tokens,
-        cfg.chunk_size,
-        cfg.max_running_requests - len(sched.running),
-        sched.running,
-        cfg.clip_max_new_tokens_estimation,
-        mixed,
-        defer,
+        pool=sched.pool,
+        tree=sched.tree,
+        new_token_ratio=sched.new_token_ratio,
+        rem_input_tokens=cfg.max_prefill_tokens,
+        rem_chunk_tokens=cfg.chunk_size,
+        max_new_reqs=cfg.max_running_requests - len(sched.running),
+        running=sched.running,
+        clip_estimate=cfg.clip_max_new_tokens_estimation,
+        mixed_decode_tokens=mixed,
+        defer=defer,
         forks=sched.forks,
     )
-    carried, sched.chunked_req = sched.chunked_req, None
+    carried = sched.take_carried()
     if carried is not None and not adder.add_chunked_req(carried):
-        sched.chunked_req = carried  # its pages do not fit yet: decode first
+        sched.carry(carried)  # its pages do not fit yet: decode first
         return None, 0, None
     if adder.new_chunked_req is None and sched.waiting:
         # a request preempted while its row is in a launched batch waits for that batch to resolve
@@ -107,20 +104,21 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
             preemption.preempt(sched, adder, victims)
             admitted += adder.add_waiting(ready[ready.index(head) :])
         if admitted:
-            sched.waiting = take_admitted(
-                sched.waiting, admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs"
-            )
-            now = time.monotonic()
-            for req in admitted:
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                sched.set_status(req, ReqStatus.PREFILLING)
-    sched.chunked_req = adder.new_chunked_req
+            sched.admit(admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs")
+    sched.carry(adder.new_chunked_req)
     if not adder.can_run:
         adder.finish()
         return None, adder.cache_hit_tokens, None
-    batch = Batch(ForwardMode.PREFILL, adder.can_run, adder.prefix_lens, adder.extend_lens, cfg.page_size)
-    batch.loads, batch.copies, batch.free_after = adder.loads, adder.copies, adder.free_after
+    batch = Batch(
+        mode=ForwardMode.PREFILL,
+        reqs=adder.can_run,
+        prefix_lens=adder.prefix_lens,
+        extend_lens=adder.extend_lens,
+        page_size=cfg.page_size,
+        loads=adder.loads,
+        copies=adder.copies,
+        free_after=adder.free_after,
+    )
     return batch, adder.cache_hit_tokens, adder
 
 
@@ -130,17 +128,18 @@ def mix(sched: Queues, batch: Batch) -> Batch:
     if not decode_fits(sched) or not sched.pool.alloc_for_decode(running):
         return batch
     n = len(running)
-    mixed = Batch(
-        ForwardMode.MIXED,
-        batch.reqs + running,
-        batch.prefix_lens + [r.kv_len for r in running],
-        batch.extend_lens + [1] * n,
-        batch.page_size,
-        batch.sampled + [True] * n,
-        n,
+    return Batch(
+        mode=ForwardMode.MIXED,
+        reqs=batch.reqs + running,
+        prefix_lens=batch.prefix_lens + [r.kv_len for r in running],
+        extend_lens=batch.extend_lens + [1] * n,
+        page_size=batch.page_size,
+        sampled=batch.sampled + [True] * n,
+        num_decode=n,
+        loads=batch.loads,
+        copies=batch.copies,
+        free_after=batch.free_after,
     )
-    mixed.loads, mixed.copies, mixed.free_after = batch.loads, batch.copies, batch.free_after
-    return mixed
 
 
 def decode_batch(sched: Queues, n_retracted: int) -> Batch:
@@ -155,13 +154,16 @@ def decode_batch(sched: Queues, n_retracted: int) -> Batch:
     spec = sched.speculator
     ks = spec.lengths(reqs, cfg.max_context_len) if spec is not None and not sched.in_flight.launched else None
     drafts = draft(sched, reqs, ks) if ks is not None else None
-    if not drafts:
-        return Batch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1] * n, cfg.page_size, [True] * n, n)
-    batch = Batch(
-        ForwardMode.VERIFY, reqs, [r.kv_len for r in reqs], [1 + len(d) for d in drafts], cfg.page_size, [True] * n, n
+    return Batch(
+        mode=ForwardMode.VERIFY if drafts else ForwardMode.DECODE,
+        reqs=reqs,
+        prefix_lens=[r.kv_len for r in reqs],
+        extend_lens=[1 + len(d) for d in drafts] if drafts else [1] * n,
+        page_size=cfg.page_size,
+        sampled=[True] * n,
+        num_decode=n,
+        drafts=drafts or [],
     )
-    batch.drafts = drafts
-    return batch
 
 
 def draft(sched: Queues, reqs: list[Req], ks: list[int]) -> list[list[int]] | None:

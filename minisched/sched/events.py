@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from minisched.sched.req import ReqStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Event:
     time: float
     step: int
@@ -26,7 +26,7 @@ class Event:
     note: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepStats:
     step: int
     time: float

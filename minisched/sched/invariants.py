@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from minisched.base.values import cdiv
 from minisched.sched.queues import Queues
-from minisched.sched.req import ReqStatus
+from minisched.sched.req import Place, ReqStatus
 
 
 def check_scheduler(sched: Queues) -> None:
@@ -23,19 +23,20 @@ def check_scheduler(sched: Queues) -> None:
     assert not flight.aborted, "aborts pending with no batch built"
     tree, cfg = sched.tree, sched.config
     queues = [
-        (sched.waiting, ReqStatus.WAITING),
-        (sched.running, ReqStatus.RUNNING),
-        ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING),
-        (flight.limbo, None),
+        (sched.waiting, ReqStatus.WAITING, Place.WAITING),
+        (sched.running, ReqStatus.RUNNING, Place.RUNNING),
+        ([sched.chunked_req] if sched.chunked_req else [], ReqStatus.PREFILLING, Place.CHUNKED),
+        (flight.limbo, None, Place.LIMBO),
     ]
-    assert sorted(id(r) for q, _ in queues for r in q) == sorted(map(id, sched.reqs.values())), (
+    assert sorted(id(r) for q, _, _ in queues for r in q) == sorted(map(id, sched.reqs.values())), (
         "live requests != waiting + running + chunked + limbo"
     )
     futures = flight.future_ids()
     locks: dict[int, int] = {}
     held: list[int] = []
-    for queue, status in queues:
+    for queue, status, place in queues:
         for r in queue:
+            assert r.place is place, f"{r.rid}: place {r.place} in the {place.value} queue"
             assert all(f in futures for f in r.pending_ids), f"{r.rid}: a placeholder no launched batch computes"
             if status is None:  # limbo: a finished prompt or a token at the length limit is being computed
                 assert r.status in (ReqStatus.RUNNING, ReqStatus.PREFILLING), f"{r.rid}: {r.status} in limbo"

@@ -92,10 +92,10 @@ def plan(sched: Queues, adder: PrefillAdder, head: Req) -> list[Req]:
     key = head.fill_ids if head.output_ids else head.prompt_ids
     limit = head.seq_len - 1 if head.logits_from is None else min(head.seq_len - 1, head.logits_from)
     pages, node = tree.match_prefix(key, limit)
-    n, truncated = adder._chunk_len(head.seq_len - len(pages) * ps)
+    n, truncated = adder.chunk_len(head.seq_len - len(pages) * ps)
     if adder.can_run and n > adder.rem_input_tokens:
         return []  # the batch's input budget: not a question of room
-    need = (cdiv(len(pages) * ps + n, ps) - len(pages)) * ps + (0 if truncated else adder._future(head))
+    need = (cdiv(len(pages) * ps + n, ps) - len(pages)) * ps + (0 if truncated else adder.reserved_for(head))
     tree.inc_lock_ref(node)  # as add_one_req: the head's own prefix is not room
     short = need - adder.rem_total_tokens
     tree.dec_lock_ref(node)
@@ -112,7 +112,7 @@ def plan(sched: Queues, adder: PrefillAdder, head: Req) -> list[Req]:
             break
         chosen.append(v)
         slots_short -= 1
-        short -= (len(v.page_ids) - v.n_cached_pages) * ps + adder._future(v)
+        short -= (len(v.page_ids) - v.n_cached_pages) * ps + adder.reserved_for(v)
         nd = v.last_node
         while nd is not None and nd is not tree.root:  # cache nodes only the victims lock become evictable
             through[id(nd)] = through.get(id(nd), 0) + 1
@@ -125,12 +125,7 @@ def plan(sched: Queues, adder: PrefillAdder, head: Req) -> list[Req]:
 def preempt(sched: Queues, adder: PrefillAdder | None, victims: Sequence[Req]) -> None:
     """Retract `victims` (running, or the carried chunk) back to the waiting queue; the adder, if
     any, gets their reservations and slots back."""
-    for v in victims:
+    for k, v in enumerate(victims):
         if adder is not None:
             adder.release(v)
-        if v is sched.chunked_req:
-            sched.chunked_req = None
-        else:
-            sched.running.remove(v)
-        sched.retract(v, "preempted")
-    sched.waiting[:0] = victims
+        sched.retract(v, "preempted", at=k)

@@ -42,7 +42,7 @@ class AddResult(enum.Enum):
     OTHER = "other"  # batch full (input/chunk/request budget); stop
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PrefillAdder:
     pool: KVPool
     tree: RadixCache
@@ -76,7 +76,8 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= self.mixed_decode_tokens
 
-    def _future(self, req: Req) -> float:
+    def reserved_for(self, req: Req) -> float:
+        """The future decode tokens reserved for `req` (its remaining tokens, clipped, times the ratio)."""
         return min(req.remaining_new_tokens, self.clip_estimate) * self.new_token_ratio
 
     @property
@@ -149,7 +150,7 @@ class PrefillAdder:
         self._make_room(self.pool.pages_needed(req, n_tokens))
         return self.pool.alloc_for_extend(req, n_tokens)
 
-    def _chunk_len(self, extend: int) -> tuple[int, bool]:
+    def chunk_len(self, extend: int) -> tuple[int, bool]:
         """New tokens to run this round and whether the request is truncated."""
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             return extend, False
@@ -167,7 +168,7 @@ class PrefillAdder:
         if truncated:
             self.new_chunked_req = req
         else:
-            self.reserved += self._future(req)
+            self.reserved += self.reserved_for(req)
         if self.defer is not None:
             self.defer.add(req.fill_ids if req.output_ids else req.prompt_ids)
 
@@ -176,7 +177,7 @@ class PrefillAdder:
         extend = req.seq_len - req.kv_len
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
             return False
-        n, truncated = self._chunk_len(extend)
+        n, truncated = self.chunk_len(extend)
         if n <= 0 or not self._alloc(req, n):
             return False
         self._admit(req, req.kv_len, n, truncated)
@@ -224,7 +225,7 @@ class PrefillAdder:
         if self.defer is not None and self.defer.should_defer(key[: req.seq_len - 1], prefix):
             self._drop_source(source)
             return AddResult.DEFERRED
-        n, truncated = self._chunk_len(req.seq_len - prefix)
+        n, truncated = self.chunk_len(req.seq_len - prefix)
         if self.can_run and n > self.rem_input_tokens:
             self._drop_source(source)
             return AddResult.OTHER
@@ -232,7 +233,7 @@ class PrefillAdder:
         need_pages = cdiv(prefix + n, ps) - len(pages)  # the host hits need device pages too
         need_tokens = need_pages * ps
         if not truncated:
-            need_tokens += self._future(req)
+            need_tokens += self.reserved_for(req)
         first = not self.can_run and not self.running
         fits = need_tokens <= self.rem_total_tokens
         if not fits and not (first and need_pages <= self.pool.num_free + tree.evictable_pages + self._kept()):

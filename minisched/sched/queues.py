@@ -1,7 +1,9 @@
 """`Queues`: the Scheduler's state and public methods as its collaborators see them.
 
-batch_builder.py, retraction.py and invariants.py are functions over a `Queues`; the Scheduler
-implements it (scheduler.py). Pure Python.
+batch_builder.py, retraction.py, preemption.py and invariants.py are functions over a `Queues`; the
+Scheduler implements it (scheduler.py). They read the queues; they move a request between them (and
+change its status) only through the methods below, which keep `Req.place` and the status in step.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from minisched.sched.kv_pool import KVPool
 from minisched.sched.policy import SchedulePolicy
 from minisched.sched.radix_cache import RadixCache
 from minisched.sched.req import FinishReason, Req, ReqStatus
+from minisched.sched.spec import Speculator
 
 
 class Queues(Protocol):
@@ -32,11 +35,16 @@ class Queues(Protocol):
     stalled: int
     forks: ForkPages
     step_count: int
+    speculator: Speculator | None
 
-    def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None: ...
+    def admit(self, admitted: list[Req], aging: bool) -> None: ...
+
+    def take_carried(self) -> Req | None: ...
+
+    def carry(self, req: Req | None) -> None: ...
 
     def end(self, req: Req, kv_len: int, status: ReqStatus, reason: FinishReason) -> None: ...
 
-    def retract(self, req: Req, note: str = "") -> None: ...
+    def retract(self, req: Req, note: str = "", at: int = 0) -> None: ...
 
     def finished_early(self, req: Req) -> None: ...

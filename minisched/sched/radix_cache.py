@@ -75,7 +75,7 @@ class RadixCache:
         if len(heap) > 2 * (self.total_pages + self.host_nodes) + 1024:  # drop stale entries now and then
             keep = TreeNode.device_leaf if heap is self._heap else (lambda nd: not nd.pages and not nd.children)
             heap[:] = [
-                (nd.last_access, next(self._seq), nd) for nd in self._iter_nodes() if nd.lock_ref == 0 and keep(nd)
+                (nd.last_access, next(self._seq), nd) for nd in self.iter_nodes() if nd.lock_ref == 0 and keep(nd)
             ]
             heapq.heapify(heap)
 
@@ -247,6 +247,29 @@ class RadixCache:
                 self._push(parent)
         return freed
 
+    def flush(self) -> tuple[list[int], int]:
+        """Drop every unlocked node for good, on the device and on the host (no write-back): (the
+        device pages freed, the host pages dropped). A locked node's ancestors are locked too, so the
+        unlocked nodes are whole subtrees under locked nodes or the root."""
+        freed: list[int] = []
+        dropped = self.host.stats.dropped_pages if self.host is not None else 0
+        tops, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                (stack if child.lock_ref else tops).append(child)
+        for top in tops:
+            sub = [top]
+            for nd in sub:  # (grows while read: the whole subtree)
+                sub.extend(nd.children.values())
+                freed.extend(nd.pages)
+                self.evictable_pages -= len(nd.pages)
+                nd.pages = []
+            self._drop(top)
+        if self.host is not None:
+            dropped = self.host.stats.dropped_pages - dropped
+        return freed, dropped
+
     def _host_room(self, k: int, keep: TreeNode) -> bool:
         """Make room for k pages on the host by its LRU eviction (never `keep` or its ancestors)."""
         host = self.host
@@ -346,7 +369,8 @@ class RadixCache:
         req.last_node, req.n_cached_pages = node, n_full
 
     # -- inspection -----------------------------------------------------------
-    def _iter_nodes(self):
+    def iter_nodes(self):
+        """Every node but the root (depth first)."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -355,7 +379,7 @@ class RadixCache:
 
     def all_pages(self) -> list[int]:
         """Every device page the tree holds."""
-        return [p for nd in self._iter_nodes() for p in nd.pages]
+        return [p for nd in self.iter_nodes() for p in nd.pages]
 
     def path_pages(self, node: TreeNode) -> list[int]:
         chunks = []
@@ -368,7 +392,7 @@ class RadixCache:
         """Structural invariants, lock refs equal to `expected_locks` (id(node) -> count) when given,
         and the host tier's accounting; raises AssertionError."""
         ps, ev, pr, on_host = self.page_size, 0, 0, 0
-        for nd in self._iter_nodes():
+        for nd in self.iter_nodes():
             k = len(nd.key) // ps
             assert nd.key and len(nd.key) == k * ps, f"node key of {len(nd.key)} tokens is not whole pages"
             assert len(nd.pages) in (0, k), f"node of {k} pages holds {len(nd.pages)} device pages"

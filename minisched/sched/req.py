@@ -43,6 +43,17 @@ class ReqStatus(enum.Enum):
     ABORTED = "aborted"
 
 
+class Place(enum.Enum):
+    """Which of the scheduler's queues holds a live request. The Scheduler changes it, with the
+    status, in one place (`Scheduler._put` / `unlink`), so membership and status agree by construction."""
+
+    NONE = "none"  # not queued: being admitted into this step's batch, or ended
+    WAITING = "waiting"  # Scheduler.waiting (status WAITING)
+    RUNNING = "running"  # Scheduler.running (status RUNNING)
+    CHUNKED = "chunked"  # Scheduler.chunked_req, the carried chunked prefill (status PREFILLING)
+    LIMBO = "limbo"  # InFlight.limbo: at its length limit, ending when its launched batch resolves
+
+
 class FinishReason(enum.Enum):
     STOP_TOKEN = "stop_token"
     STOP_STR = "stop_str"
@@ -60,6 +71,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)  # placeholders of tokens still being computed
     status: ReqStatus = ReqStatus.WAITING
+    place: Place = Place.NONE  # the scheduler's queue that holds it (changed only by the Scheduler)
     finish_reason: FinishReason | None = None
     # KV state
     kv_len: int = 0

@@ -61,29 +61,28 @@ def stall_reason(req: Req, pool: KVPool, tree: RadixCache, steps: int) -> tuple[
 def make_room_for_decode(sched: Queues) -> int:
     """Evict, then retract until the next decode step's pages fit, then re-estimate
     new_token_ratio. Returns the number of retracted requests."""
-    pool, running, retracted = sched.pool, sched.running, []
+    pool, running, retracted = sched.pool, sched.running, list[Req]()
     while True:
         need = pool.decode_pages_needed(running)
         if need > pool.num_free:
             pool.free(sched.tree.evict(need - pool.num_free))
         if need <= pool.num_free:
             break
-        if len(running) == 1 and sched.chunked_req is None:
+        carried = sched.chunked_req
+        if len(running) == 1 and carried is None:
             # it alone outgrew the pool: only possible if pages leaked (arrival clips max_new_tokens)
             req = running[0]
             sched.end(req, req.kv_len, ReqStatus.FINISHED, FinishReason.LENGTH)
             sched.finished_early(req)
             break
-        if len(running) == 1:
-            victim, sched.chunked_req = sched.chunked_req, None
+        if len(running) == 1 and carried is not None:
+            victim = carried
         else:
             cfg = sched.config
             victim = pick_victim(running, sched.step_count, cfg.priority_aging_steps, cfg.priority_scheduling)
-            running.remove(victim)
-        sched.retract(victim)
+        sched.retract(victim, at=len(retracted))  # the retracted go to the queue's head, in this order
         retracted.append(victim)
     if retracted:
-        sched.waiting[:0] = retracted
         if running:
             sched.new_token_ratio = reestimate_ratio(running, sched.config.retract_decode_steps)
     return len(retracted)

@@ -9,13 +9,20 @@ Engine-facing API (pure Python; no torch):
         if batch is None:                         # nothing to run this step, but requests may
             finished = sched.take_finished()     # have ended while it was built (see below)
         else:
-            tokens = runner.forward(batch)        # one token per request, batch order
+            tokens = runner.forward(batch)        # one token per request, batch order (or a StepOutput)
             finished = sched.process_batch_result(batch, tokens)
     # or simply: finished = sched.step(runner)    # the same loop body
     sched.abort(rid)                              # any state; False if unknown/done
     sched.fail_in_flight("why")                   # the step raised: end the requests of every
                                                   # built or launched batch with FinishReason.ERROR
-    sched.events, sched.step_stats, sched.check_invariants()
+    sched.snapshot()                              # gauges and counters (snapshot.py)
+    sched.records(), sched.drain_records()        # events and step stats: copies, or handed over
+    sched.flush_cache()                           # empty the radix cache (device and host tier)
+    sched.get(rid), sched.check_invariants()
+
+Everything else (the queues, the pool, the tree) is the scheduler's own: collaborators in sched/
+see it through the `Queues` protocol (queues.py), nothing outside sched/ reads it
+(tests/test_layers.py checks that).
 
 One way through a step, overlapped or not (in_flight.py): a built batch is *launched* --
 `launch(batch)` advances the state as if its sampled tokens were known (each row's `kv_len`
@@ -61,6 +68,7 @@ are freed. `sched.reqs` maps rid -> live Req.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -74,10 +82,20 @@ from minisched.sched.forks import ForkPages
 from minisched.sched.in_flight import InFlight
 from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool
-from minisched.sched.policy import SchedulePolicy
+from minisched.sched.policy import SchedulePolicy, take_admitted
 from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import FinishReason, InvalidRequest, Req, ReqStatus, SamplingParams, finish_reason, new_request
+from minisched.sched.req import (
+    FinishReason,
+    InvalidRequest,
+    Place,
+    Req,
+    ReqStatus,
+    SamplingParams,
+    finish_reason,
+    new_request,
+)
 from minisched.sched.retraction import fail_stalled
+from minisched.sched.snapshot import CacheFlush, Records, SchedulerSnapshot
 from minisched.sched.spec import Drafter, Speculator
 from minisched.sched.step_output import StepOutput
 
@@ -87,7 +105,8 @@ LIVE = (ReqStatus.RUNNING, ReqStatus.PREFILLING)
 
 
 class ModelRunner(Protocol):
-    def forward(self, batch: Batch) -> list[int]: ...
+    def forward(self, batch: Batch) -> Sequence[int] | StepOutput:
+        """One token per row of `batch`, in batch order (a StepOutput also carries log-probabilities)."""
 
 
 class Scheduler:
@@ -117,6 +136,7 @@ class Scheduler:
         self.step_count = 0
         self.prefill_rounds = 0  # prefill-only rounds since the last decode
         self.stalled = 0  # consecutive steps with work but no batch
+        self.num_retracted = 0  # requests retracted for decode room so far (the step stats' sum)
         self._finished_early: list[Req] = []  # ended outside resolve, not reported yet
         self.unrun_loads: list = []  # host-tier loads of failed batches (fail_in_flight): the engine runs them
         self.speculator = (  # speculative decoding (spec.py): drafts verified in VERIFY batches
@@ -128,10 +148,19 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------
     def add_request(
-        self, rid: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *, after=None, gate=None
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        after=None,
+        gate=None,
+        arrival_time: float | None = None,
     ) -> Req:
         """`after`: a request this one waits for (n > 1: the prefill of the shared prompt); `gate`: a
-        future it waits for (a compiling grammar), holding no slot or page meanwhile."""
+        future it waits for (a compiling grammar), holding no slot or page meanwhile; `arrival_time`
+        (time.monotonic()): when it arrived, if before now (a replayed workload's scheduled arrival),
+        for its latencies and its arrival event."""
         cfg = self.config
         if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
@@ -145,9 +174,11 @@ class Scheduler:
             after.forks += 1
         req.arrival_seq, req.arrival_step = self._num_arrivals, self.step_count
         self._num_arrivals += 1
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         self.reqs[rid] = req
-        self.waiting.append(req)
-        self.record(req, None, ReqStatus.WAITING)
+        self._put(req, Place.WAITING)
+        self.record(req, None, ReqStatus.WAITING, at=arrival_time)
         return req
 
     def abort(self, rid: str) -> bool:
@@ -175,6 +206,68 @@ class Scheduler:
     def finished_early(self, req: Req) -> None:
         """`req` ended outside resolve: report it with the next finished list."""
         self._finished_early.append(req)
+
+    def get(self, rid: str) -> Req | None:
+        """The live request `rid`, or None (unknown or ended)."""
+        return self.reqs.get(rid)
+
+    def gated_requests(self) -> list[Req]:
+        """The waiting requests held by a gate (a compiling grammar), in queue order."""
+        return [r for r in self.waiting if r.gate is not None]
+
+    def only_gated_work(self) -> list:
+        """The gates (futures) of the waiting requests when every queued request waits for one and nothing
+        runs, so the caller may wait for a gate instead of spinning; else []."""
+        pending = [r.gate for r in self.waiting if not r.ready and r.gate is not None]
+        if pending and len(pending) == len(self.waiting) and not self.running and self.chunked_req is None:
+            return pending
+        return []
+
+    def take_unrun_loads(self) -> list:
+        """The host-tier loads of batches that failed (`fail_in_flight`), handed over once: the caller runs
+        them (a copy, harmless if they had run), so that their nodes' device pages hold their K/V."""
+        loads, self.unrun_loads = self.unrun_loads, []
+        return loads
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """Gauges and counters now (between steps)."""
+        pool, tree, host = self.pool, self.tree, self.tree.host
+        spec = self.speculator
+        return SchedulerSnapshot(
+            step=self.step_count,
+            running=len(self.running),
+            waiting=len(self.waiting) + (self.chunked_req is not None),
+            live=len(self.reqs),
+            pages_total=pool.num_pages,
+            pages_free=pool.num_free,
+            pages_cached=tree.total_pages,
+            pages_evictable=tree.evictable_pages,
+            new_token_ratio=self.new_token_ratio,
+            retractions=self.num_retracted,
+            host_pages_total=0 if host is None else host.capacity,
+            host_pages_used=0 if host is None else host.used,
+            host=None if host is None else dataclasses.replace(host.stats),
+            spec=None if spec is None else dataclasses.replace(spec.stats),
+        )
+
+    def records(self) -> Records:
+        """The events and step stats recorded since the last `drain_records` (copies)."""
+        return Records(events=tuple(self.events), step_stats=tuple(self.step_stats))
+
+    def drain_records(self) -> Records:
+        """The events and step stats recorded since the last drain, handed over: the scheduler keeps
+        none of them (a server running for days drains them to bound its memory)."""
+        out = self.records()
+        self.events.clear()
+        self.step_stats.clear()
+        return out
+
+    def flush_cache(self) -> CacheFlush:
+        """Empty the radix cache: every page no live request locks goes, on the device (back to the
+        pool) and on the host tier (dropped, not written back). Requests keep what they hold."""
+        pages, host_pages = self.tree.flush()
+        self.pool.free(pages)
+        return CacheFlush(device_pages=len(pages), host_pages=host_pages)
 
     def fail_waiting(self, req: Req, message: str) -> None:
         """End a waiting request with FinishReason.ERROR (its grammar failed to compile)."""
@@ -245,16 +338,15 @@ class Scheduler:
                 batch.draft_futures += more
                 continue
             if req.max_new_tokens == 0:  # prefill only: ends at resolve, without a token
-                flight.limbo.append(req)
+                self._put(req, Place.LIMBO)
                 continue
             req.pending_ids.append(fid)
             done = len(req.output_ids) + len(req.pending_ids) >= req.max_new_tokens or p + e + 1 >= max_ctx
             if req.status is ReqStatus.PREFILLING:
-                self.set_status(req, ReqStatus.RUNNING)
-                (flight.limbo if done else self.running).append(req)
+                self._set_status(req, ReqStatus.RUNNING)
+                self._put(req, Place.LIMBO if done else Place.RUNNING)
             elif done:
-                self.running.remove(req)
-                flight.limbo.append(req)
+                self._put(req, Place.LIMBO)
         batch.future_ids = futures
 
     def resolve(self, batch: Batch, next_token_ids: Sequence[int] | StepOutput) -> list[Req]:
@@ -325,7 +417,7 @@ class Scheduler:
                 keep = cdiv(req.kv_len, self.config.page_size)
                 self.pool.free(req.page_ids[keep:])
                 del req.page_ids[keep:]
-            if not req.pending_ids and req in self.in_flight.limbo:
+            if not req.pending_ids and req.place is Place.LIMBO:
                 raise RuntimeError(f"{req.rid}: held back at its length limit but not finished")
             if b < first_decode:  # its prompt completed in this batch: share its pages
                 self.cache_unfinished(req, valid)
@@ -376,18 +468,58 @@ class Scheduler:
         self._finished_early = failed
         return list(failed)
 
-    # -- request state (also used by batch_builder.py) ------------------------
+    # -- request state: every status change and queue move is made here (batch_builder.py, retraction.py
+    # and preemption.py call these through the Queues protocol) --------------------------------------
     def unlink(self, req: Req) -> None:
-        """Take a live request out of whichever queue holds it."""
-        limbo = self.in_flight.limbo
-        if limbo and req in limbo:
-            limbo.remove(req)
-        elif req.status is ReqStatus.WAITING:
+        """Take a live request out of the queue that holds it (its `place`)."""
+        place = req.place
+        if place is Place.WAITING:
             self.waiting.remove(req)
-        elif req is self.chunked_req:
-            self.chunked_req = None
-        elif req.status is ReqStatus.RUNNING:
+        elif place is Place.RUNNING:
             self.running.remove(req)
+        elif place is Place.CHUNKED:
+            self.chunked_req = None
+        elif place is Place.LIMBO:
+            self.in_flight.limbo.remove(req)
+        req.place = Place.NONE
+
+    def _put(self, req: Req, place: Place, at: int | None = None) -> None:
+        """Move `req` from its queue to `place` (`at`: its index in the waiting queue; default the end)."""
+        self.unlink(req)
+        if place is Place.WAITING:
+            self.waiting.insert(len(self.waiting) if at is None else at, req)
+        elif place is Place.RUNNING:
+            self.running.append(req)
+        elif place is Place.CHUNKED:
+            if self.chunked_req is not None:
+                raise RuntimeError(f"{req.rid}: carried while {self.chunked_req.rid} is carried")
+            self.chunked_req = req
+        elif place is Place.LIMBO:
+            self.in_flight.limbo.append(req)
+        req.place = place
+
+    def admit(self, admitted: list[Req], aging: bool) -> None:
+        """The waiting requests the PrefillAdder admitted into this step's batch leave the queue (with
+        `aging`, those they overtook count it) and start prefilling."""
+        self.waiting = take_admitted(self.waiting, admitted, aging=aging)
+        now = time.monotonic()
+        for req in admitted:
+            req.place = Place.NONE  # (out of the queue all at once: take_admitted)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self._set_status(req, ReqStatus.PREFILLING)
+
+    def take_carried(self) -> Req | None:
+        """The carried chunked request, out of its place (this round's batch offers it first), or None."""
+        req = self.chunked_req
+        if req is not None:
+            self.unlink(req)
+        return req
+
+    def carry(self, req: Req | None) -> None:
+        """`req` (a prefilling request whose prompt is not done) is carried to the next round."""
+        if req is not None:
+            self._put(req, Place.CHUNKED)
 
     def end(self, req: Req, kv_len: int, status: ReqStatus, reason: FinishReason) -> None:
         """Finish or abort a live request holding `kv_len` tokens of valid K/V (placeholders dropped)."""
@@ -403,67 +535,71 @@ class Scheduler:
         self.tree.cache_finished_req(req, self.pool)  # KV into the radix cache, locks dropped, rest freed
         req.finish_reason = reason
         req.finish_time = time.monotonic()
-        self.set_status(req, status, reason.value)
+        self._set_status(req, status, reason.value)
         del self.reqs[req.rid]
 
-    def retract(self, req: Req, note: str = "") -> None:
-        """Back to waiting (the caller queues it): its full pages stay cached, the rest are freed. A
-        request of a launched batch (preemption) keeps only its committed K/V; its token is dropped."""
+    def retract(self, req: Req, note: str = "", at: int = 0) -> None:
+        """Back to the waiting queue, at index `at` (the head by default): its full pages stay cached, the
+        rest are freed. A request of a launched batch (preemption) keeps only its committed K/V; its
+        token is dropped."""
+        self.unlink(req)
         req.kv_len = self.in_flight.committed_len(req)
         req.pending_ids.clear()
         self.tree.cache_finished_req(req, self.pool)
         req.num_retractions += 1
-        self.set_status(req, ReqStatus.RETRACTED, note)
-        self.set_status(req, ReqStatus.WAITING)
+        self._set_status(req, ReqStatus.RETRACTED, note)
+        self._set_status(req, ReqStatus.WAITING)
+        self._put(req, Place.WAITING, at)
 
     def cache_unfinished(self, req: Req, kv_len: int) -> None:
         self.tree.cache_unfinished_req(req, self.pool, kv_len)
 
     # -- events and stats -----------------------------------------------------
-    def record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "") -> None:
+    def record(self, req: Req, src: ReqStatus | None, dst: ReqStatus, note: str = "", at: float | None = None) -> None:
         # output_len counts placeholders: a prompt completes (-> RUNNING) at launch, which the plain
         # step does right after the forward sampled its first token.
         self.events.append(
             Event(
-                time.monotonic(),
-                self.step_count,
-                req.rid,
-                src,
-                dst,
-                req.prompt_len,
-                len(req.output_ids) + len(req.pending_ids),
-                req.kv_len,
-                req.cache_hit_tokens,
-                note,
+                time=time.monotonic() if at is None else at,
+                step=self.step_count,
+                rid=req.rid,
+                src=src,
+                dst=dst,
+                prompt_len=req.prompt_len,
+                output_len=len(req.output_ids) + len(req.pending_ids),
+                kv_len=req.kv_len,
+                cached_len=req.cache_hit_tokens,
+                note=note,
             )
         )
 
-    def set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
+    def _set_status(self, req: Req, dst: ReqStatus, note: str = "") -> None:
         self.record(req, req.status, dst, note)
         req.status = dst
 
     def _record_step(self, batch: Batch, n_retracted: int, hits: int) -> None:
         pool, tree = self.pool, self.tree
+        self.num_retracted += n_retracted
         decode = batch.num_decode
         drafts = sum(map(len, batch.drafts))
         self.step_stats.append(
             StepStats(
-                self.step_count,
-                time.monotonic(),
-                batch.mode.value,
-                batch.batch_size,
-                batch.num_tokens - decode - drafts,
-                decode,
-                len(self.running),
-                len(self.waiting),
-                pool.num_free,
-                tree.total_pages,
-                tree.evictable_pages,
-                1 - (pool.num_free + tree.evictable_pages) / pool.num_pages,
-                hits,
-                n_retracted,
-                self.new_token_ratio,
-                drafts,
+                step=self.step_count,
+                time=time.monotonic(),
+                mode=batch.mode.value,
+                batch_size=batch.batch_size,
+                num_prefill_tokens=batch.num_tokens - decode - drafts,
+                num_decode_tokens=decode,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                free_pages=pool.num_free,
+                cached_pages=tree.total_pages,
+                evictable_pages=tree.evictable_pages,
+                token_usage=1 - (pool.num_free + tree.evictable_pages) / pool.num_pages,
+                cache_hit_tokens=hits,
+                num_retracted=n_retracted,
+                new_token_ratio=self.new_token_ratio,
+                num_draft_tokens=drafts,
             )
         )
 

@@ -109,10 +109,6 @@ class SpecStats:
     accepted_tokens: int = 0  # drafts the target agreed with
     emitted_tokens: int = 0  # tokens verify steps produced (accepted + one per drafted row)
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
 
 @dataclass
 class _State:

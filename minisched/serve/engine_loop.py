@@ -42,7 +42,7 @@ from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Sink, Stats, Update
 
 log = logging.getLogger("minisched.serve")
-HISTORY_LIMIT = 4096  # scheduler events / step stats kept (the server runs for days; the lists would grow)
+HISTORY_LIMIT = 4096  # steps of scheduler events / step stats kept (the server runs for days; the lists would grow)
 
 
 class EngineLoop:
@@ -58,8 +58,7 @@ class EngineLoop:
         self.invariant_errors: list[str] = []
         self._live: dict[str, tuple[Any, Sink, int]] = {}  # rid -> (Req, sink, tokens published)
         self._held: collections.deque = collections.deque()  # static batching: (rids, ids, sampling, sinks)
-        self._stats_seen = 0
-        self._retractions = 0
+        self._drained_at = 0  # the scheduler's step count at the last drain of its records
         self._step_errors = 0
         self._stopping = False
         self._stopped = False  # set by the engine thread as it ends
@@ -265,37 +264,26 @@ class EngineLoop:
     def _update_stats(self, step: bool = True) -> None:
         """A new Stats snapshot (after a step, or after adds / aborts handled between steps)."""
         sched = self.engine.scheduler
-        new = sched.step_stats[self._stats_seen :]
-        self._retractions += sum(s.num_retracted for s in new)
-        self._stats_seen = len(sched.step_stats)
-        if not self.keep_history and self._stats_seen > HISTORY_LIMIT:
-            del sched.step_stats[:], sched.events[:], self.engine.step_times[:]
-            self._stats_seen = 0
-        tree = sched.tree
+        snap = sched.snapshot()
+        if not self.keep_history and snap.step - self._drained_at > HISTORY_LIMIT:
+            sched.drain_records()
+            self.engine.step_times.clear()
+            self._drained_at = snap.step
+        host = snap.host
         self.stats = Stats(
             steps=self.stats.steps + step,
-            running=len(sched.running),
-            waiting=len(sched.waiting) + (sched.chunked_req is not None) + len(self._held),
-            pages_total=sched.config.num_pages,
-            pages_free=sched.pool.num_free,
-            pages_cached=tree.total_pages,
-            pages_evictable=tree.evictable_pages,
-            retractions=self._retractions,
+            running=snap.running,
+            waiting=snap.waiting + len(self._held),
+            pages_total=snap.pages_total,
+            pages_free=snap.pages_free,
+            pages_cached=snap.pages_cached,
+            pages_evictable=snap.pages_evictable,
+            retractions=snap.retractions,
             step_errors=self._step_errors,
-            **host_stats(sched.tree.host),
+            host_pages_total=snap.host_pages_total,
+            host_pages_used=snap.host_pages_used,
+            host_loads=0 if host is None else host.loads,
+            host_load_pages=0 if host is None else host.load_pages,
+            host_hit_tokens=0 if host is None else host.host_hit_tokens,
+            host_write_back_pages=0 if host is None else host.write_back_pages,
         )
-
-
-def host_stats(host) -> dict:
-    """The host tier's gauges and counters for Stats (none when the tier is off)."""
-    if host is None:
-        return {}
-    st = host.stats
-    return dict(
-        host_pages_total=host.capacity,
-        host_pages_used=host.used,
-        host_loads=st.loads,
-        host_load_pages=st.load_pages,
-        host_hit_tokens=st.host_hit_tokens,
-        host_write_back_pages=st.write_back_pages,
-    )

@@ -385,8 +385,5 @@ class ReplicaCollector:
 
 
 def flush_radix_cache(engine) -> int:
-    """On a replica's engine thread: evict every unlocked page of the radix cache; the pages freed."""
-    sched = engine.scheduler
-    pages = sched.tree.evict(sched.tree.total_pages)
-    sched.pool.free(pages)
-    return len(pages)
+    """On a replica's engine thread: empty the radix cache (and its host tier); the device pages freed."""
+    return engine.scheduler.flush_cache().device_pages

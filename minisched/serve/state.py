@@ -97,14 +97,15 @@ class Call:
     async def updates(self) -> AsyncIterator[tuple[int, Update]]:
         """(choice index, update) until every choice has finished; a backlog of one choice's
         running updates is merged into one."""
-        left = len(self.handles)
+        left, held = len(self.handles), None  # held: another choice's update, taken while merging
         while left:
-            i, upd = await self.queue.get()
+            i, upd = held if held is not None else await self.queue.get()
+            held = None
             while upd.finish_reason is None and not self.queue.empty():
-                j, nxt = self.queue._queue[0]  # peek: merge only the same choice's updates
-                if j != i:
+                j, nxt = self.queue.get_nowait()
+                if j != i:  # merge only the same choice's updates
+                    held = (j, nxt)
                     break
-                self.queue.get_nowait()
                 upd = upd.merged(nxt)
             if upd.finish_reason is not None:
                 left -= 1

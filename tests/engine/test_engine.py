@@ -74,7 +74,7 @@ def test_prefix_cache_hits_and_cascade(tiny, backend, page_size):
 def test_mixed_chunks_and_lpm(tiny):
     engine = make_engine(tiny, page_size=4, chunk_size=6, enable_mixed_chunk=True, policy="lpm")
     check_greedy(tiny, engine, prompts([30, 2, 11, 25, 4], seed=3))
-    assert any(s.mode == "mixed" for s in engine.scheduler.step_stats)
+    assert any(s.mode == "mixed" for s in engine.scheduler.records().step_stats)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -124,7 +124,7 @@ def test_abandoned_stream_aborts_its_requests(tiny, how, make_engine):
     it = engine.stream(PROMPTS, SamplingParams(max_new_tokens=50, ignore_eos=True))
     first = next(it)
     assert not first.finished
-    assert engine.scheduler.reqs  # live while the stream is open
+    assert engine.scheduler.snapshot().live  # live while the stream is open
     if how == "close":
         it.close()
     elif how == "gc":

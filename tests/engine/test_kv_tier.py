@@ -44,7 +44,7 @@ def test_greedy_same_with_the_tier_on_and_off(tiny, overlap, page_size, num_page
             outs = engine.generate(ps, SP)
             assert [o.token_ids for o in outs] == [reference(tiny, p, NEW) for p in ps]
             engine.scheduler.check_invariants()
-        computed[host] = sum(s.num_prefill_tokens for s in engine.scheduler.step_stats)
+        computed[host] = sum(s.num_prefill_tokens for s in engine.scheduler.records().step_stats)
         if host:
             st = engine.host_tier.stats
             assert st.write_backs > 0 and st.loads > 0, "the pool was meant to be too small for the chats"

@@ -84,7 +84,7 @@ def test_n_choices_prefill_the_prompt_once(tiny, overlap):
     outs = engine.generate([p], SamplingParams(max_new_tokens=NEW, ignore_eos=True), n=3)
     assert [o.choice for o in outs] == [0, 1, 2] and all(o.index == 0 for o in outs)
     assert all(o.token_ids == reference(tiny, p, NEW) for o in outs)
-    prefill = sum(s.num_prefill_tokens for s in engine.scheduler.step_stats)
+    prefill = sum(s.num_prefill_tokens for s in engine.scheduler.records().step_stats)
     # once in full; then each choice copies the partial last page (30 = 7 pages + 2 tokens) and computes
     # the last token only, whose logits sample its first token
     assert prefill == 30 + 3 * 1, prefill

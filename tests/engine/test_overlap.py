@@ -35,12 +35,12 @@ def make(model: LlamaModel, overlap: bool, **kw) -> Engine:
 
 
 def assert_clean(engine: Engine) -> None:
-    """Nothing live, invariants hold, every page is back once the radix cache is evicted."""
+    """Nothing live, invariants hold, every page is back once the radix cache is flushed."""
     sched = engine.scheduler
-    assert not sched.reqs and not sched.has_work()
+    assert sched.snapshot().live == 0 and not sched.has_work()
     sched.check_invariants()
-    sched.pool.free(sched.tree.evict(sched.config.num_pages))
-    assert sched.pool.num_free == sched.config.num_pages
+    sched.flush_cache()
+    assert sched.snapshot().pages_free == sched.config.num_pages
 
 
 def both(model, ps, sampling, **kw):
@@ -116,7 +116,7 @@ def test_chunked_prefill_radix_hits_and_mixed(tiny):
             enable_mixed_chunk=mixed,
             policy="lpm",
         )
-        assert sum(s.cache_hit_tokens for s in over.scheduler.step_stats) > 0
+        assert sum(s.cache_hit_tokens for s in over.scheduler.records().step_stats) > 0
 
 
 def test_retraction_under_kv_pressure(tiny):
@@ -126,7 +126,7 @@ def test_retraction_under_kv_pressure(tiny):
         tiny, ps, sp, page_size=2, num_pages=24, init_new_token_ratio=0.01, min_new_token_ratio=0.0
     )
     assert [o[0] for o in outs] == [reference(tiny, p, 12) for p in ps]
-    assert sum(s.num_retracted for s in over.scheduler.step_stats) >= 1
+    assert sum(s.num_retracted for s in over.scheduler.records().step_stats) >= 1
 
 
 @pytest.mark.parametrize("when", [1, 2, 4])

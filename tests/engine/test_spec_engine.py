@@ -66,7 +66,7 @@ def test_greedy_with_oracle_drafts_equals_the_reference(overlap, page_size, wron
     model = tiny_model()
     engine = spec_engine(DenseOracle(model, wrong_every), overlap=overlap, page_size=page_size, num_draft_tokens=5)
     check(engine, prompts([3, 17, 30], seed=11))
-    st = engine.scheduler.speculator.stats
+    st = engine.scheduler.snapshot().spec
     assert st.verify_steps > 0 and st.accepted_tokens > 0
     if wrong_every == 0:
         assert st.accepted_tokens == st.draft_tokens
@@ -87,7 +87,7 @@ def test_ngram_greedy_equals_no_drafting_chunked_radix_and_retraction(backend):
             assert sum(o.cached_tokens for o in outs) > 0
         else:
             assert sum(o.num_retractions for o in outs) >= 1
-        assert engine.scheduler.speculator.stats.verify_steps > 0
+        assert engine.scheduler.snapshot().spec.verify_steps > 0
 
 
 def test_stop_token_and_string_inside_an_accepted_run():
@@ -121,7 +121,7 @@ def test_logprobs_and_sampled_requests_beside_drafted_ones():
         assert o.token_ids == r.token_ids and [x.token_id for x in o.logprobs] == r.token_ids
         assert [x.logprob for x in o.logprobs] == pytest.approx([x.logprob for x in r.logprobs], abs=1e-4)
         assert [[t for t, _ in x.top] for x in o.logprobs] == [[t for t, _ in x.top] for x in r.logprobs]
-    assert engine.scheduler.speculator.stats.accepted_tokens > 0
+    assert engine.scheduler.snapshot().spec.accepted_tokens > 0
     sp = SamplingParams(temperature=30.0, top_k=50, seed=5, max_new_tokens=16, ignore_eos=True)
     a = engine.generate(ps, sp)
     assert all(len(o.token_ids) == 16 for o in a)
@@ -160,7 +160,7 @@ def test_a_model_drafting_for_itself_is_always_accepted(overlap, page_size):
         tiny_model(), speculative="draft", draft_model="self", overlap=overlap, page_size=page_size, num_draft_tokens=4
     )
     check(engine, prompts([3, 17, 30, 9], seed=12))
-    st = engine.scheduler.speculator.stats
+    st = engine.scheduler.snapshot().spec
     assert st.draft_tokens > 0 and st.accepted_tokens == st.draft_tokens
 
 
@@ -185,7 +185,7 @@ def test_another_draft_model_keeps_outputs_through_chunks_radix_hits_and_retract
     # a model drafting for itself: everything accepted, after retractions too
     engine = byte_engine(tiny_model(), speculative="draft", draft_model="self", **tight)
     outs = check(engine, retracting)
-    st = engine.scheduler.speculator.stats
+    st = engine.scheduler.snapshot().spec
     assert sum(o.num_retractions for o in outs) >= 1 and st.accepted_tokens == st.draft_tokens > 0
 
 
@@ -206,6 +206,6 @@ def test_smollm2_drafting_for_itself_accepts_everything():
     msgs = [[{"role": "user", "content": "Name three colours of the rainbow."}]]
     plain = Engine("smollm2").generate(msgs, SamplingParams(max_new_tokens=40))[0]
     out = engine.generate(msgs, SamplingParams(max_new_tokens=40))[0]
-    st = engine.scheduler.speculator.stats
+    st = engine.scheduler.snapshot().spec
     assert out.token_ids == plain.token_ids
     assert st.draft_tokens > 0 and st.accepted_tokens == st.draft_tokens

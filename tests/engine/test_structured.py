@@ -52,7 +52,7 @@ def test_grammar_survives_retraction(tiny):
     engine = byte_engine(tiny, page_size=2, num_pages=30, init_new_token_ratio=0.01, min_new_token_ratio=0.0)
     sp = SamplingParams(max_new_tokens=40, grammar=Grammar("regex", "[a-z]{10,30}"))
     outs = engine.generate(prompts([5, 9, 7, 11], seed=5), sp)
-    assert sum(s.num_retracted for s in engine.scheduler.step_stats) >= 1
+    assert sum(s.num_retracted for s in engine.scheduler.records().step_stats) >= 1
     assert all(re.fullmatch("[a-z]{10,30}", o.text) for o in outs), [o.text for o in outs]
 
 

@@ -47,7 +47,8 @@ def prompts(lengths, seed=0) -> list[list[int]]:
 def assert_pool_whole(engine: Engine) -> None:
     """No live request, no batch in flight, and every page is free once the cache is evicted."""
     sched = engine.scheduler
-    assert not sched.reqs and not sched.has_work()
+    assert sched.snapshot().live == 0 and not sched.has_work()
     sched.check_invariants()
-    sched.pool.free(sched.tree.evict(sched.config.num_pages))
-    assert sched.pool.num_free == sched.config.num_pages
+    sched.flush_cache()
+    snap = sched.snapshot()
+    assert snap.pages_free == snap.pages_total == sched.config.num_pages

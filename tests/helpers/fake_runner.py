@@ -51,7 +51,7 @@ class FakeRunner:
         for handle, pages in batch.loads:  # host-tier hits come back before the forward reads them
             self.mover.to_device(handle, pages)
         for src, dst in batch.copies:  # copy-on-write of a forked prompt's last page
-            s, d = self.mover._slots([src]), self.mover._slots([dst])
+            s, d = self.mover.slots([src]), self.mover.slots([dst])
             self.tok[d], self.pos[d] = self.tok[s], self.pos[s]
         ps, n = self.ps, batch.num_tokens
         ids, pos, slots = batch.input_ids(), batch.positions(), batch.out_slots()
@@ -90,18 +90,18 @@ class FakeMover:
         self.runner = runner
         self.to_host_calls = self.to_device_calls = 0
 
-    def _slots(self, pages: list[int]) -> np.ndarray:
+    def slots(self, pages: list[int]) -> np.ndarray:
         ps = self.runner.ps
         return (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).ravel()
 
     def to_host(self, pages: list[int]):
         self.to_host_calls += 1
-        s, r = self._slots(pages), self.runner
+        s, r = self.slots(pages), self.runner
         return r.tok[s].copy(), r.pos[s].copy()
 
     def to_device(self, handle, pages: list[int]) -> None:
         self.to_device_calls += 1
-        s, r = self._slots(pages), self.runner
+        s, r = self.slots(pages), self.runner
         assert len(s) == len(handle[0]), "a load of the wrong size"
         r.tok[s], r.pos[s] = handle
 
@@ -121,7 +121,7 @@ def poison_freed(sched: Scheduler, runner: FakeRunner) -> None:
     def poisoning_alloc(n):
         pages = alloc(n)
         if pages:
-            s = runner.mover._slots(pages)
+            s = runner.mover.slots(pages)
             runner.tok[s], runner.pos[s] = -7, -7
         return pages
 

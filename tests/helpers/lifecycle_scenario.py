@@ -82,7 +82,7 @@ def record_scenario(
             break
         sched.step(runner)
         sched.check_invariants()
-    check_lifecycles(sched.events)
+    check_lifecycles(sched.records().events)
     config = {"workload": "tests/helpers/lifecycle_scenario.py", "runner": "fake (sleeps per step)"}
     summary = {"note": "deterministic fake runner; not a model"}
     return RunRecord.from_scheduler(name, sched, config, summary, start_time=start), sched

@@ -63,12 +63,13 @@ def running_server(
 
 
 def pool_whole(engine) -> tuple[int, int, int]:
-    """On the engine thread: check the invariants, evict the whole radix cache, and return
+    """On the engine thread: check the invariants, empty the radix cache, and return
     (free pages, cached pages, total pages) -- a leak-free pool has free == total."""
     sched = engine.scheduler
     sched.check_invariants()
-    sched.pool.free(sched.tree.evict(sched.tree.total_pages))
-    return sched.pool.num_free, sched.tree.total_pages, engine.sched_config.num_pages
+    sched.flush_cache()
+    snap = sched.snapshot()
+    return snap.pages_free, snap.pages_cached, snap.pages_total
 
 
 @contextlib.contextmanager

@@ -89,7 +89,7 @@ def test_batch_arrays():
     pool.alloc_for_extend(b, 3)
     b.kv_len = 3
     pool.alloc_for_extend(b, 1)  # decode b: its output token at position 3
-    batch = Batch(ForwardMode.MIXED, [a, b], [0, 3], [6, 1], ps)
+    batch = Batch(mode=ForwardMode.MIXED, reqs=[a, b], prefix_lens=[0, 3], extend_lens=[6, 1], page_size=ps)
     assert batch.input_ids().tolist() == a.prompt_ids + [7]
     assert batch.positions().tolist() == [0, 1, 2, 3, 4, 5, 3]
     assert batch.qo_indptr().tolist() == [0, 6, 7]
@@ -99,6 +99,10 @@ def test_batch_arrays():
     assert slots[:6] == pool.slots(a, 0, 6) and slots[6] == b.page_ids[0] * ps + 3
     indptr, indices, last = batch.page_table()
     assert indptr.tolist() == [0, 2, 3] and last.tolist() == [2, 4]
-    part = Batch(ForwardMode.PREFILL, [a], [0], [4], ps)  # a chunk that does not finish the prompt
+    part = Batch(
+        mode=ForwardMode.PREFILL, reqs=[a], prefix_lens=[0], extend_lens=[4], page_size=ps
+    )  # a chunk that does not finish the prompt
     assert part.sample_mask().tolist() == [False]
-    assert Batch(ForwardMode.DECODE, [], [], [], ps).positions().tolist() == []
+    assert (
+        Batch(mode=ForwardMode.DECODE, reqs=[], prefix_lens=[], extend_lens=[], page_size=ps).positions().tolist() == []
+    )
