@@ -163,7 +163,7 @@ def run_http_bench(
         ok = tr.error is None
         arrival = br.arrival
         first = tr.first - start if ok and tr.first is not None else None
-        finish = tr.done - start if ok else None
+        finish = tr.done - start if ok and tr.done is not None else None
         results.append(
             RequestResult(
                 br.rid, len(br.prompt_ids), tr.output_tokens if ok else 0, arrival, first, finish, tr.cached_tokens
@@ -195,12 +195,15 @@ def _events(br: BenchRequest, tr: _Trace, start: float) -> list[Event]:
     if tr.error is not None:
         end = max(tr.first or arrival, tr.sent or arrival)
         return out + [Event(end, 0, br.rid, ReqStatus.WAITING, ReqStatus.ABORTED, n, 0, 0, 0, "error")]
-    first = tr.first if tr.first is not None else tr.done
+    done = tr.done
+    if done is None:  # _request sets an error on a stream that ended without [DONE]
+        raise ValueError(f"request {br.rid}: the trace has neither an error nor an end")
+    first = tr.first if tr.first is not None else done
     out += [
         Event(first, 0, br.rid, ReqStatus.WAITING, ReqStatus.PREFILLING, n, 0, 0, tr.cached_tokens),
         Event(first, 0, br.rid, ReqStatus.PREFILLING, ReqStatus.RUNNING, n, 1, n, tr.cached_tokens),
         Event(
-            tr.done,
+            done,
             0,
             br.rid,
             ReqStatus.RUNNING,
