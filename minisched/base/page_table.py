@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from minisched.base.values import cdiv
 
@@ -52,7 +53,7 @@ def build_csr(
     return indptr, indices, last
 
 
-def kv_lens_from_csr(kv_indptr, kv_last_page_len, page_size: int) -> np.ndarray:
+def kv_lens_from_csr(kv_indptr: ArrayLike, kv_last_page_len: ArrayLike, page_size: int) -> np.ndarray:
     """Each request's KV length from its CSR page table."""
     indptr = np.asarray(kv_indptr, dtype=np.int64)
     last = np.asarray(kv_last_page_len, dtype=np.int64)

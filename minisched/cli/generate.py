@@ -100,6 +100,8 @@ def read_prompts(args) -> list[PromptItem]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise CLIError(f"{where}: not JSON ({exc.msg})") from exc
+                prompt: object
+                overrides: dict
                 if isinstance(obj, str):
                     prompt, overrides, rid = obj, {}, None
                 elif isinstance(obj, dict) and ("prompt" in obj or "messages" in obj):
@@ -122,7 +124,7 @@ def report_error(item: PromptItem, error: str) -> None:
 
 
 def _record(item: PromptItem, out) -> dict:
-    rec = {"index": item.index}
+    rec: dict[str, object] = {"index": item.index}
     if item.id is not None:
         rec["id"] = item.id
     if out.error:

@@ -30,7 +30,7 @@ capture and replay need a GPU (tests/engine/test_cuda_graph.py, skipped without 
 from __future__ import annotations
 
 import bisect
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -101,16 +101,16 @@ class CudaGraphRunner:
         self.buckets = buckets_for(max_batch)
         self.max_pages = cdiv(max_context_len, page_size)
         dev, n = kv_cache.device, self.buckets[-1]
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.ids = torch.zeros(n, **i32)
+        i32 = torch.int32
+        self.ids = torch.zeros(n, dtype=i32, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slots = torch.full((n,), scratch_page * page_size, **i32)
-        self.indptr = torch.arange(n + 1, **i32)  # (until a replay fills it: one scratch page per row)
-        self.indices = torch.full((n * self.max_pages,), scratch_page, **i32)
-        self.last = torch.ones(n, **i32)
+        self.slots = torch.full((n,), scratch_page * page_size, dtype=i32, device=dev)
+        self.indptr = torch.arange(n + 1, dtype=i32, device=dev)  # (until a replay fills it: one scratch page per row)
+        self.indices = torch.full((n * self.max_pages,), scratch_page, dtype=i32, device=dev)
+        self.last = torch.ones(n, dtype=i32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: Any = None  # the largest graph's memory pool (torch's opaque handle), shared by the others
         self.num_replays = 0
 
     def _meta(self, bucket: int) -> ForwardMeta:

@@ -68,11 +68,12 @@ class ModelDrafter:
         qo = np.zeros(len(reqs) + 1, dtype=np.int32)
         np.cumsum([len(x) for x in ids], out=qo[1:])
         pages = [r.page_ids for r in reqs]
+        indptr, indices, last_len = build_csr(pages, ends, ps)
         meta = ForwardMeta(
             positions=self._t(np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]), torch.int64),
             out_slots=self._t(np.concatenate([slots_of(p, s, e, ps) for p, s, e in zip(pages, starts, ends)])),
             qo_indptr=self._t(qo),
-            page_table=tuple(self._t(a) for a in build_csr(pages, ends, ps)),
+            page_table=(self._t(indptr), self._t(indices), self._t(last_len)),
             logits_indices=self._t(qo[1:] - 1, torch.int64),
             is_decode=decode,
         )

@@ -120,9 +120,9 @@ def stream(
 
 
 def _stream(engine: EngineSurface, outputs: list[Output], live: dict[str, tuple[int, int]]) -> Iterator[StreamChunk]:
-    for out in outputs:
-        if out.error is not None:
-            yield StreamChunk(out.index, out.rid, "", [], True, out, out.choice)
+    for failed in outputs:
+        if failed.error is not None:
+            yield StreamChunk(failed.index, failed.rid, "", [], True, failed, failed.choice)
     reqs = {rid: engine.scheduler.get(rid) for rid in live}
     detok = {
         rid: IncrementalDetokenizer(

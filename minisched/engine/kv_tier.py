@@ -19,7 +19,8 @@ from minisched import ops
 
 class HostKVMover:
     def __init__(self, kv_cache: torch.Tensor, backend: str):
-        self.kv_cache, self.backend = kv_cache, "native" if backend == "native" else "torch"
+        self.kv_cache = kv_cache
+        self.backend: ops.Backend = "native" if backend == "native" else "torch"
         self.pin = kv_cache.device.type == "cuda"
         self.bytes_per_page = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         self.load_seconds = 0.0

@@ -53,13 +53,11 @@ def plan_logits(batch: Batch) -> LogitsPlan:
     spans = []
     wanted = dict(want)
     for b, (req, p, e) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
-        lo = wanted.get(b)
-        if lo is not None:
+        lo, k = wanted.get(b), req.sampling.prompt_logprobs  # (logits_from is set only when k is)
+        if lo is not None and k is not None:
             first, end = max(p, lo), min(p + e, req.prompt_len - 1)  # q in [first, end): predicts q + 1
             if end > first:
-                spans.append(
-                    PromptSpan(b, len(rows), req.prompt_ids[first + 1 : end + 1], req.sampling.prompt_logprobs)
-                )
+                spans.append(PromptSpan(b, len(rows), req.prompt_ids[first + 1 : end + 1], k))
                 rows.extend(range(int(qo[b]) + first - p, int(qo[b]) + end - p))
         if batch.sampled[b]:
             flat = int(last[b])
@@ -83,14 +81,13 @@ def read_logprobs(
 ) -> StepOutput:
     """The step's StepOutput: tokens, and the logprobs the rows asked for (`ks`: per sampled row)."""
     out = StepOutput(tokens)
-    asked = [i for i, k in enumerate(ks) if k is not None]
+    asked = {i: k for i, k in enumerate(ks) if k is not None}
     if asked:
-        kmax = max(ks[i] for i in asked)
-        idx = torch.tensor(asked, device=sample_logits.device)
-        chosen, top = logprobs_of(sample_logits[idx], [picked[i] for i in asked], kmax)
+        idx = torch.tensor(list(asked), device=sample_logits.device)
+        chosen, top = logprobs_of(sample_logits[idx], [picked[i] for i in asked], max(asked.values()))
         out.logprobs = [None] * batch_size
-        for j, i in enumerate(asked):
-            out.logprobs[sampled_rows[i]] = TokenLogprob(picked[i], chosen[j], tuple(top[j][: ks[i]]))
+        for j, (i, k) in enumerate(asked.items()):
+            out.logprobs[sampled_rows[i]] = TokenLogprob(picked[i], chosen[j], tuple(top[j][:k]))
     if plan.spans:
         out.prompt_logprobs = [None] * batch_size
         for span in plan.spans:

@@ -78,7 +78,7 @@ class GGUFFile:
         if os.path.getsize(path) < 24:
             raise GGUFError(f"{path}: empty or truncated file ({os.path.getsize(path)} bytes), not a GGUF model")
         self._buf = np.memmap(path, dtype=np.uint8, mode="r")
-        mv = memoryview(self._buf)
+        mv = memoryview(self._buf)  # type: ignore[arg-type]  # numpy's stubs do not declare memmap a Buffer
         self._mv, self._pos = mv, 4
         if bytes(mv[:4]) != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file (no GGUF magic)")

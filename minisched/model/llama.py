@@ -19,7 +19,7 @@ cos/sin from float32 `position * inv_freq`; logits in float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,8 @@ from torch import nn
 
 from minisched import ops
 from minisched.model.config import ModelConfig
-from minisched.model.linear import embedding, linear
+from minisched.model.linear import Weight, as_tensor, embedding, linear, plain
+from minisched.model.packed import PackedWeight
 
 PageTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_indptr, kv_indices, kv_last_page_len
 
@@ -124,32 +125,69 @@ def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     return out
 
 
+class TensorParallel(Protocol):
+    """`LlamaModel.tp`: the collectives a tensor-parallel rank's forward inserts (parallel/shard.py's TPShard)."""
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_logits(self, logits: torch.Tensor) -> Optional[torch.Tensor]: ...
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer's weights: the norms, and the projections as plain parameters until
+    packed or quantized (model/packed.py, model/quant.py replace them by weight modules)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: Weight
+    o: Weight
+    gate_up: Weight
+    down: Weight
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.ln1 = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
+        self.ln2 = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
+        self.qkv = param(q + 2 * kv, h)
+        self.o = param(h, q)
+        self.gate_up = param(2 * i, h)
+        self.down = param(h, i)
+
+
 class LlamaModel(nn.Module):
     """Weights as plain parameters with fused QKV and gate/up projections (fewer, larger GEMMs)."""
+
+    embed: Union[torch.Tensor, PackedWeight]  # a tied, packed model looks its rows up in the packed LM head
+    lm_head: Optional[Weight]  # None: tied to the embedding
+    norm: torch.Tensor
+    inv_freq: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
         super().__init__()
         self.cfg = cfg
         kw = dict(dtype=dtype, device=device)
-        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        h = cfg.hidden_size
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, h, **kw), requires_grad=False)
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, h, **kw), requires_grad=False)
         )
         self.norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
-        self.layers = nn.ModuleList()
-        for _ in range(cfg.num_layers):
-            layer = nn.Module()
-            layer.ln1 = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
-            layer.ln2 = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
-            layer.qkv = nn.Parameter(torch.empty(q + 2 * kv, h, **kw), requires_grad=False)
-            layer.o = nn.Parameter(torch.empty(h, q, **kw), requires_grad=False)
-            layer.gate_up = nn.Parameter(torch.empty(2 * i, h, **kw), requires_grad=False)
-            layer.down = nn.Parameter(torch.empty(h, i, **kw), requires_grad=False)
-            self.layers.append(layer)
-        self.tp = None  # a minisched.parallel.shard.TPShard on a tensor-parallel rank
+        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.tp: Optional[TensorParallel] = None  # a minisched.parallel.shard.TPShard on a tensor-parallel rank
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
+
+    @property
+    def decoder_layers(self) -> list[LlamaLayer]:
+        """`layers`, typed: nn.ModuleList declares only Modules."""
+        return cast("list[LlamaLayer]", list(self.layers))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,18 +214,18 @@ class LlamaModel(nn.Module):
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
             return state[name]
 
-        self.embed.copy_(get("model.embed_tokens.weight"))
+        as_tensor(self.embed).copy_(get("model.embed_tokens.weight"))
         self.norm.copy_(get("model.norm.weight"))
         if self.lm_head is not None:
-            self.lm_head.copy_(get("lm_head.weight"))
-        for idx, layer in enumerate(self.layers):
+            as_tensor(self.lm_head).copy_(get("lm_head.weight"))
+        for idx, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{idx}."
             layer.ln1.copy_(get(p + "input_layernorm.weight"))
             layer.ln2.copy_(get(p + "post_attention_layernorm.weight"))
-            layer.qkv.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            layer.o.copy_(get(p + "self_attn.o_proj.weight"))
-            layer.gate_up.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
-            layer.down.copy_(get(p + "mlp.down_proj.weight"))
+            as_tensor(layer.qkv).copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            as_tensor(layer.o).copy_(get(p + "self_attn.o_proj.weight"))
+            as_tensor(layer.gate_up).copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+            as_tensor(layer.down).copy_(get(p + "mlp.down_proj.weight"))
 
     def new_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
         c = self.cfg
@@ -195,7 +233,7 @@ class LlamaModel(nn.Module):
             c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
         )
 
-    def _attention(self, q, k_cache, v_cache, meta: ForwardMeta, backend: str, check: bool) -> torch.Tensor:
+    def _attention(self, q, k_cache, v_cache, meta: ForwardMeta, backend: ops.Backend, check: bool) -> torch.Tensor:
         if meta.cascade is not None:
             c = meta.cascade
             out = torch.empty_like(q)
@@ -227,9 +265,9 @@ class LlamaModel(nn.Module):
         meta: ForwardMeta,
         kv_cache: torch.Tensor,
         *,
-        backend: str = "torch",
+        backend: ops.Backend = "torch",
         check: bool = True,
-    ) -> torch.Tensor:
+    ) -> Optional[torch.Tensor]:
         """Logits float32 [len(meta.logits_indices), vocab] for a ragged batch; writes the new K/V into kv_cache.
         On a tensor-parallel rank (`self.tp`): the whole vocabulary's logits on rank 0, None on the others.
 
@@ -240,13 +278,13 @@ class LlamaModel(nn.Module):
         n = input_ids.shape[0]
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         tp = self.tp
-        x = embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
+        x = embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, plain(self.embed))
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
         sin = signed_sin(sin)
         # The residual adds ride along with the next norm: one fused CPU kernel (ops.rms_norm) where it applies.
         fused = fused_norm_applies(x, backend)
         pending = None  # the last MLP's output, not yet added to x
-        for layer, kv_layer in zip(self.layers, kv_cache.unbind(0)):
+        for layer, kv_layer in zip(self.decoder_layers, kv_cache.unbind(0)):
             k_cache, v_cache = kv_layer.unbind(0)
             h = add_rms_norm(x, pending, layer.ln1, c.rms_eps, fused)
             qkv = linear(h, layer.qkv, backend)
@@ -278,7 +316,7 @@ def dense_forward(model: LlamaModel, input_ids: torch.Tensor) -> torch.Tensor:
         x = embedding(input_ids, model.embed)
         cos, sin = rope_cos_sin(torch.arange(n, device=input_ids.device), model.inv_freq, x.dtype)
         mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        for layer in model.layers:
+        for layer in model.decoder_layers:
             h = rms_norm(x, layer.ln1, c.rms_eps)
             q, k, v = linear(h, layer.qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin).transpose(0, 1)

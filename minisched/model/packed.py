@@ -12,6 +12,7 @@ A tied model keeps one copy: the embedding lookup reads its rows out of the pack
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -25,6 +26,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 class PackedWeight(nn.Module):
     """An [N, K] weight packed as [ceil(N / 16), K, 16], float32 or (`dtype=torch.bfloat16`, `--quantize
     bf16`) bfloat16; `linear(x)` is x @ W.T with float32 activations and sums."""
+
+    w_packed: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -87,12 +90,17 @@ def want_packed(
     return not why if pack_weights is None else pack_weights
 
 
+def layers_of(model: nn.Module) -> Iterator[nn.Module]:
+    """A LlamaModel's decoder layers (typed as plain modules: model/llama.py imports this file)."""
+    return model.get_submodule("layers").children()
+
+
 @torch.no_grad()
 def pack_model(model: nn.Module) -> nn.Module:
     """Replace the model's float projection weights and LM head by PackedWeight, in place (weights
     already packed or int8 stay as they are). A tied model's embedding becomes the same PackedWeight
     (one copy, looked up by `rows`)."""
-    for layer in model.layers:
+    for layer in layers_of(model):
         for name in PROJECTIONS:
             w = getattr(layer, name)
             if not isinstance(w, torch.Tensor):

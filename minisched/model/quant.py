@@ -15,12 +15,14 @@ activations keep it where weight-only int8 was, 8-bit ones would not).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 from torch import nn
 
 from minisched import ops
 from minisched.model.linear import plain
+from minisched.model.llama import LlamaModel
 from minisched.model.packed import PackedWeight
 
 QUANT_MODES = ("none", "int8", "bf16")
@@ -46,6 +48,9 @@ class QuantConfig:
 class Int8Weight(nn.Module):
     """An [N, K] weight as int8 values + float32 group scales, packed for int8_linear; `linear(x)` is
     x @ W.T in float32."""
+
+    w_packed: torch.Tensor
+    s_packed: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, group_size: int):
         super().__init__()
@@ -75,7 +80,7 @@ def group_size_for(k: int, group_size: int) -> int:
     return group_size if k % group_size == 0 else k
 
 
-def _weight(w: torch.Tensor, cfg: QuantConfig) -> nn.Module:
+def _weight(w: torch.Tensor, cfg: QuantConfig) -> Union[PackedWeight, Int8Weight]:
     if cfg.mode == "bf16":
         return PackedWeight(w, torch.bfloat16)
     return Int8Weight(w, group_size_for(w.shape[1], cfg.group_size))
@@ -88,7 +93,7 @@ def _converted(w, cfg: QuantConfig) -> bool:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
+def quantize_model(model: LlamaModel, cfg: QuantConfig) -> LlamaModel:
     """Replace the model's projection weights and LM head by Int8Weight (`int8`) or bfloat16
     PackedWeight (`bf16`: the weights rounded to bfloat16, half the bytes of float32, activations and
     sums still float32), in place (after the weights are loaded). The fp32 embedding stays for the
@@ -99,7 +104,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> nn.Module:
         raise ValueError(
             f"--quantize {cfg.mode} runs on the CPU with a float32 model (got {model.device.type}, {model.dtype})"
         )
-    for layer in model.layers:
+    for layer in model.decoder_layers:
         for name in PROJECTIONS:
             w = getattr(layer, name)
             if _converted(w, cfg):

@@ -19,9 +19,13 @@ import functools
 import json
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Optional
 
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
+
+if TYPE_CHECKING:
+    import jinja2
 
 CONTROL = 3
 
@@ -58,7 +62,7 @@ class MiniTokenizer:
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
         self.add_bos = add_bos
-        self._template = None
+        self._template: Optional[jinja2.Template] = None  # compiled on first use
         self._special: set[int] | None = None
 
     # -- construction ------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,7 +108,10 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
-    g = lambda k, d=None: meta.get(f"llama.{k}", d)  # noqa: E731
+
+    def g(key: str, default: Any = None) -> Any:  # a missing key fails in int(): the loader's one-line error
+        return meta.get(f"llama.{key}", default)
+
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     vocab = int(g("vocab_size") or len(meta["tokenizer.ggml.tokens"]))
     return ModelConfig(
@@ -212,8 +216,8 @@ def load_hf_dir(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelC
         raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported (plain RoPE only)")
     cfg = config_from_hf(raw)
     state = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        for k, v in load_file(f).items():
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        for k, v in load_file(file).items():
             if "rotary_emb" not in k:
                 state[k] = v.to(device=device, dtype=dtype)
     return cfg, state

@@ -163,7 +163,7 @@ def run_http_bench(
         ok = tr.error is None
         arrival = br.arrival
         first = tr.first - start if ok and tr.first is not None else None
-        finish = tr.done - start if ok else None
+        finish = tr.done - start if ok and tr.done is not None else None
         results.append(
             RequestResult(
                 rid=br.rid,
@@ -218,10 +218,13 @@ def _events(br: BenchRequest, tr: _Trace, start: float) -> list[Event]:
     if tr.error is not None:
         end = max(tr.first or arrival, tr.sent or arrival)
         return out + [event(end, ReqStatus.WAITING, ReqStatus.ABORTED, note="error")]
-    first = tr.first if tr.first is not None else tr.done
+    done = tr.done
+    if done is None:  # _request sets an error on a stream that ended without [DONE]
+        raise ValueError(f"request {br.rid}: the trace has neither an error nor an end")
+    first = tr.first if tr.first is not None else done
     out += [
         event(first, ReqStatus.WAITING, ReqStatus.PREFILLING, cached_len=tr.cached_tokens),
         event(first, ReqStatus.PREFILLING, ReqStatus.RUNNING, 1, n, tr.cached_tokens),
-        event(tr.done, ReqStatus.RUNNING, ReqStatus.FINISHED, tr.output_tokens, n, tr.cached_tokens, tr.finish_reason),
+        event(done, ReqStatus.RUNNING, ReqStatus.FINISHED, tr.output_tokens, n, tr.cached_tokens, tr.finish_reason),
     ]
     return out

@@ -26,6 +26,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.artist import Artist  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
@@ -203,7 +204,7 @@ def _title(record: RunRecord) -> str:
 
 
 def _legend_handles() -> list:
-    handles = [
+    handles: list[Artist] = [
         Patch(color=c, label=("retracted (waiting again)" if s == "retracted" else s)) for s, c in STATE_COLORS.items()
     ]
     handles += [

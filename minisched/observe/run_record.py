@@ -57,7 +57,7 @@ PREFILL_MODES = ("prefill", "mixed")
 
 def _plain(obj: Any, t0: float) -> dict:
     """A StepStats/Event dataclass (or a dict) as a JSON-ready dict, times relative to t0."""
-    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
+    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else dict(obj)
     for k, v in d.items():
         if isinstance(v, enum.Enum):
             d[k] = v.value
@@ -200,7 +200,7 @@ def load_runs(path: str | Path) -> list[RunRecord]:
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, enum.Enum):
         return obj.value
-    if dataclasses.is_dataclass(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     if hasattr(obj, "item"):  # numpy scalars
         return obj.item()
@@ -257,7 +257,7 @@ def step_bounds(record: RunRecord) -> list[tuple[dict, float, float]]:
     """[(step, start, end)]: a step lasts until the next step starts; the last one until
     the last event of that step (or the run's end)."""
     steps, out = record.step_stats, []
-    last_event = {}
+    last_event: dict[int, float] = {}
     for e in record.events:
         last_event[e["step"]] = max(last_event.get(e["step"], e["time"]), e["time"])
     for i, s in enumerate(steps):

@@ -67,7 +67,14 @@ class TPGroup:
     where two threads may talk to the group; the ranks then see them in the same order."""
 
     def __init__(
-        self, rank: int, world: int, device: torch.device, *, store: dist.Store, timeout: float, startup_timeout: float
+        self,
+        rank: int,
+        world: int,
+        device: torch.device | str,
+        *,
+        store: dist.Store,
+        timeout: float,
+        startup_timeout: float,
     ):
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -78,7 +85,10 @@ class TPGroup:
             self.backend, store=store, rank=rank, world_size=world, timeout=seconds(startup_timeout)
         )
         # every rank creates the step group, in the same order: it is itself a collective
-        self.group = dist.new_group(list(range(world)), timeout=seconds(timeout), backend=self.backend)
+        group = dist.new_group(list(range(world)), timeout=seconds(timeout), backend=self.backend)
+        if not isinstance(group, dist.ProcessGroup):  # new_group's "not a member" marker: every rank is one
+            raise TPError(f"rank {rank} is not a member of its own step group")
+        self.group = group
         self.stats = CommStats()
         self.timed = self.device.type == "cpu"
         self.lock = threading.RLock()

@@ -79,7 +79,7 @@ def default_threads(world: int) -> int:
     return max(1, default_num_threads() // world)
 
 
-def _store(addr: str, port: int, world: int, *, master: bool, timeout: float) -> dist.Store:
+def _store(addr: str, port: int, world: int, *, master: bool, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(addr, port, world, is_master=master, timeout=seconds(timeout), wait_for_workers=False)
 
 
@@ -184,7 +184,7 @@ class TPSession:
         self.world, self.source, self.device = world, source, device
         self.timeout, self.startup_timeout, self.num_threads = timeout, startup_timeout, num_threads
         self.procs: list = []  # spawned workers (one node); empty under torchrun
-        self.store = None
+        self.store: Optional[dist.PrefixStore] = None
         self.group: Optional[TPGroup] = None
         self.model: Optional[LlamaModel] = None
         self.kv_cache: Optional[torch.Tensor] = None  # the newest engine's pool (the workers hold one like it)
@@ -280,16 +280,18 @@ class TPSession:
 
     def _await(self, stage: str) -> None:
         """Wait until every worker has posted `stage`, watching for errors and dead processes."""
+        store = self.store
+        if store is None:
+            raise TPError("the tensor-parallel session has no store yet")
         deadline = time.monotonic() + self.startup_timeout
         pending = set(range(1, self.world))
         while pending:
             for r in sorted(pending):
-                if self.store.check([f"error/{r}"]):
+                if store.check([f"error/{r}"]):
                     raise TPError(
-                        f"tensor-parallel rank {r} failed to start: "
-                        f"{self.store.get(f'error/{r}').decode(errors='replace')}"
+                        f"tensor-parallel rank {r} failed to start: {store.get(f'error/{r}').decode(errors='replace')}"
                     )
-                if self.store.check([f"{stage}/{r}"]):
+                if store.check([f"{stage}/{r}"]):
                     pending.discard(r)
             dead = self._dead_worker()
             if dead:
@@ -312,9 +314,10 @@ class TPSession:
             int(check),
             device=self.device,
         )
-        with self.group.lock:
+        group = self._step_group()
+        with group.lock:
             self._usable(None)
-            self._send(lambda: self.group.broadcast(h))
+            self._send(lambda: group.broadcast(h))
             self.kv_cache = kv_cache
 
     def health(self) -> Optional[str]:
@@ -325,16 +328,22 @@ class TPSession:
         self, kv_cache: torch.Tensor, input_ids: torch.Tensor, meta, *, backend: str, check: bool
     ) -> torch.Tensor:
         """One forward on every rank: header and payload to the workers, then this rank's shard."""
-        with self.group.lock:
+        group = self._step_group()
+        with group.lock:
             self._usable(kv_cache)
             h, payload = protocol.pack_step(input_ids, meta)  # before sending: a failure here leaves all in step
 
             def step():
-                self.group.broadcast(h)
-                self.group.broadcast(payload)
+                group.broadcast(h)
+                group.broadcast(payload)
                 return self.model(input_ids, meta, kv_cache, backend=backend, check=check)
 
             return self._send(step)
+
+    def _step_group(self) -> TPGroup:
+        if self.group is None:
+            raise TPError("the tensor-parallel session is not started")
+        return self.group
 
     def _usable(self, kv_cache: Optional[torch.Tensor]) -> None:
         if self.failure is not None:
@@ -392,6 +401,7 @@ class TPSession:
     def _watch(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        group = self._step_group()
         while not self._stop.wait(0.2):
             if self.failure is not None or self.closed:
                 return
@@ -399,14 +409,14 @@ class TPSession:
             if dead:
                 self._fail(dead=dead)
                 return
-            if time.monotonic() - self.last_activity >= self.heartbeat and self.group.lock.acquire(blocking=False):
+            if time.monotonic() - self.last_activity >= self.heartbeat and group.lock.acquire(blocking=False):
                 try:
                     if self.failure is None and not self.closed:
-                        self._send(lambda: self.group.broadcast(protocol.header(protocol.NOOP, device=self.device)))
+                        self._send(lambda: group.broadcast(protocol.header(protocol.NOOP, device=self.device)))
                 except TPError:
                     return
                 finally:
-                    self.group.lock.release()
+                    group.lock.release()
 
     def _kill_workers(self) -> None:
         for p in self.procs:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from minisched.base.values import cdiv
 from minisched.model.config import ModelConfig
+from minisched.model.linear import as_tensor
 from minisched.model.llama import LlamaModel
 
 
@@ -139,24 +140,26 @@ def shard_model(model: LlamaModel, group, *, device=None) -> LlamaModel:
         rows[: part.shape[0]] = part
         return rows
 
-    out.embed.copy_(vocab_rows(model.embed))
-    if model.lm_head is not None:
-        out.lm_head.copy_(vocab_rows(model.lm_head))
+    # the ranks shard plain weights (packing and int8 are refused with --tp): as_tensor says so
+    as_tensor(out.embed).copy_(vocab_rows(as_tensor(model.embed)))
+    if model.lm_head is not None and out.lm_head is not None:
+        as_tensor(out.lm_head).copy_(vocab_rows(as_tensor(model.lm_head)))
     out.norm.copy_(model.norm)
-    for src, dst in zip(model.layers, out.layers):
+    for src, dst in zip(model.decoder_layers, out.decoder_layers):
+        qkv, o, gate_up, down = (as_tensor(w) for w in (src.qkv, src.o, src.gate_up, src.down))
         dst.ln1.copy_(src.ln1)
         dst.ln2.copy_(src.ln2)
-        dst.qkv.copy_(
+        as_tensor(dst.qkv).copy_(
             torch.cat(
                 [
-                    src.qkv[q0 * d : q1 * d],
-                    src.qkv[q_size + k0 * d : q_size + k1 * d],
-                    src.qkv[q_size + kv_size + k0 * d : q_size + kv_size + k1 * d],
+                    qkv[q0 * d : q1 * d],
+                    qkv[q_size + k0 * d : q_size + k1 * d],
+                    qkv[q_size + kv_size + k0 * d : q_size + kv_size + k1 * d],
                 ]
             )
         )
-        dst.o.copy_(src.o[:, q0 * d : q1 * d])
-        dst.gate_up.copy_(torch.cat([src.gate_up[f0:f1], src.gate_up[inter + f0 : inter + f1]]))
-        dst.down.copy_(src.down[:, f0:f1])
+        as_tensor(dst.o).copy_(o[:, q0 * d : q1 * d])
+        as_tensor(dst.gate_up).copy_(torch.cat([gate_up[f0:f1], gate_up[inter + f0 : inter + f1]]))
+        as_tensor(dst.down).copy_(down[:, f0:f1])
     out.tp = TPShard(group, plan)
     return out
