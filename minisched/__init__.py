@@ -15,6 +15,7 @@ imported until one of them is first used, so `import minisched` stays cheap.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -32,6 +33,35 @@ from typing import TYPE_CHECKING
 # (`num_threads`), not an environment variable.
 CPU_WAIT_POLICY_APPLIED = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+class _CheckoutTritonKernels:
+    """Finds minisched.triton_kernels in a source checkout that runs without an install.
+
+    The Triton kernels sit at the top of the tree (triton_kernels/, as the design card lays it out) and
+    an install ships them inside the package: setup.py's package_dir maps them in, a wheel holds them
+    as minisched/triton_kernels/, and an editable install's finder maps the name to the checkout. A
+    checkout on PYTHONPATH alone (the helpers' worktrees, the H200's device_check.sh, which builds in
+    place) has no such mapping, and an editable install of another checkout in the same venv would
+    answer with that checkout's kernels; this finder makes setup.py's one mapping for the checkout this
+    package was imported from. It is installed only where setup.py and triton_kernels/ sit beside the
+    package: never from site-packages, where a top-level triton_kernels is Triton's own library.
+    """
+
+    name = "minisched.triton_kernels"
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "triton_kernels")
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        init = os.path.join(self.path, "__init__.py")
+        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[self.path])
+
+
+if os.path.isfile(os.path.join(os.path.dirname(_CheckoutTritonKernels.path), "setup.py")) and os.path.isfile(
+    os.path.join(_CheckoutTritonKernels.path, "__init__.py")
+):
+    sys.meta_path.insert(0, _CheckoutTritonKernels())
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
     from minisched.engine.engine import Engine, Output, StreamChunk
