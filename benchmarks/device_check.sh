@@ -9,7 +9,7 @@
 #
 # OUTDIR gets at most 4 files: summary.txt (<= 8,000 characters, most important first: stages, failing
 # tests, one row per target), results.json (the same, machine-readable), device_check.tar.gz (every log,
-# junit file and per-stage JSON) and, after a build, the extension (minisched/_C*.so) so that a later
+# junit file and per-stage JSON) and, after a build, the extension (minisched/ops/_C*.so) so that a later
 # session can carry it and skip the build. Working files live in WORK (default: a new folder under /tmp).
 #
 # Stages, in this order (what has never been measured first, FlexAttention last and optional):
@@ -20,7 +20,7 @@
 # would get less than MIN_RUN is skipped. A failing stage is recorded and the later stages still run.
 # Worst case: BUDGET + GRACE + a few seconds for the summary (default 390 + 15 + ~10: under 7 minutes).
 #
-# Rerun (docs in benchmarks/README.md): SKIP_BUILD=1 keeps the extension already in minisched/ (built by an
+# Rerun (docs in benchmarks/README.md): SKIP_BUILD=1 keeps the extension already in minisched/ops/ (built by an
 # earlier run on a machine still warm, or carried back from an earlier run's OUTDIR); STAGES="a b" runs
 # only those stages.
 #
@@ -127,7 +127,9 @@ BUILT=0
 if [ "${SKIP_BUILD:-0}" = 1 ]; then
   selected build && skip_stage build "skipped(SKIP_BUILD=1)"
 else
-  run_stage build "$WORK/build.log" env MINISCHED_CUDA=1 "$PY" setup.py build_ext --inplace
+  # an editable install (offline: no index, no build isolation) builds minisched/ops/_C in place and maps
+  # minisched.triton_kernels to triton_kernels/, as `make build` does here
+  run_stage build "$WORK/build.log" env MINISCHED_CUDA=1 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
   grep -q "^build	ok" "$STAGES_TSV" && BUILT=1
 fi
 # one Python start for what the later stages need to know (each start imports torch: seconds)
@@ -152,7 +154,7 @@ for name in ("triton", "xdist", "pytest_timeout", "fastapi", "uvicorn"):
 try:
     from minisched import ops
     print("native:", ops.native_available(), ops.NATIVE_ERROR or "")
-    importlib.import_module("minisched.triton_kernels.paged_decode_attention")
+    ops.triton_launchers()  # minisched.triton_kernels: triton_kernels/ of this tree
     print("triton_kernels: import ok")
 except Exception as exc:  # noqa: BLE001
     print("minisched.triton_kernels does not import:", type(exc).__name__, exc)
@@ -174,7 +176,7 @@ SANITIZER=$(find_tool compute-sanitizer)
 export CUOBJDUMP NVDISASM
 printf "cuobjdump: %s\nnvdisasm: %s\ncompute-sanitizer: %s\n" "${CUOBJDUMP:-none}" "${NVDISASM:-none}" \
   "${SANITIZER:-none}" >> "$WORK/env.txt"
-SO="minisched/_C$(sed -n 's/^ext_suffix: //p' "$WORK/env.txt")"  # this Python's extension (one per version)
+SO="minisched/ops/_C$(sed -n 's/^ext_suffix: //p' "$WORK/env.txt")"  # this Python's extension (one per version)
 [ -f "$SO" ] || SO=""
 if [ -n "$SO" ] && [ -n "$CUOBJDUMP" ]; then
   run_stage res_usage "$WORK/res_usage.txt" "$CUOBJDUMP" -res-usage "$SO"

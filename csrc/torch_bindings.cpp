@@ -10,6 +10,9 @@
 #include "cpu/cpu_isa.h"
 
 TORCH_LIBRARY(minisched, m) {
+  // The fakes (FakeTensor/meta kernels: torch.compile, opcheck) are registered in Python, one per op;
+  // torch checks that they come from this module and, where one is missing, names it in its error.
+  m.set_python_module("minisched.ops.fakes");
   // KV cache movement. One layer's k_cache/v_cache: [num_pages, page_size, Hkv, D];
   // the pool kv_cache: [L, 2, num_pages, page_size, Hkv, D]. Indices are int32.
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -42,7 +45,7 @@ TORCH_LIBRARY(minisched, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
 }
 
-// `import minisched._C` loads this library (and so the registrations above). Its two Python
+// `import minisched.ops._C` loads this library (and so the registrations above). Its two Python
 // functions are the CPU kernels' ISA dispatch (csrc/cpu/cpu_isa.h; wrapped by minisched.ops):
 //   cpu_features() -> dict    what cpuid and the OS allow, the supported variants, the active one
 //   set_cpu_isa(name | None)  use variant `name` (None: the best supported); ValueError otherwise
@@ -128,6 +131,6 @@ PyMethodDef methods[] = {
 }  // namespace
 
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "minisched.ops._C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }

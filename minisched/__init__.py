@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 CPU_WAIT_POLICY_APPLIED = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
     from minisched.engine.engine import Engine, Output, StreamChunk
     from minisched.sched.req import SamplingParams

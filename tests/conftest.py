@@ -1,7 +1,7 @@
 """Runs before any test module: the Triton interpreter switch, and the fixtures shared by every test directory.
 
 Without a GPU, Triton kernels run under the interpreter; TRITON_INTERPRET must be set before
-minisched.triton_kernels is imported (decorated), so it is set here, before any test module (and so
+minisched.triton_kernels (triton_kernels/) is imported (decorated), so it is set here, before any test module (and so
 any of tests/helpers/) loads. Shared code that is not a fixture lives in tests/helpers/.
 """
 

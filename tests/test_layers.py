@@ -19,15 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "minisched"
 TESTS = ROOT / "tests"
+# where minisched's modules sit in the tree: the package, and the Triton kernels at the top of the tree,
+# which setup.py's package_dir ships as minisched.triton_kernels (test_the_trees_are_setup_pys checks it)
+TREES = {"minisched": ROOT / "minisched", "minisched.triton_kernels": ROOT / "triton_kernels"}
 
 # layer -> the layers its modules may import besides their own, lowest layer first. A layer is a subpackage
 # of minisched (minisched/<layer>/), or one of the two modules at the top: "minisched" is the package's face
 # (minisched/__init__.py: `from minisched import Engine`), "__main__" is `python -m minisched`.
 LAYERS = {
     "base": set(),
-    "ops": {"base"},
+    "triton_kernels": set(),  # the Triton kernels: torch and triton only, imported by ops
+    "ops": {"base", "triton_kernels"},
     "sched": {"base"},
     "model": {"base", "ops", "sched"},
     "parallel": {"base", "ops", "sched", "model"},
@@ -38,9 +41,7 @@ LAYERS = {
     "cli": {"base", "ops", "sched", "model", "engine", "parallel", "serve", "observe", "minisched"},
     "__main__": {"cli"},
 }
-# parts of a layer that are not its subpackage: the Triton kernels and the compiled extension are ops
-PLACED = {"triton_kernels": "ops", "_C": "ops"}
-EXTENSIONS = {"minisched._C"}  # compiled modules (from csrc/): no source to read
+EXTENSIONS = {"minisched.ops._C"}  # compiled modules (from csrc/, built by setup.py): no source to read
 NO_TORCH = {"base", "sched"}  # layers that import neither torch nor triton, not even for type checking
 
 
@@ -59,13 +60,16 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    """The dotted name of a file: by the tree of TREES that holds it, else by its path under ROOT."""
+    prefix, root = next(((name, tree) for name, tree in TREES.items() if tree in path.parents), ("", ROOT))
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    name = ".".join(([prefix] if prefix else []) + (parts[:-1] if parts[-1] == "__init__" else parts))
+    return name or prefix
 
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
-    return "minisched" if len(parts) == 1 else PLACED.get(parts[1], parts[1])
+    return "minisched" if len(parts) == 1 else parts[1]
 
 
 def imported_names(path: Path, module: str):
@@ -89,7 +93,7 @@ def sources(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-MODULES = {module_name(p): p for p in sources(PACKAGE)}
+MODULES = {module_name(p): p for tree in TREES.values() for p in sources(tree)}
 KNOWN = set(MODULES) | EXTENSIONS
 
 
@@ -116,6 +120,18 @@ IMPORTS = package_imports()
 def test_every_module_has_a_layer():
     unplaced = sorted({layer_of(m) for m in MODULES} - set(LAYERS))
     assert not unplaced, f"parts of minisched in no layer: {unplaced}; add them to LAYERS in {Path(__file__).name}"
+
+
+def test_the_trees_are_setup_pys():
+    """TREES is where setup.py takes the package from: its package_dir maps every tree but minisched/."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
+    package_dir = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "package_dir"))
+    assert {name: ROOT / path for name, path in package_dir.items()} == {
+        name: path for name, path in TREES.items() if name != "minisched"
+    }
+    packages = ast.unparse(next(k.value for k in call.keywords if k.arg == "packages"))
+    assert all(repr(name) in packages for name in package_dir), packages
 
 
 def test_layers_are_ordered():
@@ -231,8 +247,11 @@ def test_the_checks_see_every_kind_of_import(tmp_path):
     ]
     assert [name for _, name in imported_names(pkg / "__init__.py", "minisched.sched")] == ["minisched.sched.req.Req"]
     assert resolve("minisched.model.llama.LlamaModel") == "minisched.model.llama"
-    assert resolve("minisched.ops") == "minisched.ops" and resolve("minisched._C") == "minisched._C"
-    assert layer_of("minisched.triton_kernels.store_kv") == "ops" and layer_of("minisched") == "minisched"
+    assert resolve("minisched.ops") == "minisched.ops" and resolve("minisched.ops._C") == "minisched.ops._C"
+    assert layer_of("minisched.triton_kernels.store_kv") == "triton_kernels" and layer_of("minisched") == "minisched"
+    assert module_name(ROOT / "triton_kernels" / "store_kv.py") == "minisched.triton_kernels.store_kv"
+    assert module_name(ROOT / "triton_kernels" / "__init__.py") == "minisched.triton_kernels"
+    assert module_name(ROOT / "minisched" / "ops" / "__init__.py") == "minisched.ops"
     edges = {"a": {"b": Import("a", "b", ROOT, 1, "import b")}, "b": {"a": Import("b", "a", ROOT, 2, "import a")}}
     assert cycles(edges) == [["a", "b"]] and [i.line for i in one_cycle(edges, ["a", "b"])] == [1, 2]
 
@@ -350,7 +369,7 @@ def test_the_seal_check_sees_aliases_and_private_fields(tmp_path):
 # A request's status and its queue change together, in one place: the Scheduler's methods (scheduler.py).
 QUEUE_FIELDS = {"waiting", "running", "chunked_req", "limbo", "status", "place"}
 MOVES = {"append", "remove", "insert", "pop", "clear", "extend"}
-MOVER = PACKAGE / "sched" / "scheduler.py"
+MOVER = TREES["minisched"] / "sched" / "scheduler.py"
 
 
 def queue_writes(path: Path, root: Path = ROOT) -> list[str]:

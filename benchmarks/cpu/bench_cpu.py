@@ -19,7 +19,7 @@ AVX2-only machine's speed on an AVX-512 one (`compare --tree avx2=.:kw.cpu_isa=a
 `compare`: one persistent worker process per source tree (`--tree name=path[:VAR=value,kw.opt=value,...]`,
 PYTHONPATH=path, extra environment and engine options), each loading the model once; short runs alternate between
 them (A, B, B, A, ...) for --rounds rounds per batch size, medians reported -- so that versions
-of the code see the same machine load. A tree needs its built extension (minisched/_C*.so):
+of the code see the same machine load. A tree needs its built extension (minisched/ops/_C*.so):
 for a worktree of an older commit with the same C++ sources, copy main's.
 
 `model-ab`: one process, one set of weights, two versions of `LlamaModel.forward` (this tree's

@@ -2,7 +2,7 @@
 
 Backends:
   "native"  torch.ops.minisched.* from the compiled extension (C++ on CPU, CUDA on GPU)
-  "triton"  the Triton kernels in minisched/triton_kernels/ (GPU, or the CPU under TRITON_INTERPRET=1)
+  "triton"  the Triton kernels of triton_kernels/ (minisched.triton_kernels; GPU, or the CPU under TRITON_INTERPRET=1)
   "torch"   the pure-PyTorch reference in minisched.ops.reference (slow; the oracle)
 
 Shapes (docs/architecture.md, "The paged KV cache"): q [N, Hq, D]; one layer's k_cache/v_cache
@@ -16,8 +16,9 @@ on the host before it uploads them); shape/dtype/device checks always run.
 
 from __future__ import annotations
 
-import importlib
+import functools
 import math
+from collections.abc import Callable
 from typing import Literal, Optional
 
 import torch
@@ -36,36 +37,49 @@ from minisched.ops.table import OPS, OpSpec  # noqa: F401  (OpSpec: for readers 
 Backend = Literal["native", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
 
-try:  # importing the extension registers torch.ops.minisched.*
-    from minisched import _C  # noqa: F401
+try:  # the extension (csrc/, built by setup.py): importing it registers torch.ops.minisched.*
+    from minisched.ops import _C  # noqa: F401
 
     NATIVE_ERROR: Optional[str] = None
 except ImportError as exc:  # a source tree that was never built
-    NATIVE_ERROR = f"the minisched._C extension is not built ({exc}); run `make build` or `pip install -e .`"
+    NATIVE_ERROR = f"the minisched.ops._C extension is not built ({exc}); run `make build` or `pip install -e .`"
+
+if NATIVE_ERROR is None:
+    try:  # one fake per op (torch.compile, opcheck); registering one for an op the extension lacks fails
+        from minisched.ops import fakes  # noqa: F401
+    except RuntimeError as exc:  # an extension built from older sources: fail here, not at a first call
+        raise ImportError(
+            f"the minisched.ops._C extension is stale ({exc}); rebuild it: `make build` or `pip install -e .`"
+        ) from exc
 
 
 def native_available() -> bool:
     return NATIVE_ERROR is None
 
 
-def _register_fakes() -> None:
-    """Meta kernels: the ops write into preallocated outputs, so a fake only checks its inputs."""
-    for name, spec in OPS.items():
-        if not hasattr(torch.ops.minisched, name):  # an extension built before the op existed: calls say so
-            continue
-        check = getattr(checks, name)
+@functools.cache
+def triton_launchers() -> dict[str, Callable[..., None]]:
+    """{op: its Triton launcher} (triton_kernels/, installed as minisched.triton_kernels). Imported on
+    first use: triton is an optional dependency, and importing a kernel module decorates its kernels."""
+    from minisched.triton_kernels import (
+        kv_pages,
+        merge_attention_states,
+        paged_decode_attention,
+        paged_prefill_attention,
+        shared_prefix_attention,
+        store_kv,
+    )
 
-        def fake(*args, _check=check, _free=not spec.reads_indices):
-            if _free:
-                _check(*args)
-            else:
-                _check(*args, values=False)
-
-        torch.library.register_fake(f"minisched::{name}")(fake)
-
-
-if NATIVE_ERROR is None:
-    _register_fakes()
+    return {
+        "store_kv": store_kv.store_kv,
+        "copy_kv_pages": kv_pages.copy_kv_pages,
+        "gather_kv_pages": kv_pages.gather_kv_pages,
+        "scatter_kv_pages": kv_pages.scatter_kv_pages,
+        "paged_decode_attention": paged_decode_attention.paged_decode_attention,
+        "paged_prefill_attention": paged_prefill_attention.paged_prefill_attention,
+        "shared_prefix_attention": shared_prefix_attention.shared_prefix_attention,
+        "merge_attention_states": merge_attention_states.merge_attention_states,
+    }
 
 
 def call_op(name: str, args: tuple, backend: Backend = "native", check: bool = True) -> None:
@@ -87,7 +101,7 @@ def call_op(name: str, args: tuple, backend: Backend = "native", check: bool = T
     if backend == "torch":
         getattr(reference, name)(*args)
     else:
-        getattr(importlib.import_module(f"minisched.triton_kernels.{spec.family}"), name)(*args)
+        triton_launchers()[name](*args)
 
 
 def default_scale(head_dim: int) -> float:

@@ -22,12 +22,12 @@ CPU_ISAS: tuple[str, ...] = ("avx2", "avx2-vnni", "avx512")
 
 
 try:  # the same module minisched.ops imports (it registers the ops)
-    from minisched import _C as _ext
+    from minisched.ops import _C as _ext
 
     _ERROR: Optional[str] = None
 except ImportError as exc:  # a source tree that was never built
     _ext = None
-    _ERROR = f"the minisched._C extension is not built ({exc})"
+    _ERROR = f"the minisched.ops._C extension is not built ({exc})"
 
 
 def cpu_features() -> dict:

@@ -2,9 +2,9 @@
 
 An op `name` of family `family` has: its schema in csrc/torch_bindings.cpp, a CPU kernel in
 csrc/cpu/<family>.cpp, a CUDA kernel in csrc/cuda/<family>.cu (if `cuda`), a Triton kernel
-`name` in minisched/triton_kernels/<family>.py (if `triton`), the reference `reference.<name>`,
-the input checks `checks.<name>` (with a `values=` switch if `reads_indices`), and its tests in
-tests/ops/test_<family>.py. docs/architecture.md ("Adding an op") lists the steps.
+`name` in triton_kernels/<family>.py (if `triton`; the module minisched.triton_kernels.<family>),
+the reference `reference.<name>`, the input checks `checks.<name>` (with a `values=` switch if
+`reads_indices`), its fake `fakes.<name>`, and its tests in tests/ops/test_<family>.py. docs/architecture.md ("Adding an op") lists the steps.
 """
 
 from __future__ import annotations

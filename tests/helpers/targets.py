@@ -1,12 +1,11 @@
 """The (backend, device, dtype) targets every op test runs over, and small tensor helpers.
 
-`targets(family)` imports that family's Triton kernels (to skip what cannot run): call it from test
+`targets(family)` imports the Triton kernels (ops.triton_launchers; to skip what cannot run): call it from test
 modules only, which load after tests/conftest.py has set TRITON_INTERPRET on a machine without a GPU.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -47,8 +46,7 @@ class Target:
 
 def _triton_ready(family: str) -> str | None:
     try:
-        importlib.import_module("triton")
-        importlib.import_module(f"minisched.triton_kernels.{family}")
+        ops.triton_launchers()
     except ImportError as exc:
         return f"triton kernels for {family} not importable: {exc}"
     return None

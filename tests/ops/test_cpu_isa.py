@@ -68,7 +68,7 @@ def test_version_names_the_isa(capsys):
 def test_wide_registers_only_in_the_variants_own_code():
     """Every function of the extension whose code touches zmm or opmask registers belongs to an
     AVX-512 variant (namespace minisched::cpu::avx512); the rest is x86-64-v3 code."""
-    from minisched import _C
+    from minisched.ops import _C
 
     dis = subprocess.run(
         ["objdump", "-d", "-C", "--no-show-raw-insn", _C.__file__], capture_output=True, text=True, check=True

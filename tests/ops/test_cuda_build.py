@@ -1,6 +1,6 @@
 """The CUDA kernels build for sm_90a without register spills or local memory.
 
-Reads the resource usage of every kernel in the built extension (minisched/_C*.so) with
+Reads the resource usage of every kernel in the built extension (minisched/ops/_C*.so) with
 `cuobjdump -res-usage` (seconds); where the extension was built without CUDA, compiles the
 attention kernel file alone with nvcc (about half a minute). Skipped without nvcc or a CUDA
 build of torch. Runs on machines without a GPU.
@@ -108,7 +108,7 @@ def _demangle(name: str) -> str:
 
 
 def test_no_spills_or_local_memory(tmp_path):
-    sos = [p for p in glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))]
+    sos = [p for p in glob.glob(os.path.join(ROOT, "minisched", "ops", "_C*.so"))]
     kernels = {}
     for so in sos:
         res = subprocess.run([CUOBJDUMP, "-res-usage", so], capture_output=True, text=True, timeout=120)
@@ -152,7 +152,7 @@ def ctas_per_sm(regs: int, threads: int, smem: int) -> int:
 
 def attention_occupancy(tmp_path) -> list:
     """(dtype, D, row warps, KV warps, row fragments, REG, smem, CTAs/SM, warps/SM) of every paged_attention_kernel."""
-    sos = glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))
+    sos = glob.glob(os.path.join(ROOT, "minisched", "ops", "_C*.so"))
     kernels = {}
     for so in sos:
         res = subprocess.run([CUOBJDUMP, "-res-usage", so], capture_output=True, text=True, timeout=120)
@@ -237,7 +237,7 @@ def tile_loop_ops(sass: str, kernel: str = "paged_attention_kernel", mma: str = 
 def test_prefill_tile_loop_shares_kv_fragments(tmp_path):
     """The 32-row prefill warp loads each K / V fragment once for both row fragments: per 64-token tile 2 x D HMMA
     and at most 0.32 LDSM per HMMA (K 4 x D / 16, V 4 x D / 16, Q 2 x D / 16); the 16-row warp has 0.5 plus Q."""
-    sos = glob.glob(os.path.join(ROOT, "minisched", "_C*.so"))
+    sos = glob.glob(os.path.join(ROOT, "minisched", "ops", "_C*.so"))
     target = sos[0] if sos else _compile_attention_kernel(tmp_path)
     sass = subprocess.run([CUOBJDUMP, "-sass", target], capture_output=True, text=True, timeout=300).stdout
     loops = tile_loop_ops(sass)
@@ -264,7 +264,7 @@ def wgmma_smem_bytes(d: int) -> int:
 
 def _wgmma_target(tmp_path) -> str:
     """The built extension when it holds the wgmma kernel, else attention_wgmma.cu compiled alone."""
-    for so in glob.glob(os.path.join(ROOT, "minisched", "_C*.so")):
+    for so in glob.glob(os.path.join(ROOT, "minisched", "ops", "_C*.so")):
         res = subprocess.run([CUOBJDUMP, "-res-usage", so], capture_output=True, text=True, timeout=120)
         if "paged_attention_wgmma_kernel" in res.stdout:
             return so
