@@ -191,6 +191,10 @@ class Engine:
         self._overlap = OverlapLoop(self.scheduler, self.runner) if self.overlap else None
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.tokenizer.eos_token_id)
         self._ids = itertools.count()
+        # n > 1: each choice's shared-prefill request, and the choices still live per prefill, so
+        # that aborting a prompt's last choice aborts its prefill too (else it runs on for nobody)
+        self._lead_of: dict[str, str] = {}
+        self._choices_of: dict[str, set[str]] = {}
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
 
@@ -319,10 +323,25 @@ class Engine:
             for r in [lead, *reqs]:
                 self.scheduler.abort(r.rid)
             raise
+        self._choices_of[lead.rid] = set(rids)
+        self._lead_of.update((rid, lead.rid) for rid in rids)
         return reqs  # the leader computes the prompt logprobs once (output_of reads them there)
 
     def abort(self, rid: str) -> bool:
-        return self.scheduler.abort(rid)
+        found = self.scheduler.abort(rid)
+        self._choice_ended(rid, abort_prefill=True)
+        return found
+
+    def _choice_ended(self, rid: str, abort_prefill: bool) -> None:
+        lead = self._lead_of.pop(rid, None)
+        if lead is None:
+            return
+        left = self._choices_of[lead]
+        left.discard(rid)
+        if not left:
+            del self._choices_of[lead]
+            if abort_prefill:
+                self.scheduler.abort(lead)  # False when the prefill is done already
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -347,6 +366,8 @@ class Engine:
                 for handle, pages in loads:
                     self.runner.kv_mover.to_device(handle, pages)
             self.step_times.append((t0, time.monotonic()))
+        for r in done:
+            self._choice_ended(r.rid, abort_prefill=False)
         return done
 
     def _wait_for_grammars(self) -> None:
