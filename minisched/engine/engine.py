@@ -37,7 +37,7 @@ from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
 from minisched.engine.runner import ModelRunner
-from minisched.engine.structured import GrammarCompiler
+from minisched.engine.structured import GRAMMAR_FAILED, GrammarCompiler
 from minisched.engine.threads import ThreadTuner, default_num_threads
 from minisched.model import weights
 from minisched.model.config import ModelConfig
@@ -377,7 +377,7 @@ class Engine:
         gated = [r for r in sched.waiting if r.gate is not None]
         for r in gated:
             if r.gate.done() and r.gate.exception() is not None:
-                sched.fail_waiting(r, f"the grammar failed to compile: {r.gate.exception()}")
+                sched.fail_waiting(r, f"{GRAMMAR_FAILED}: {r.gate.exception()}")
         pending = [r.gate for r in sched.waiting if not r.ready and r.gate is not None]
         if pending and len(pending) == len(sched.waiting) and not sched.running and sched.chunked_req is None:
             concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)

@@ -37,6 +37,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
+from minisched.engine.structured import GRAMMAR_FAILED
 from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Sink, Stats, Update
@@ -251,7 +252,7 @@ class EngineLoop:
             if finished:
                 upd.finish_reason = req.finish_reason.value if req.finish_reason else "error"
                 upd.error = req.error
-                upd.error_type = "server_error" if upd.finish_reason == "error" else None
+                upd.error_type = None if upd.finish_reason != "error" else _error_type(req.error)
                 upd.cached_tokens = lead.cache_hit_tokens
                 upd.num_retractions = req.num_retractions
                 done.append(rid)
@@ -284,6 +285,11 @@ class EngineLoop:
             step_errors=self._step_errors,
             **host_stats(sched.tree.host),
         )
+
+
+def _error_type(error: Optional[str]) -> str:
+    """A grammar that does not compile (in time) is the request's fault: a 400; any other failure a 500."""
+    return "invalid_request_error" if (error or "").startswith(GRAMMAR_FAILED) else "server_error"
 
 
 def host_stats(host) -> dict:

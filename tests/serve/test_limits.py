@@ -223,3 +223,43 @@ def test_a_json_body_of_many_prompts_is_answered_quickly_when_refused(small_serv
     t0 = time.monotonic()
     r = httpx.post(small_server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert error_of(r, 400)["param"] == "n" and time.monotonic() - t0 < 5
+
+
+def test_a_slow_grammar_is_a_400_and_does_not_stall_the_others():
+    """xgrammar compiles this 56 kB schema for half a minute or more: bounded by the compile timeout
+    (its worker process killed), while a trivial grammar beside it compiles on the other worker."""
+    engine = Engine("dummy:tiny", num_pages=128)
+    engine.grammars.timeout = 3.0
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    slow = completion(response_format={"type": "json_schema", "json_schema": {"schema": schema}}, max_tokens=4)
+    quick = completion(regex="(cat|dog)", max_tokens=4, temperature=0)
+    quick2 = completion(regex="(cow|pig)", max_tokens=4, temperature=0)  # not in the cache
+    with running_server(engine, limits=ServerLimits(max_grammar_bytes=1 << 20)) as live:
+        warm = httpx.post(live.url + "/v1/completions", json=quick, timeout=60)  # starts both compile workers
+        assert warm.status_code == 200, warm.text
+        deadline = time.monotonic() + 30
+        while engine.grammars.idle_workers() < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out = {}
+
+        def post_slow():
+            t0 = time.monotonic()
+            out["slow"] = httpx.post(live.url + "/v1/completions", json=slow, timeout=120)
+            out["slow_s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=post_slow)
+        t.start()
+        time.sleep(0.5)  # the slow one compiles
+        t0 = time.monotonic()
+        r = httpx.post(live.url + "/v1/completions", json=quick2, timeout=60)
+        quick_s = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("cow", "pig"), r.text
+        assert quick_s < 2.5, quick_s  # not behind the slow one
+        t.join(60)
+        err = error_of(out["slow"], 400)
+        assert "did not compile within 3 s" in err["message"], err
+        assert out["slow_s"] < 3.0 + 5.0
+        again = completion(regex="(ant|bee)", max_tokens=4, temperature=0)  # compiled again, by the workers left
+        r = httpx.post(live.url + "/v1/completions", json=again, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("ant", "bee")
+    print(f"\nquick grammar beside a slow one: {quick_s:.2f} s; slow one refused after {out['slow_s']:.2f} s")
