@@ -60,7 +60,9 @@ class EngineLoop:
         self._live: dict[str, tuple[Any, Sink, int]] = {}  # rid -> (Req, sink, tokens published)
         self._held: collections.deque = collections.deque()  # static batching: (rids, ids, sampling, sinks)
         self._stats_seen = 0
+        self._events_seen = 0
         self._retractions = 0
+        self._preemptions = 0
         self._step_errors = 0
         self._stopping = False
         self._stopped = False  # set by the engine thread as it ends
@@ -269,9 +271,14 @@ class EngineLoop:
         new = sched.step_stats[self._stats_seen :]
         self._retractions += sum(s.num_retracted for s in new)
         self._stats_seen = len(sched.step_stats)
+        events = sched.events[self._events_seen :]  # a priority preemption is a retraction noted "preempted"
+        self._preemptions += sum(e.dst is ReqStatus.RETRACTED and e.note == "preempted" for e in events)
+        self._events_seen = len(sched.events)
         if not self.keep_history and self._stats_seen > HISTORY_LIMIT:
             del sched.step_stats[:], sched.events[:], self.engine.step_times[:]
-            self._stats_seen = 0
+            self._stats_seen = self._events_seen = 0
+        spec = sched.speculator.stats if sched.speculator is not None else None
+        grammars = self.engine.grammars
         tree = sched.tree
         self.stats = Stats(
             steps=self.stats.steps + step,
@@ -283,6 +290,12 @@ class EngineLoop:
             pages_evictable=tree.evictable_pages,
             retractions=self._retractions,
             step_errors=self._step_errors,
+            preemptions=self._preemptions,
+            spec_draft_tokens=spec.draft_tokens if spec else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+            grammar_compiles=grammars.compiled,
+            grammar_compile_timeouts=grammars.timeouts,
+            grammar_compile_seconds=grammars.compile_seconds,
             **host_stats(sched.tree.host),
         )
 
@@ -304,4 +317,6 @@ def host_stats(host) -> dict:
         host_load_pages=st.load_pages,
         host_hit_tokens=st.host_hit_tokens,
         host_write_back_pages=st.write_back_pages,
+        host_write_backs=st.write_backs,
+        host_dropped_pages=st.dropped_pages,
     )
