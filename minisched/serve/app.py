@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from minisched.serve import protocol as p
 from minisched.serve.chat import chat as chat_route
@@ -62,7 +62,8 @@ def create_app(
         loop.stop()
         await asyncio.to_thread(loop.join, 10.0)
 
-    app = FastAPI(title="minisched", lifespan=lifespan, docs_url=None, redoc_url=None)
+    errors = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}  # in the schema
+    app = FastAPI(title="minisched", lifespan=lifespan, docs_url=None, redoc_url=None, responses=errors)
     app.state.server = state
     app.router.route_class = SafeJSONRoute  # lone surrogates in a body become U+FFFD (request_body.py)
     install_error_handlers(app)
@@ -84,7 +85,7 @@ def create_app(
             return {"status": "degraded", **extra}  # still serving: 200, so a balancer keeps it
         return {"status": "ok", **extra}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # the schema says text/plain (Prometheus text)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
