@@ -2,6 +2,7 @@
 
 minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KEY]
                 [--max-queued-requests 512] [--served-model-name NAME] [--grace-period 30]
+                [--max-request-body-bytes 33554432] [--max-choices-per-request 256] [--max-grammar-bytes 65536] ...
                 [--dp N] [--router cache-aware|round-robin] [--engine-heartbeat-timeout 10] ...
 
 The engine runs in a process of its own (N with --dp N), supervised: a dead or hung one is
@@ -35,6 +36,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=512,
         help="requests waiting for their first token beyond this get 429 + Retry-After",
     )
+    # serve/limits.py's ServerLimits holds the defaults (not imported here: `minisched` starts fast)
+    lim = s.add_argument_group("request bounds (each a 4xx naming its option; docs/serving.md)")
+    for flag, what in (
+        ("--max-request-body-bytes", "bytes of a request body, larger: 413 (default 32 MiB)"),
+        ("--max-choices-per-request", "prompts x n of one request: each is a request in the engine (default 256)"),
+        ("--max-stop-chars", "characters of one stop string (default 256)"),
+        ("--max-logit-bias", "logit_bias entries (default 1024)"),
+        ("--max-messages", "messages of one chat request (default 4096)"),
+        ("--max-grammar-bytes", "bytes of a json_schema, regex or ebnf (default 64 KiB)"),
+    ):
+        lim.add_argument(flag, type=int, default=argparse.SUPPRESS, help=what)
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     s.add_argument(
         "--grace-period",
@@ -110,6 +122,14 @@ def cmd_serve(args) -> int:
     if args.engine_in_process and args.dp > 1:
         raise CLIError("--engine-in-process runs one engine: not with --dp")
     from minisched.serve import create_app, run
+    from minisched.serve.limits import ServerLimits
+
+    try:
+        limits = ServerLimits(**{f: v for f, v in vars(args).items() if f in vars(ServerLimits())})
+    except ValueError as exc:
+        raise CLIError(f"--{str(exc).replace('_', '-')}") from exc
+    if limits.max_choices_per_request > max(1, args.max_queued_requests):
+        raise CLIError("--max-choices-per-request must be <= --max-queued-requests (the queue counts choices)")
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     name = args.served_model_name or args.model or "smollm2"
@@ -119,7 +139,12 @@ def cmd_serve(args) -> int:
     else:
         engine, loop = _start_pool(args, config)
     app = create_app(
-        engine, model_name=name, api_key=args.api_key, max_queued_requests=args.max_queued_requests, engine_loop=loop
+        engine,
+        model_name=name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        engine_loop=loop,
+        limits=limits,
     )
     print(
         f"minisched serve: model {name!r} on http://{args.host}:{args.port}/v1 "

@@ -34,7 +34,7 @@ from minisched.engine.config import EngineConfig
 from minisched.engine.generate import generate, stream
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.engine.overlap import OverlapLoop
-from minisched.engine.structured import GrammarCompiler
+from minisched.engine.structured import GRAMMAR_FAILED, GrammarCompiler
 from minisched.model.detokenize import final_text
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
@@ -87,6 +87,10 @@ class Engine:
         self._overlap = OverlapLoop(self.scheduler, self.runner) if self.overlap else None
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.tokenizer.eos_token_id)
         self._ids = itertools.count()
+        # n > 1: each choice's shared-prefill request, and the choices still live per prefill, so
+        # that aborting a prompt's last choice aborts its prefill too (else it runs on for nobody)
+        self._lead_of: dict[str, str] = {}
+        self._choices_of: dict[str, set[str]] = {}
         self.step_times: list[tuple[float, float]] = []  # (start, end) of each forward step
         self.last_error: Optional[BaseException] = None  # the last exception a step turned into request errors
 
@@ -223,10 +227,25 @@ class Engine:
             for r in [lead, *reqs]:
                 self.scheduler.abort(r.rid)
             raise
+        self._choices_of[lead.rid] = set(rids)
+        self._lead_of.update((rid, lead.rid) for rid in rids)
         return reqs  # the leader computes the prompt logprobs once (output_of reads them there)
 
     def abort(self, rid: str) -> bool:
-        return self.scheduler.abort(rid)
+        found = self.scheduler.abort(rid)
+        self._choice_ended(rid, abort_prefill=True)
+        return found
+
+    def _choice_ended(self, rid: str, abort_prefill: bool) -> None:
+        lead = self._lead_of.pop(rid, None)
+        if lead is None:
+            return
+        left = self._choices_of[lead]
+        left.discard(rid)
+        if not left:
+            del self._choices_of[lead]
+            if abort_prefill:
+                self.scheduler.abort(lead)  # False when the prefill is done already
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -249,6 +268,8 @@ class Engine:
             for handle, pages in self.scheduler.take_unrun_loads():  # a failed step's host-tier loads
                 self.runner.kv_mover.to_device(handle, pages)
             self.step_times.append((t0, time.monotonic()))
+        for r in done:
+            self._choice_ended(r.rid, abort_prefill=False)
         return done
 
     def _wait_for_grammars(self) -> None:
@@ -257,7 +278,7 @@ class Engine:
         sched = self.scheduler
         for r in sched.gated_requests():
             if r.gate.done() and r.gate.exception() is not None:
-                sched.fail_waiting(r, f"the grammar failed to compile: {r.gate.exception()}")
+                sched.fail_waiting(r, f"{GRAMMAR_FAILED}: {r.gate.exception()}")
         pending = sched.only_gated_work()
         if pending:
             concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)

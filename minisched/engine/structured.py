@@ -1,7 +1,8 @@
 """Structured outputs with xgrammar: compile off the critical path, mask the logits before sampling.
 
 - `GrammarCompiler.submit(grammar)` compiles a request's `Grammar` (JSON schema -- compact,
-  without free whitespace --, any JSON, regex, EBNF) against the model's vocabulary on a worker thread and returns a future. The request
+  without free whitespace --, any JSON, regex, EBNF) against the model's vocabulary in a compile
+  process (grammar_worker.py; killed past `COMPILE_TIMEOUT`) and returns a future. The request
   waits in the scheduler's queue with that future as its gate (`Req.gate`): it holds no
   admission slot and no page until the grammar is ready (SGLang's grammar queue); a grammar that
   fails to compile ends it with an error (the HTTP side already rejected what does not parse).
@@ -15,16 +16,27 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import logging
+import queue
+import select
+import subprocess
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Optional
 
 import torch
 
+from minisched.engine import grammar_worker
 from minisched.sched.req import Req
 from minisched.sched.sampling_params import Grammar
+
+log = logging.getLogger("minisched.engine")
 
 
 def _xgrammar():
@@ -35,45 +47,145 @@ def _xgrammar():
     return xgrammar
 
 
-class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: Optional[int]):
-        self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos_token_id
-        self._compiler = None
-        self._lock = threading.Lock()
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+COMPILE_TIMEOUT = 10.0  # seconds: a grammar that does not compile within it ends its request (a 400)
+COMPILE_WORKERS = 2  # compile processes: one slow grammar leaves the other free for the rest
+GRAMMAR_FAILED = "the grammar failed to compile"  # the start of such a request's error (serve: a 400)
+_WORKER = Path(__file__).with_name("grammar_worker.py")
 
-    def _get(self):
+
+class GrammarTimeout(Exception):
+    pass
+
+
+class _Worker:
+    """One compile process (grammar_worker.py), started with the tokenizer's info."""
+
+    def __init__(self, info_json: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(_WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        grammar_worker.write_frame(self.proc.stdin, ("init", info_json))
+        if grammar_worker.read_frame(self.proc.stdout) != ("ready",):
+            raise RuntimeError(f"the grammar compile worker did not start (exit status {self.proc.wait()})")
+
+    def compile(self, kind: str, spec: str, timeout: float) -> tuple[str, str]:
+        grammar_worker.write_frame(self.proc.stdin, ("compile", kind, spec))
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise GrammarTimeout(f"it did not compile within {timeout:g} s")
+        got = grammar_worker.read_frame(self.proc.stdout)
+        if got is None:
+            raise RuntimeError(f"the compile worker died (exit status {self.proc.wait()})")
+        return got
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class GrammarCompiler:
+    """Compiles in `workers` processes of their own (grammar_worker.py), each compile bounded by
+    `timeout`: xgrammar's compile time grows faster than the grammar and a native call cannot be
+    stopped, so a compile past its deadline is ended by killing its process (a new one starts for
+    the next grammar) -- one huge grammar never holds the compiler for the others. Results are
+    kept in a small LRU (the same schema, or json_object, is compiled once)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_id: Optional[int],
+        *,
+        timeout: float = COMPILE_TIMEOUT,
+        workers: int = COMPILE_WORKERS,
+        cache_size: int = 64,
+    ):
+        self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos_token_id
+        self.timeout, self.workers, self.cache_size = timeout, workers, cache_size
+        self._info = None
+        self._lock = threading.Lock()
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._started = 0  # workers alive or starting
+        self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.compiled = 0  # grammars compiled (cache hits not counted)
+        self.timeouts = 0
+        self.compile_seconds = 0.0
+
+    def _tokenizer_info(self):
         with self._lock:
-            if self._compiler is None:
+            if self._info is None:
                 xgr = _xgrammar()
                 vocab = [self.tokenizer.token_bytes(i) for i in range(self.vocab_size)]
-                info = xgr.TokenizerInfo(
+                self._info = xgr.TokenizerInfo(
                     vocab,
                     xgr.VocabType.RAW,
                     vocab_size=self.vocab_size,
                     stop_token_ids=[] if self.eos is None else [self.eos],
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)  # caches compiled grammars
-            return self._compiler
+            return self._info
 
     def compile(self, grammar: Grammar):
-        c = self._get()
-        if grammar.kind == "json_object":
-            return c.compile_builtin_json_grammar()
-        if grammar.kind == "json_schema":  # compact JSON: no free whitespace for a model to loop in
-            return c.compile_json_schema(grammar.spec, any_whitespace=False)
-        if grammar.kind == "regex":
-            return c.compile_regex(grammar.spec)
-        return c.compile_grammar(grammar.spec)
+        key = (grammar.kind, grammar.spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        info = self._tokenizer_info()
+        self._top_up()
+        worker = self._idle.get()  # at most `workers` compiles run (the pool's threads): one comes free
+        t0 = time.monotonic()
+        try:
+            status, payload = worker.compile(grammar.kind, grammar.spec, self.timeout)
+        except BaseException as exc:
+            worker.kill()  # busy (timed out) or broken: never reused
+            with self._lock:
+                self._started -= 1
+                self.timeouts += isinstance(exc, GrammarTimeout)
+            self._top_up()  # its successor starts now, not when the next grammar comes
+            raise
+        self._idle.put(worker)
+        with self._lock:
+            self.compile_seconds += time.monotonic() - t0
+        if status == "error":
+            raise RuntimeError(payload)
+        compiled = _xgrammar().CompiledGrammar.deserialize_json(payload, info)
+        with self._lock:
+            self.compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _top_up(self) -> None:
+        """Start workers (in the background: importing xgrammar takes seconds) up to `workers`."""
+        with self._lock:
+            missing, self._started = self.workers - self._started, self.workers
+        for _ in range(missing):
+            threading.Thread(target=self._start_worker, name="minisched-grammar-start", daemon=True).start()
+
+    def _start_worker(self) -> None:
+        try:
+            self._idle.put(_Worker(self._tokenizer_info().serialize_json()))
+        except Exception:
+            log.exception("a grammar compile worker did not start")
+            with self._lock:
+                self._started -= 1
+
+    def idle_workers(self) -> int:
+        """Compile workers started and free now (tests, warm-up)."""
+        return self._idle.qsize()
 
     def submit(self, grammar: Grammar) -> concurrent.futures.Future:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisched-grammar")
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="minisched-grammar")
         return self._pool.submit(self.compile, grammar)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        while not self._idle.empty():
+            self._idle.get().kill()
 
 
 class Matchers:

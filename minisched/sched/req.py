@@ -137,8 +137,12 @@ class Req:
 
     @property
     def ready(self) -> bool:
-        """May it be admitted now (its shared prefill has ended, its grammar is compiled)?"""
-        return (self.after is None or self.after.is_finished) and (self.gate is None or self.gate.done())
+        """May it be admitted now (its shared prefill has ended, its grammar is compiled)? A grammar that
+        failed is never ready: the engine ends the request before the next step (not a batch's matcher)."""
+        gate = self.gate
+        return (self.after is None or self.after.is_finished) and (
+            gate is None or (gate.done() and gate.exception() is None)
+        )
 
     @property
     def is_finished(self) -> bool:

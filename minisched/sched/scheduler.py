@@ -137,6 +137,7 @@ class Scheduler:
         self.prefill_rounds = 0  # prefill-only rounds since the last decode
         self.stalled = 0  # consecutive steps with work but no batch
         self.num_retracted = 0  # requests retracted for decode room so far (the step stats' sum)
+        self.num_preempted = 0  # requests retracted for a more urgent one so far (preemption.py)
         self._finished_early: list[Req] = []  # ended outside resolve, not reported yet
         self.unrun_loads: list = []  # host-tier loads of failed batches (fail_in_flight): the engine runs them
         self.speculator = (  # speculative decoding (spec.py): drafts verified in VERIFY batches
@@ -244,6 +245,7 @@ class Scheduler:
             pages_evictable=tree.evictable_pages,
             new_token_ratio=self.new_token_ratio,
             retractions=self.num_retracted,
+            preemptions=self.num_preempted,
             host_pages_total=0 if host is None else host.capacity,
             host_pages_used=0 if host is None else host.used,
             host=None if host is None else dataclasses.replace(host.stats),
@@ -547,6 +549,7 @@ class Scheduler:
         req.pending_ids.clear()
         self.tree.cache_finished_req(req, self.pool)
         req.num_retractions += 1
+        self.num_preempted += note == "preempted"  # preemption.py's note; memory retractions are counted per step
         self._set_status(req, ReqStatus.RETRACTED, note)
         self._set_status(req, ReqStatus.WAITING)
         self._put(req, Place.WAITING, at)

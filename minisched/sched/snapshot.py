@@ -24,6 +24,7 @@ class SchedulerSnapshot:
     pages_evictable: int
     new_token_ratio: float
     retractions: int  # requests retracted for decode room so far (StepStats.num_retracted summed)
+    preemptions: int  # requests retracted for a more urgent one so far (priority scheduling)
     host_pages_total: int = 0  # the host KV tier (0 pages: off)
     host_pages_used: int = 0
     host: TierStats | None = None  # a copy of the host tier's counters

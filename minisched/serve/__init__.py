@@ -6,7 +6,7 @@
 Files: protocol (OpenAI request/response/error bodies), engine_loop (the engine on its own
 thread), state (the HTTP side's per-request state, admission, drain), detokenize (incremental
 text with stop strings held back), metrics (Prometheus), app (FastAPI routes), server
-(uvicorn with a graceful drain).
+(uvicorn with a graceful drain), limits and request_body (the bounds on one request).
 """
 
 from minisched.serve.app import create_app

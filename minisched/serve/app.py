@@ -1,7 +1,7 @@
 """The FastAPI app: the routes (completions.py, chat.py hold the two generation routes; errors.py
 the error bodies and the API key).
 
-    app = create_app(engine, model_name="smollm2", api_key=None, max_queued_requests=512)
+    app = create_app(engine, model_name="smollm2", api_key=None, max_queued_requests=512, limits=ServerLimits())
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming with `stream: true`),
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics. The engine thread
@@ -9,7 +9,8 @@ GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics. The engine threa
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: request
 validation (malformed JSON, wrong types, out-of-range values, an invalid grammar) -> 400,
-unknown model -> 404, a missing or wrong API key -> 401, queue full -> 429 + Retry-After,
+unknown model -> 404, a missing or wrong API key -> 401, a body over the limit -> 413 (limits.py),
+queue full -> 429 + Retry-After,
 shutting down -> 503, anything unexpected -> 500 with a one-line message (the traceback
 goes to the log, never to the client). With an API key, every /v1 route needs
 `Authorization: Bearer <key>`; /health and /metrics stay open (as in vLLM: probes and
@@ -23,15 +24,17 @@ from contextlib import asynccontextmanager
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from minisched.serve import protocol as p
 from minisched.serve.chat import chat as chat_route
 from minisched.serve.completions import completions as completions_route
 from minisched.serve.engine_loop import EngineLoop
 from minisched.serve.errors import BearerAuth, install_error_handlers
+from minisched.serve.limits import ServerLimits
 from minisched.serve.loop import ServingLoop
 from minisched.serve.metrics import CONTENT_TYPE
+from minisched.serve.request_body import BodyLimit, SafeJSONRoute
 from minisched.serve.state import ServerState
 
 
@@ -42,9 +45,12 @@ def create_app(
     api_key: Optional[str] = None,
     max_queued_requests: int = 512,
     engine_loop: Optional[ServingLoop] = None,
+    limits: ServerLimits = ServerLimits(),
 ) -> FastAPI:
     loop: ServingLoop = engine_loop or EngineLoop(engine)
-    state = ServerState(engine, loop, model_name=model_name, api_key=api_key, max_queued_requests=max_queued_requests)
+    state = ServerState(
+        engine, loop, model_name=model_name, api_key=api_key, max_queued_requests=max_queued_requests, limits=limits
+    )
     for collector in loop.collectors():  # --dp: per-replica gauges
         state.metrics.registry.register(collector)
 
@@ -56,9 +62,12 @@ def create_app(
         loop.stop()
         await asyncio.to_thread(loop.join, 10.0)
 
-    app = FastAPI(title="minisched", lifespan=lifespan, docs_url=None, redoc_url=None)
+    errors = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}  # in the schema
+    app = FastAPI(title="minisched", lifespan=lifespan, docs_url=None, redoc_url=None, responses=errors)
     app.state.server = state
+    app.router.route_class = SafeJSONRoute  # lone surrogates in a body become U+FFFD (request_body.py)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)  # 413 (the key is checked first)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
@@ -76,7 +85,7 @@ def create_app(
             return {"status": "degraded", **extra}  # still serving: 200, so a balancer keeps it
         return {"status": "ok", **extra}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # the schema says text/plain (Prometheus text)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -37,6 +37,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
+from minisched.engine.structured import GRAMMAR_FAILED
 from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Sink, Stats, Update
@@ -250,7 +251,7 @@ class EngineLoop:
             if finished:
                 upd.finish_reason = req.finish_reason.value if req.finish_reason else "error"
                 upd.error = req.error
-                upd.error_type = "server_error" if upd.finish_reason == "error" else None
+                upd.error_type = None if upd.finish_reason != "error" else _error_type(req.error)
                 upd.cached_tokens = lead.cache_hit_tokens
                 upd.num_retractions = req.num_retractions
                 done.append(rid)
@@ -270,6 +271,7 @@ class EngineLoop:
             self.engine.step_times.clear()
             self._drained_at = snap.step
         host = snap.host
+        spec, grammars = snap.spec, self.engine.grammars
         self.stats = Stats(
             steps=self.stats.steps + step,
             running=snap.running,
@@ -286,4 +288,17 @@ class EngineLoop:
             host_load_pages=0 if host is None else host.load_pages,
             host_hit_tokens=0 if host is None else host.host_hit_tokens,
             host_write_back_pages=0 if host is None else host.write_back_pages,
+            host_write_backs=0 if host is None else host.write_backs,
+            host_dropped_pages=0 if host is None else host.dropped_pages,
+            preemptions=snap.preemptions,
+            spec_draft_tokens=0 if spec is None else spec.draft_tokens,
+            spec_accepted_tokens=0 if spec is None else spec.accepted_tokens,
+            grammar_compiles=grammars.compiled,
+            grammar_compile_timeouts=grammars.timeouts,
+            grammar_compile_seconds=grammars.compile_seconds,
         )
+
+
+def _error_type(error: Optional[str]) -> str:
+    """A grammar that does not compile (in time) is the request's fault: a 400; any other failure a 500."""
+    return "invalid_request_error" if (error or "").startswith(GRAMMAR_FAILED) else "server_error"

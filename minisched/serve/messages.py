@@ -59,3 +59,11 @@ class Stats:
     host_load_pages: int = 0
     host_hit_tokens: int = 0  # prompt tokens found on the host (also in the cached tokens)
     host_write_back_pages: int = 0
+    host_write_backs: int = 0  # device evictions copied to the host
+    host_dropped_pages: int = 0  # host-tier evictions and pages refused for want of host room
+    preemptions: int = 0  # requests retracted for a more urgent one (priority scheduling)
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified ...
+    spec_accepted_tokens: int = 0  # ... and accepted
+    grammar_compiles: int = 0  # grammars compiled (cache hits not counted)
+    grammar_compile_timeouts: int = 0
+    grammar_compile_seconds: float = 0.0

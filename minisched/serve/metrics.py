@@ -4,7 +4,8 @@ Two sources, neither of which touches the engine from the HTTP side:
 
 - the engine loop's `Stats` snapshot (replaced after every step), read at scrape time by a
   custom collector: running / waiting requests, KV pages used / cached / evictable / free,
-  retractions, engine steps;
+  retractions (memory) and preemptions (priority), speculative drafted / accepted tokens, the
+  host tier's loads / write-backs / drops, grammar compiles, timeouts and seconds, engine steps;
 - the HTTP side's own observations at each request's end: TTFT, TPOT (time per output token
   after the first), e2e latency (histograms, seconds, measured from the request's arrival at
   the server), prompt / cached / generated tokens, requests by finish reason, 429s.
@@ -55,9 +56,24 @@ class _EngineCollector:
                 ("minisched_host_kv_load_pages", "pages loaded back from the host tier", s.host_load_pages),
                 ("minisched_host_kv_hit_tokens", "prompt tokens found in the host tier", s.host_hit_tokens),
                 ("minisched_host_kv_write_back_pages", "pages written back to the host tier", s.host_write_back_pages),
+                ("minisched_host_kv_write_backs", "cached prefixes written back to the host tier", s.host_write_backs),
+                ("minisched_host_kv_dropped_pages", "host-tier pages evicted or refused room", s.host_dropped_pages),
             ):
                 yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("minisched_retractions", "requests retracted under KV pressure", value=s.retractions)
+        for name, doc, value in (  # vLLM's names: num_preemptions, spec_decode_num_{draft,accepted}_tokens
+            ("minisched_num_preemptions", "running requests retracted for a more urgent one", s.preemptions),
+            ("minisched_spec_decode_num_draft_tokens", "draft tokens verified", s.spec_draft_tokens),
+            ("minisched_spec_decode_num_accepted_tokens", "draft tokens accepted", s.spec_accepted_tokens),
+            ("minisched_grammar_compiles", "grammars compiled (cache hits not counted)", s.grammar_compiles),
+            (
+                "minisched_grammar_compile_timeouts",
+                "grammars refused for compiling too long",
+                s.grammar_compile_timeouts,
+            ),
+            ("minisched_grammar_compile_seconds", "seconds spent compiling grammars", s.grammar_compile_seconds),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("minisched_engine_steps", "engine steps", value=s.steps)
         yield CounterMetricFamily(
             "minisched_engine_loop_errors", "failed steps and loop errors survived", value=s.step_errors

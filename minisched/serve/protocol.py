@@ -114,7 +114,7 @@ class _GenerationFields(_Lenient):
     @classmethod
     def _check_logit_bias(cls, v):
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²".isdigit() is True, int("²") fails
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")

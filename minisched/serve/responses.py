@@ -18,6 +18,7 @@ from minisched.serve.structured import check_grammar
 
 def check_common(state: ServerState, body) -> None:
     state.check_model(body.model)
+    state.limits.check(body, state.vocab_size)
     bad = body.unsupported()
     if bad is not None:
         raise p.APIError(400, bad[1], param=bad[0], code="unsupported_parameter")

@@ -4,10 +4,10 @@ Everything here is touched only by the server's asyncio event loop (the engine t
 a handle only through `EngineLoop` publishing to `RequestHandle.deliver` with
 `call_soon_threadsafe`), so nothing needs a lock.
 
-Admission, in order: draining -> 503; prompt and sampling checks (`prepare`) -> 400; more
-than `max_queued_requests` requests queued -> 429 with Retry-After. A request counts as
-queued from its admission until its first token (or its end); one that already streams
-does not. Each admitted request is in `live` until its finish arrives from the engine.
+Admission, in order: draining -> 503; the request's bounds (limits.py) and prompt and sampling
+checks (`prepare`) -> 400; more than `max_queued_requests` requests queued with this call's
+choices (prompts x n) -> 429 with Retry-After. A choice counts as queued from its admission
+until its first token (or its end); one that already streams does not. Each admitted request is in `live` until its finish arrives from the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from minisched.sched.req import InvalidRequest, SamplingParams
+from minisched.serve.limits import ServerLimits
 from minisched.serve.loop import ServingLoop
 from minisched.serve.messages import Update
 from minisched.serve.metrics import ServerMetrics
@@ -125,6 +126,7 @@ class ServerState:
         model_name: str,
         api_key: Optional[str] = None,
         max_queued_requests: int = 512,
+        limits: ServerLimits = ServerLimits(),
     ):
         if max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
@@ -136,6 +138,7 @@ class ServerState:
         self.pool_tokens = cfg.num_pages * cfg.page_size
         self.model_name, self.api_key = model_name, api_key
         self.max_queued_requests = max_queued_requests
+        self.limits = limits
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: engine_loop.stats)
         self.live: dict[str, RequestHandle] = {}
@@ -197,11 +200,13 @@ class ServerState:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         if not self.engine_loop.is_alive():
             raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
-        if self.queued >= self.max_queued_requests:
+        choices = len(prompts) * n
+        if self.queued + choices > self.max_queued_requests:  # each choice is a request in the engine
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(
                 429,
-                f"too many queued requests ({self.queued}); retry later",
+                f"too many queued requests ({self.queued} queued, this request adds {choices}, "
+                f"at most {self.max_queued_requests}); retry later",
                 type="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after())},

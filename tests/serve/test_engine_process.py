@@ -43,6 +43,14 @@ def health(url: str) -> httpx.Response:
     return httpx.get(url + "/health", timeout=5)
 
 
+def restarted(url: str, old_pid: int, restarts: int, index: int = 0):
+    """The new pid once replica `index` serves again after its `restarts`-th restart (else None)."""
+    r = health(url)
+    row = r.json()["replicas"][index]
+    ok = r.status_code == 200 and row["alive"] and row["restarts"] == restarts and row["pid"] != old_pid
+    return row["pid"] if ok else None
+
+
 def stream_until_first_token(url: str, body: dict, got_token: threading.Event, out: dict) -> None:
     """A streaming client: records its chunks, and how the stream ended."""
     try:
@@ -81,10 +89,8 @@ def test_dead_or_frozen_engine_fails_started_requests_and_comes_back(how):
         assert detected < (1.0 if how == "SIGKILL" else FAST.heartbeat_timeout + 2.0), detected
         down = health(url)
         assert down.status_code == 503 and down.json()["replicas"][0]["state"] in ("restarting", "starting")
-        wait_for(lambda: health(url).status_code == 200, 60, "the restarted engine")
+        wait_for(lambda: restarted(url, pid, 1), 60, "the restarted engine")
         served = time.monotonic() - t0
-        row = health(url).json()["replicas"][0]
-        assert row["restarts"] == 1 and row["pid"] != pid
         r = httpx.post(
             url + "/v1/completions",
             timeout=30,
@@ -155,15 +161,19 @@ def test_frozen_replica_retries_unstarted_requests_on_the_other():
         }
         h = health(url)
         assert h.status_code == 200  # degraded or back: never down, one replica served throughout
-        wait_for(lambda: health(url).json()["status"] == "ok", 60, "the frozen replica to be restarted")
+        # "ok" alone may be read before the freeze is noticed: wait for replica 1's restart itself
+        wait_for(lambda: restarted(url, frozen.process.pid, 1, index=1), 60, "the frozen replica to be restarted")
+        assert health(url).json()["status"] == "ok"
 
 
 def test_restarts_are_bounded():
     sup = Supervision(heartbeat_timeout=2.0, max_restarts=1, restart_window=600.0)
     with pool_server([TINY], supervision=sup) as (url, pool):
-        os.kill(pool.replicas[0].process.pid, signal.SIGKILL)
-        wait_for(lambda: health(url).status_code == 200, 60, "the first restart")
-        os.kill(pool.replicas[0].process.pid, signal.SIGKILL)
+        first = pool.replicas[0].process.pid
+        os.kill(first, signal.SIGKILL)
+        # /health is still 200 until the death is seen: wait for the restart itself (a new serving pid)
+        second = wait_for(lambda: restarted(url, first, 1), 60, "the first restart")
+        os.kill(second, signal.SIGKILL)
         row = wait_for(
             lambda: (lambda rr: rr if rr["state"] == "given up" else None)(health(url).json()["replicas"][0]),
             20,
