@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
 
 from minisched.cli.common import CLIError, engine_args, engine_config, make_engine
@@ -110,8 +109,9 @@ def cmd_serve(args) -> int:
     if args.engine_in_process and args.dp > 1:
         raise CLIError("--engine-in-process runs one engine: not with --dp")
     from minisched.serve import create_app, run
+    from minisched.serve.request_id import install_logging
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    install_logging(args.log_level)  # the request id on every line
     name = args.served_model_name or args.model or "smollm2"
     config = engine_config(args)
     if args.engine_in_process or config.tp > 1:
