@@ -399,3 +399,31 @@ def test_without_an_id_the_call_id_is_used(tiny_server):
     )
     assert r.headers["x-request-id"] == r.json()["id"]
     assert re.fullmatch(r"cmpl-[0-9a-f]+", r.headers["x-request-id"])
+
+
+# -- --dp 2: a row per replica, every replica flushed --------------------------------------------------
+def test_dp_get_load_rows_and_flush_every_replica():
+    import functools
+
+    from helpers.serve import pool_server
+
+    factory = functools.partial(Engine, TINY, num_pages=128)
+    with pool_server([factory, factory]) as (url, pool):
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        assert info["dp_size"] == 2
+        rows = httpx.get(url + "/get_load", timeout=10).json()
+        assert [r["dp_rank"] for r in rows] == [0, 1]
+        prompts = ["first prefix " * 5, "other prefix " * 5, "third prefix " * 5, "fourth one " * 6]
+        for p in prompts:  # cache-aware: different prefixes spread over both replicas
+            httpx.post(url + "/generate", json={"text": p, "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        assert all(t.num_tokens > 0 for t in pool.router.trees)
+        cached = [f.result(30) for f in pool.call_all(_cached_pages)]
+        assert sum(cached) >= 4 * 3
+        r = httpx.post(url + "/flush_cache", timeout=30)
+        assert r.status_code == 200 and f"{sum(cached)} KV pages freed" in r.text
+        assert [f.result(30) for f in pool.call_all(_cached_pages)] == [0, 0]
+        assert [t.num_tokens for t in pool.router.trees] == [0, 0]  # the in-process router forgot them too
+
+
+def _cached_pages(engine) -> int:  # module level: sent to the replica processes by pickle
+    return engine.scheduler.tree.total_pages
