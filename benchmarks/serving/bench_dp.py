@@ -80,7 +80,7 @@ def serve(pool: EnginePool):
 
 def one_run(url: str, pool: EnginePool, policy: str, workload: list[BenchRequest]) -> dict:
     pool.set_policy(RouterConfig(policy))
-    pool.flush_caches()
+    pool.flush_cache()
     before = [pool.replica_status(r) for r in pool.replicas]
     load = os.getloadavg()[0]
     summary, _ = run_http_bench(url, workload, model="bench", name=policy)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
 
 from minisched.cli.common import CLIError, engine_args, engine_config, make_engine
@@ -123,6 +122,7 @@ def cmd_serve(args) -> int:
         raise CLIError("--engine-in-process runs one engine: not with --dp")
     from minisched.serve import create_app, run
     from minisched.serve.limits import ServerLimits
+    from minisched.serve.request_id import install_logging
 
     try:
         limits = ServerLimits(**{f: v for f, v in vars(args).items() if f in vars(ServerLimits())})
@@ -131,7 +131,7 @@ def cmd_serve(args) -> int:
     if limits.max_choices_per_request > max(1, args.max_queued_requests):
         raise CLIError("--max-choices-per-request must be <= --max-queued-requests (the queue counts choices)")
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    install_logging(args.log_level)  # the request id on every line
     name = args.served_model_name or args.model or "smollm2"
     config = engine_config(args)
     if args.engine_in_process or config.tp > 1:

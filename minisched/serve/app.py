@@ -4,7 +4,9 @@ the error bodies and the API key).
     app = create_app(engine, model_name="smollm2", api_key=None, max_queued_requests=512, limits=ServerLimits())
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming with `stream: true`),
-GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics. The engine thread
+GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics; SGLang's native routes (POST
+/generate, /server_info, /model_info, /get_load, /flush_cache, /health_generate: sglang_api.py).
+Every response echoes the request's id in X-Request-Id (request_id.py). The engine thread
 (`EngineLoop`) is started by the app's lifespan and stopped (what is left aborted) at its end.
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: request
@@ -12,8 +14,8 @@ validation (malformed JSON, wrong types, out-of-range values, an invalid grammar
 unknown model -> 404, a missing or wrong API key -> 401, a body over the limit -> 413 (limits.py),
 queue full -> 429 + Retry-After,
 shutting down -> 503, anything unexpected -> 500 with a one-line message (the traceback
-goes to the log, never to the client). With an API key, every /v1 route needs
-`Authorization: Bearer <key>`; /health and /metrics stay open (as in vLLM: probes and
+goes to the log, never to the client). With an API key, every /v1 route, /generate and
+/flush_cache need `Authorization: Bearer <key>`; /health, /metrics and SGLang's probes stay open (as in vLLM: probes and
 scrapers; they show load, never request content -- bind to loopback or firewall them).
 """
 
@@ -35,6 +37,8 @@ from minisched.serve.limits import ServerLimits
 from minisched.serve.loop import ServingLoop
 from minisched.serve.metrics import CONTENT_TYPE
 from minisched.serve.request_body import BodyLimit, SafeJSONRoute
+from minisched.serve.request_id import RequestIdMiddleware
+from minisched.serve.sglang_api import install_sglang_routes
 from minisched.serve.state import ServerState
 
 
@@ -70,6 +74,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)  # 413 (the key is checked first)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)  # outermost: a 401 echoes the id too
 
     @app.get("/health")
     async def health():
@@ -106,6 +111,7 @@ def create_app(
     async def chat(body: p.ChatCompletionRequest, request: Request):
         return await chat_route(state, body, request)
 
+    install_sglang_routes(app, state, loop)  # /generate, /server_info, /get_load, /flush_cache, ...
     return app
 
 

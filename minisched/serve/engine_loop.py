@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 from minisched.engine.structured import GRAMMAR_FAILED
 from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
+from minisched.serve.cache_admin import flush_engine_cache
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Sink, Stats, Update
 
@@ -102,6 +103,12 @@ class EngineLoop:
 
     def collectors(self) -> list:
         return []
+
+    def replica_stats(self) -> list[Stats]:
+        return [self.stats]
+
+    def flush_cache(self, timeout: float = 60.0) -> int:
+        return self.call(flush_engine_cache).result(timeout)
 
     # -- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:

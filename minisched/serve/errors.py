@@ -77,15 +77,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=500)
 
 
+PROTECTED = ("/v1", "/generate", "/flush_cache")  # what needs the API key (path prefixes)
+
+
 class BearerAuth:
-    """Pure ASGI middleware: every /v1 route needs `Authorization: Bearer <api_key>` (checked before
-    the body is read, so a keyless client learns nothing else)."""
+    """Pure ASGI middleware: every /v1 route, /generate and /flush_cache need `Authorization:
+    Bearer <api_key>` (checked before the body is read, so a keyless client learns nothing else)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.key):
                 err = p.APIError(

@@ -3,7 +3,8 @@
 
 All methods may be called from any thread; `submit`'s sinks receive their updates on their own
 event loops (`publish`). `health()` is read by /health; `collectors()` adds Prometheus
-collectors of the loop's own (the per-replica gauges) to /metrics.
+collectors of the loop's own (the per-replica gauges) to /metrics; `replica_stats()` and
+`flush_cache()` serve SGLang's /get_load and /flush_cache (sglang_api.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class ServingLoop(Protocol):
     def health(self) -> LoopHealth: ...
 
     def collectors(self) -> list: ...
+
+    def replica_stats(self) -> list[Stats]:
+        """One Stats per engine replica (one for a single engine): SGLang's /get_load rows."""
+
+    def flush_cache(self, timeout: float = 60.0) -> int:
+        """Empty every replica's prefix cache (and, --dp, the router's trees); the pages freed."""
 
 
 def publish(items: list[tuple[Sink, Update]]) -> None:

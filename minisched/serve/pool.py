@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from minisched.serve.cache_admin import flush_engine_cache
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Stats, Update
 from minisched.serve.replica import EngineInfo, Group, ReplicaClient, ReplicaStartError
@@ -317,12 +318,16 @@ class EnginePool:
             self.router.config = config
             self.router.reset()
 
-    def flush_caches(self, timeout: float = 60.0) -> int:
-        """Empty every serving replica's radix cache and the router's trees; returns the pages freed."""
-        freed = sum(f.result(timeout) for f in self.call_all(flush_radix_cache))
+    def flush_cache(self, timeout: float = 60.0) -> int:
+        """POST /flush_cache: every serving replica's cache (cache_admin.py) and the router's trees."""
+        freed = sum(f.result(timeout) for f in self.call_all(flush_engine_cache))
         with self._lock:
             self.router.reset()
         return freed
+
+    def replica_stats(self) -> list[Stats]:
+        """Each replica's last Stats (a replica that is down: empty)."""
+        return [s.client.stats if s.client is not None and s.client.alive else Stats() for s in self.slots]
 
     @property
     def stats(self) -> Stats:
@@ -382,8 +387,3 @@ class ReplicaCollector:
             for row in rows:
                 g.add_metric([str(row["index"])], float(row[key]))
             yield g
-
-
-def flush_radix_cache(engine) -> int:
-    """On a replica's engine thread: empty the radix cache (and its host tier); the device pages freed."""
-    return engine.scheduler.flush_cache().device_pages

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from minisched.sched.req import InvalidRequest, SamplingParams
+from minisched.serve import request_id
 from minisched.serve.limits import ServerLimits
 from minisched.serve.loop import ServingLoop
 from minisched.serve.messages import Update
@@ -37,6 +39,7 @@ OPENAI_FINISH = {
     "error": "error",
 }
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+log = logging.getLogger("minisched.serve")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class RequestHandle:
         self.num_tokens = 0
         self.final: Optional[Update] = None  # the finishing update, once it arrived
         self.queued = True
+        # for the logs: the client's id (request_id.py), else the call's
+        self.request_id = request_id.current() or rid.rsplit("-", 1)[0]
 
     # called on the event loop by the engine thread's publish
     def deliver(self, upd: Update) -> None:
@@ -133,7 +138,7 @@ class ServerState:
         self.engine_loop = engine_loop
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.cfg.vocab_size
-        cfg = engine.sched_config  # frozen: safe to read from this thread
+        cfg = self.sched_config = engine.sched_config  # frozen: safe to read from this thread
         self.max_context_len = cfg.max_context_len
         self.pool_tokens = cfg.num_pages * cfg.page_size
         self.model_name, self.api_key = model_name, api_key
@@ -212,6 +217,14 @@ class ServerState:
                 headers={"Retry-After": str(self.retry_after())},
             )
         call_id = f"{kind}-{self._prefix}{next(self._ids):x}"
+        log.info(
+            "admitted %s: %d prompt(s) x %d, %s prompt tokens",
+            call_id,
+            len(prompts),
+            n,
+            "/".join(str(len(p.prompt_ids)) for p in prompts[:8]) + ("/..." if len(prompts) > 8 else ""),
+            extra={"request_id": request_id.current() or call_id},
+        )
         queue: asyncio.Queue = asyncio.Queue()
         handles = []
         for p, prepared in enumerate(prompts):
@@ -237,6 +250,16 @@ class ServerState:
         ttft = None if handle.first_token_at is None else handle.first_token_at - handle.arrival
         self._e2e_sum += now - handle.arrival
         self._e2e_count += 1
+        log.info(
+            "finished %s: %s, %d prompt tokens (%d cached), %d output tokens, %.3f s",
+            handle.rid,
+            upd.finish_reason,
+            handle.prompt_len,
+            upd.cached_tokens,
+            handle.num_tokens,
+            now - handle.arrival,
+            extra={"request_id": handle.request_id},
+        )
         self.metrics.request_done(
             finish_reason=OPENAI_FINISH.get(upd.finish_reason, upd.finish_reason),
             prompt_tokens=handle.prompt_len,
