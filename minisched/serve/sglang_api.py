@@ -34,6 +34,7 @@ from minisched.sched.req import SamplingParams
 from minisched.serve.generate import generate, sglang_error
 from minisched.serve.loop import ServingLoop
 from minisched.serve.protocol import APIError
+from minisched.serve.sglang_protocol import SGLangError
 from minisched.serve.state import Prepared, ServerState
 
 log = logging.getLogger("minisched.serve")
@@ -114,6 +115,10 @@ async def health_generate(state: ServerState) -> bool:
     return upd.finish_reason not in ("error", "abort")
 
 
+# SGLang's routes answer errors in SGLang's shape, not OpenAI's (the app's default in the schema)
+SGLANG_ERRORS: dict = {code: {"model": SGLangError} for code in (400, 429, 500, 503)}  # 413: the body limit, OpenAI's
+
+
 def install_sglang_routes(app: FastAPI, state: ServerState, loop: ServingLoop) -> None:
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -129,7 +134,6 @@ def install_sglang_routes(app: FastAPI, state: ServerState, loop: ServingLoop) -
     async def _get_load():
         return loads(state, loop)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def _flush_cache():
         if not loop.is_alive():
             return PlainTextResponse("Cache not flushed: the engine is not running.\n", status_code=503)
@@ -137,7 +141,16 @@ def install_sglang_routes(app: FastAPI, state: ServerState, loop: ServingLoop) -
         log.info("flush_cache: %d KV pages freed", freed)
         return PlainTextResponse(f"Cache flushed: {freed} KV pages freed.\n")
 
-    @app.get("/health_generate")
+    for method in ("GET", "POST"):  # one operation per method, each with its own id (the OpenAPI schema)
+        app.add_api_route(
+            "/flush_cache",
+            _flush_cache,
+            methods=[method],
+            response_class=PlainTextResponse,
+            operation_id=f"flush_cache_{method.lower()}",
+        )
+
+    @app.get("/health_generate", responses={503: {"model": SGLangError}})
     async def _health_generate():
         try:
             ok = await health_generate(state)
@@ -145,6 +158,14 @@ def install_sglang_routes(app: FastAPI, state: ServerState, loop: ServingLoop) -
             return sglang_error(503, exc.info.message)
         return JSONResponse({}, status_code=200) if ok else sglang_error(503, "the engine produced no token")
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
     async def _generate(request: Request):
         return await generate(state, request)
+
+    for method in ("POST", "PUT"):
+        app.add_api_route(
+            "/generate",
+            _generate,
+            methods=[method],
+            operation_id=f"generate_{method.lower()}",
+            responses=SGLANG_ERRORS,
+        )

@@ -133,3 +133,13 @@ class GenerateRequest(_Lenient):
             raise APIError(400, f"top_logprobs_num must be in [0, {MAX_LOGPROBS}]")
         if any(s < -1 for s in listed(self.logprob_start_len)):
             raise APIError(400, "logprob_start_len must be -1 (output tokens only) or >= 0")
+
+
+class SGLangErrorInfo(BaseModel):
+    message: str
+
+
+class SGLangError(BaseModel):
+    """SGLang's error body (`{"error": {"message": ...}}`), declared on its routes for the OpenAPI schema."""
+
+    error: SGLangErrorInfo
