@@ -12,7 +12,10 @@ no longer comparable) and prints both sides' state for the first few; the summar
 that differ per policy x page size and a histogram of the first differences' kinds, each mapped to
 the row of issue 33's table it most likely confirms.
 
-Aborts: only of requests still queued on both sides (an abort of a running request finishes it at
+Requests do not set `ignore_eos` (and the fake model's tokens never stop one: no stop ids): SGLang 0.5.23
+reserves an `ignore_eos` request's future tokens at ratio 1.0 (`_get_running_request_total_token_offset`)
+where minisched applies `new_token_ratio`, and with the radix cache off it admits them by another path
+(`add_one_req_ignore_eos`); both would hide the default rules. Aborts: only of requests still queued on both sides (an abort of a running request finishes it at
 SGLang's next result, a path this harness does not drive).
 
     make sglang-env                    # once: SGLang 0.5.23 in its own environment
@@ -166,7 +169,7 @@ class MiniSide:
         self.seen_events = 0
 
     def add_request(self, rid: str, prompt: list[int], max_new: int) -> None:
-        self.sched.add_request(rid, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        self.sched.add_request(rid, prompt, SamplingParams(max_new_tokens=max_new))
 
     def is_waiting(self, rid: str) -> bool:
         req = self.sched.reqs.get(rid)

@@ -129,7 +129,7 @@ class SGLangReplica:
 
     # -- requests -------------------------------------------------------------
     def add_request(self, rid: str, prompt: list[int], max_new_tokens: int) -> None:
-        req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=max_new_tokens))
         req.sampling_params.normalize(None)
         self.reqs[rid] = req
         self.waiting.append(req)
