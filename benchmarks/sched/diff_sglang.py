@@ -127,12 +127,7 @@ def make_trace(seed: int, policy: str, page_size: int) -> Trace:
 
 # -- minisched's side --------------------------------------------------------------
 def profile_config(profile: str, **fields) -> SchedulerConfig:
-    if profile == "default":
-        return SchedulerConfig(**fields)
-    preset = getattr(SchedulerConfig, "preset", None)  # phase 2 (issue 33): SchedulerConfig.preset(name)
-    if preset is None:
-        raise ValueError(f"unknown profile {profile!r}: this minisched has only 'default'")
-    return dataclasses.replace(preset(profile), **fields)
+    return SchedulerConfig.preset(profile, **fields)
 
 
 def parse_overrides(items: list[str]) -> dict:

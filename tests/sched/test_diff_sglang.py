@@ -56,3 +56,13 @@ def test_harness_rejects_bad_options(tmp_path):
         [str(SGLANG_PY), str(HARNESS), "--traces", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 2 and "--traces" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sglang_profile_runs_further_than_default(tmp_path):
+    """The sglang preset (prefill first) removes the alternating-rounds difference: its traces agree for
+    more steps than the default's on the same seeds. (It does not reach 0 differing steps yet: issue 33.)"""
+    default, _ = run_harness(tmp_path)
+    sglang, stdout = run_harness(tmp_path, "--profile", "sglang")
+    assert "crash" not in sglang["kinds"], stdout[-3000:]
+    assert sglang["steps"] > default["steps"]
