@@ -9,7 +9,7 @@ SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h c
 TORCH   := torch==2.14.1
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-fast test-slow build bench serve clean lint format router-env
+.PHONY: demo test test-fast test-slow build bench serve clean lint format router-env sglang-env diff-sglang
 
 # What to install comes from pyproject.toml: the dependencies and these extras (no list kept here).
 EXTRAS  := test serve report lint
@@ -87,6 +87,29 @@ test-slow: $(EXT)
 bench: $(EXT)
 	$(PY) benchmarks/kernels/bench_kernels.py
 	$(PY) benchmarks/sched/bench_scheduler.py
+
+# SGLang 0.5.23 for the differential test (benchmarks/sched/diff_sglang.py, issue 33): its own environment outside
+# the repo, the project's torch (and minisched) through a site dir of .venv, sglang without its GPU dependencies.
+# Not part of `make test` (tests/sched/test_diff_sglang.py skips without it).
+SGLANG_ENV := $(HOME)/.cache/minisched/sglang-venv
+SGLANG_PY  := $(SGLANG_ENV)/bin/python
+
+$(SGLANG_ENV)/.ok: $(EXT)
+	mkdir -p $(dir $(SGLANG_ENV))
+	$$($(PY) -c "import sys; print(sys._base_executable)") -m venv $(SGLANG_ENV)
+	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
+		> $$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/minisched-project.pth
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_PY) -m pip install -q orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq \
+		tqdm IPython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors partial_json_parser
+	$(SGLANG_PY) -m pip install -q --no-deps torchvision==0.29.1
+	$(SGLANG_PY) -c "import torch, minisched, sglang.srt.managers.schedule_policy"
+	touch $@
+
+sglang-env: $(SGLANG_ENV)/.ok
+
+diff-sglang: $(SGLANG_ENV)/.ok
+	PYTHONPATH=$(CURDIR) $(SGLANG_PY) benchmarks/sched/diff_sglang.py --traces 500
 
 clean:
 	rm -rf build minisched/ops/_C*.so .venv/.ext-ok

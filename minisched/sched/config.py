@@ -29,6 +29,9 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
 - Speculative decoding (with a drafter, sched/spec.py): `num_draft_tokens` (4) drafts per request
   at most, adapted per request when `spec_adaptive`; no drafting with more than
   `spec_max_batch_size` (8) running requests.
+- Presets (`SchedulerConfig.preset(name)`, `PRESETS`): "default" is the above; "sglang" moves toward
+  SGLang 0.5.23's code as benchmarks/sched/diff_sglang.py measures it (issue 33). So far: prefill
+  always first. Its admission, chunking and retraction rules still differ (the harness lists them).
 - `max_stalled_steps` (32): after this many consecutive steps with work but no batch
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
   FinishReason.ERROR so callers never spin.
@@ -36,7 +39,7 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minisched.base.flags import flag
 from minisched.base.values import is_int
@@ -93,6 +96,13 @@ class SchedulerConfig:
         True, "speculative: adapt each request's draft length to what it accepts, pausing it when nothing is"
     )
 
+    @classmethod
+    def preset(cls, name: str, **fields) -> SchedulerConfig:
+        """A named profile (PRESETS) with `fields` on top; ValueError for an unknown name."""
+        if name not in PRESETS:
+            raise ValueError(f"SchedulerConfig: unknown preset {name!r}; choose one of {tuple(PRESETS)}")
+        return replace(cls(**PRESETS[name]), **fields)
+
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
@@ -134,3 +144,10 @@ class SchedulerConfig:
             0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,
             "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1",
         )
+
+
+# Named profiles (field -> value over the defaults). "sglang": SGLang 0.5.23's code where a switch exists.
+PRESETS: dict[str, dict] = {
+    "default": {},
+    "sglang": {"max_prefill_rounds_between_decodes": None},  # prefill first whenever a prefill batch forms
+}

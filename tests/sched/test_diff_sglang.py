@@ -1,0 +1,68 @@
+"""The differential harness against SGLang 0.5.23 (benchmarks/sched/diff_sglang.py, issue 33) on a small trace set.
+
+Runs only where the SGLang environment exists (`make sglang-env`, or MINISCHED_SGLANG_PYTHON naming its
+python); skips with one line otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HARNESS = ROOT / "benchmarks" / "sched" / "diff_sglang.py"
+DEFAULT_PY = pathlib.Path.home() / ".cache" / "minisched" / "sglang-venv" / "bin" / "python"
+SGLANG_PY = pathlib.Path(os.environ.get("MINISCHED_SGLANG_PYTHON", DEFAULT_PY))
+
+pytestmark = pytest.mark.skipif(
+    not SGLANG_PY.exists(), reason=f"no SGLang environment at {SGLANG_PY} (make sglang-env, or MINISCHED_SGLANG_PYTHON)"
+)
+
+TRACES = 5  # per policy x page size: 40 traces
+
+
+def run_harness(tmp_path, *args) -> tuple[dict, str]:
+    out = tmp_path / "summary.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [str(SGLANG_PY), str(HARNESS), "--traces", str(TRACES), "--json", str(out), "--show", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_harness_runs_and_reports(tmp_path):
+    summary, stdout = run_harness(tmp_path)
+    assert summary["traces"] == TRACES * 8
+    assert len(summary["cells"]) == 8 and all(c["traces"] == TRACES for c in summary["cells"].values())
+    assert summary["steps"] > summary["traces"]  # traces ran for many steps, not just one
+    assert sum(summary["kinds"].values()) == summary["differ"]
+    assert "crash" not in summary["kinds"], stdout[-3000:]
+    assert f"{summary['traces']} traces" in stdout
+
+
+def test_harness_rejects_bad_options(tmp_path):
+    proc = subprocess.run(
+        [str(SGLANG_PY), str(HARNESS), "--traces", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 2 and "--traces" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sglang_profile_runs_further_than_default(tmp_path):
+    """The sglang preset (prefill first) removes the alternating-rounds difference: its traces agree for
+    more steps than the default's on the same seeds. (It does not reach 0 differing steps yet: issue 33.)"""
+    default, _ = run_harness(tmp_path)
+    sglang, stdout = run_harness(tmp_path, "--profile", "sglang")
+    assert "crash" not in sglang["kinds"], stdout[-3000:]
+    assert sglang["steps"] > default["steps"]
