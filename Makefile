@@ -65,7 +65,7 @@ format: $(DEPS)
 # outside the checkout, as every peer: a 31 MB wheel + fastapi, uvicorn, aiohttp, orjson,
 # setproctitle (146 MB installed, ~40 s once). `make test` makes it; without the index the fleet
 # test skips with a one-line reason.
-ROUTER_VENV ?= /work/venvs/sglang-router
+ROUTER_VENV ?= $(HOME)/.cache/minisched/sglang-router-venv
 ROUTER_OK   := $(ROUTER_VENV)/.router-ok
 $(ROUTER_OK):
 	test -x $(ROUTER_VENV)/bin/python || python3 -m venv $(ROUTER_VENV)

@@ -1,7 +1,7 @@
 """Processes for the fleet tests: `minisched serve` workers and sglang-router, on 127.0.0.1.
 
 sglang-router lives in a venv of its own (the project's rule for peers): `make router-env` makes
-it at /work/venvs/sglang-router; `MINISCHED_SGLANG_ROUTER` names another venv's python.
+it at ~/.cache/minisched/sglang-router-venv; `MINISCHED_SGLANG_ROUTER` names another venv's python.
 `router_python()` is None when it is not installed (the tests skip with that reason).
 
 Every process is started in its own session and killed with its process group at the end.
@@ -21,7 +21,7 @@ from typing import Optional
 
 import httpx
 
-DEFAULT_ROUTER_VENV = "/work/venvs/sglang-router"
+DEFAULT_ROUTER_VENV = os.path.expanduser("~/.cache/minisched/sglang-router-venv")
 
 
 def router_python() -> Optional[str]:
