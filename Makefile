@@ -49,11 +49,13 @@ demo: $(EXT)
 serve: $(EXT)
 	$(PY) -m minisched serve
 
-# Lint: what pre-commit runs (.pre-commit-config.yaml), as checks that change nothing; CI runs it first.
+# Lint: what pre-commit runs (.pre-commit-config.yaml), as checks that change nothing, and the type
+# checker (mypy over minisched/, [tool.mypy] in pyproject.toml); CI runs it first.
 CSRC    := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 lint: $(DEPS)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 	.venv/bin/clang-format --dry-run -Werror $(CSRC)
 
 format: $(DEPS)
