@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -66,7 +66,10 @@ def create_app(
         loop.stop()
         await asyncio.to_thread(loop.join, 10.0)
 
-    errors = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}  # in the schema
+    # the error bodies in the schema
+    errors: dict[int | str, dict[str, Any]] = {
+        code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+    }
     app = FastAPI(title="minisched", lifespan=lifespan, docs_url=None, redoc_url=None, responses=errors)
     app.state.server = state
     app.router.route_class = SafeJSONRoute  # lone surrogates in a body become U+FFFD (request_body.py)

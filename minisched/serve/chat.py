@@ -56,7 +56,10 @@ async def chat(state: ServerState, body: p.ChatCompletionRequest, request: Reque
     choices = []
     for i, (h, detok, upds) in enumerate(zip(call.handles, detoks, got)):
         ids = [t for u in upds for t in u.token_ids]
-        detok.finish(h.final.finish_reason, ids)
+        final = h.final
+        if final is None:  # collect returns once every choice has finished
+            raise RuntimeError(f"{h.rid} has no final update after collect")
+        detok.finish(final.finish_reason, ids)
         lps = fmt.chat([e for u in upds for e in (u.logprobs or [])]) if k is not None else None
         choices.append(
             p.ChatChoice(

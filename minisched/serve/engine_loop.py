@@ -190,8 +190,9 @@ class EngineLoop:
         self._publish_progress()  # the abort is a finish the step will not report
 
     def _admit_held(self) -> None:
-        if self._held and not self.engine.has_work():
-            for _ in range(min(self.static_batch, len(self._held))):
+        batch = self.static_batch  # requests are held only when it is set
+        if batch and self._held and not self.engine.has_work():
+            for _ in range(min(batch, len(self._held))):
                 self._add(*self._held.popleft())
 
     def _abort_everything(self) -> None:

@@ -22,7 +22,7 @@ _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
 def _field_path(loc) -> list[str]:
     """The request field of a pydantic error location: the "body" root dropped, cut before the first
     union-member tag ("str", "list[int]", "TextPart") that pydantic inserts for union fields."""
-    out = []
+    out: list[str] = []
     for x in loc:
         if x == "body" and not out:
             continue

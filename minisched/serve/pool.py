@@ -76,6 +76,13 @@ class _Slot:
     next_start: float = 0.0  # monotonic time of the next restart (state "restarting")
     why: Optional[str] = None  # the last death's reason
 
+    @property
+    def replica(self) -> ReplicaClient:
+        """The slot's client: every slot has one from EnginePool.start on."""
+        if self.client is None:
+            raise RuntimeError(f"engine replica {self.index} was never spawned: call EnginePool.start() first")
+        return self.client
+
 
 def split_cpus(n: int) -> list[Optional[list[int]]]:
     """Replica i's cores: a contiguous share of this process's cores, or None (no pinning) when
@@ -116,7 +123,7 @@ class EnginePool:
 
     @property
     def replicas(self) -> list[ReplicaClient]:
-        return [s.client for s in self.slots]
+        return [s.replica for s in self.slots]
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> EnginePool:
@@ -128,7 +135,7 @@ class EnginePool:
             s.client = self._spawn(s)
         deadline = time.monotonic() + self.start_timeout
         try:
-            infos = [s.client.wait_ready(max(0.0, deadline - time.monotonic())) for s in self.slots]
+            infos = [s.replica.wait_ready(max(0.0, deadline - time.monotonic())) for s in self.slots]
         except ReplicaStartError:
             self.stop()
             self.join(10)
@@ -144,7 +151,7 @@ class EnginePool:
         )
         with self._lock:
             for s in self.slots:
-                s.state = "serving" if s.client.alive else "restarting"
+                s.state = "serving" if s.replica.alive else "restarting"
         self._monitor.start()
         return self
 
@@ -158,7 +165,7 @@ class EnginePool:
         )
 
     def is_alive(self) -> bool:
-        return any(s.state == "serving" and s.client.alive for s in self.slots)
+        return any(s.state == "serving" and s.replica.alive for s in self.slots)
 
     def stop(self) -> None:
         self._stopping = True
@@ -183,7 +190,7 @@ class EnginePool:
     def _route(self, group: Group) -> None:
         while True:
             with self._lock:
-                serving = [s.index for s in self.slots if s.state == "serving" and s.client.alive]
+                serving = [s.index for s in self.slots if s.state == "serving" and s.replica.alive]
                 if not serving:
                     if group.retried and not self._stopping and self._restart_pending():
                         self._retry.append((time.monotonic() + self.supervision.retry_wait, group))
@@ -191,14 +198,15 @@ class EnginePool:
                     why = "no engine replica is serving"
                     publish([(sink, Update([], "error", why, "server_error")) for sink in group.sinks])
                     return
+                router = self._started_router()  # a replica serves: the pool has started
                 for s in self.slots:
-                    self.router.load[s.index] = s.client.in_flight if s.client.alive else 0
+                    router.load[s.index] = s.replica.in_flight if s.replica.alive else 0
                 try:
-                    i = self.router.route(group.prompt_ids)
+                    i = router.route(group.prompt_ids)
                 except NoReplicaError as exc:
                     publish([(sink, Update([], "error", str(exc), "server_error")) for sink in group.sinks])
                     return
-                client = self.slots[i].client
+                client = self.slots[i].replica
             if client.submit(group):
                 return
             self._unroute(i)  # it died between the route and the send: route again
@@ -222,7 +230,12 @@ class EnginePool:
         """`fn(engine)` on replica 0 (one engine: `--dp 1`); with several use call_all."""
         if len(self.slots) != 1:
             raise NotImplementedError("with --dp there is no single engine: use call_all(fn) (a picklable fn)")
-        return self.slots[0].client.call(fn)
+        return self.slots[0].replica.call(fn)
+
+    def _started_router(self) -> Router:
+        if self.router is None:
+            raise RuntimeError("the engine pool has not started: call EnginePool.start() first")
+        return self.router
 
     # -- supervision ----------------------------------------------------------------------------
     def _unroute(self, index: int) -> None:
@@ -239,7 +252,7 @@ class EnginePool:
                 slot.state = "stopped"
             elif slot.state != "given up":
                 now = time.monotonic()
-                slot.why = slot.client.error
+                slot.why = slot.replica.error
                 recent = [t for t in slot.restarts if now - t < self.supervision.restart_window]
                 if not self.supervision.restart or len(recent) >= self.supervision.max_restarts:
                     slot.state = "given up"
@@ -273,7 +286,7 @@ class EnginePool:
             time.sleep(MONITOR_INTERVAL)
             now = time.monotonic()
             for s in self.slots:
-                c = s.client
+                c = s.replica
                 if s.state == "serving" and c.alive:
                     quiet, busy = now - c.last_heard, c.busy_for
                     if quiet > sup.heartbeat_timeout or busy > sup.step_timeout:
@@ -295,12 +308,13 @@ class EnginePool:
 
     def _started_again(self, s: _Slot) -> None:
         with self._lock:
-            if not s.client.alive:
+            c = s.replica
+            if not c.alive:
                 return  # it failed to start: its death already scheduled the next try
             s.state = "serving"
-            self.router.add(s.index)
+            self._started_router().add(s.index)
             retry, self._retry = self._retry, []
-        log.warning("engine replica %d serves again (pid %d)", s.index, s.client.process.pid)
+        log.warning("engine replica %d serves again (pid %d)", s.index, c.process.pid)
         for _, g in retry:
             self._route(g)
 
@@ -315,14 +329,15 @@ class EnginePool:
     def set_policy(self, config: RouterConfig) -> None:
         """Switch the routing policy (benchmarks); the prefix trees start empty."""
         with self._lock:
-            self.router.config = config
-            self.router.reset()
+            router = self._started_router()
+            router.config = config
+            router.reset()
 
     def flush_cache(self, timeout: float = 60.0) -> int:
         """POST /flush_cache: every serving replica's cache (cache_admin.py) and the router's trees."""
         freed = sum(f.result(timeout) for f in self.call_all(flush_engine_cache))
         with self._lock:
-            self.router.reset()
+            self._started_router().reset()
         return freed
 
     def replica_stats(self) -> list[Stats]:
@@ -347,7 +362,7 @@ class EnginePool:
         return LoopHealth(alive=serving > 0, replicas=rows, degraded=0 < serving < len(rows))
 
     def replica_status(self, s: _Slot) -> dict:
-        r = s.client
+        r = s.replica
         out = {
             "index": s.index,
             "alive": s.state == "serving" and r.alive,

@@ -31,6 +31,7 @@ must drain its requests before it stops the replicas.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -41,11 +42,11 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from minisched.serve.engine_loop import EngineLoop
 from minisched.serve.loop import publish
-from minisched.serve.messages import Stats, Update
+from minisched.serve.messages import Sink, Stats, Update
 
 log = logging.getLogger("minisched.serve")
 STATS_INTERVAL = 0.05  # seconds between the replica's Stats messages (only when they changed)
@@ -113,6 +114,12 @@ class _RemoteSink:
         raise AssertionError("a remote sink is delivered in the server process")
 
 
+def _remote_sink(rid: str, loop: _ForwardingLoop) -> Sink:
+    # publish() needs only the loop's call_soon_threadsafe (and a hashable loop), but Sink's
+    # `loop` is typed as an asyncio loop (messages.py): the one place this stand-in is cast
+    return cast(Sink, _RemoteSink(rid, loop))
+
+
 def _replica_main(
     index: int, factory: Callable[[], Any], conn, cpus: Optional[list[int]], check_invariants: bool
 ) -> None:
@@ -144,12 +151,12 @@ def _replica_main(
             kind = msg[0]
             if kind == "add":
                 _, rids, prompt_ids, sampling = msg
-                loop.submit(rids, prompt_ids, sampling, [_RemoteSink(rid, fwd) for rid in rids])
+                loop.submit(rids, prompt_ids, sampling, [_remote_sink(rid, fwd) for rid in rids])
             elif kind == "abort":
                 loop.abort(msg[1])
             elif kind == "call":
                 _, token, fn = msg
-                loop.call(fn).add_done_callback(lambda f, t=token: out.send(("result", t, _outcome(f))))
+                loop.call(fn).add_done_callback(functools.partial(_send_result, out, token))
             elif kind == "stop":
                 break
         if loop.stats is not sent_stats:
@@ -164,6 +171,10 @@ def _outcome(fut: concurrent.futures.Future) -> tuple[bool, Any]:
     if exc is None:
         return True, fut.result()
     return False, f"{type(exc).__name__}: {exc}"
+
+
+def _send_result(out: _Outbox, token: int, fut: concurrent.futures.Future) -> None:
+    out.send(("result", token, _outcome(fut)))
 
 
 # -- the server side -----------------------------------------------------------------------------

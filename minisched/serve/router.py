@@ -88,10 +88,10 @@ class PrefixTree:
         """Tokens of the longest prefix of `ids` in the tree (a multiple of the chunk)."""
         node, n = self.root, 0
         for key in self._chunks(ids):
-            node = node.children.get(key)
-            if node is None:
+            child = node.children.get(key)
+            if child is None:
                 break
-            n += self.chunk
+            node, n = child, n + self.chunk
         return n
 
     def insert(self, ids: Sequence[int]) -> None:
@@ -112,7 +112,7 @@ class PrefixTree:
         # The path just inserted is the newest, so it goes last; `keep` guards it when one prompt
         # alone is longer than the bound (then its tail is what stays out).
         protected = set()
-        p = keep
+        p: Optional[_Node] = keep
         while p is not None:
             protected.add(id(p))
             p = p.parent

@@ -20,13 +20,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from minisched.sched.req import InvalidRequest, SamplingParams
 from minisched.serve import request_id
 from minisched.serve.limits import ServerLimits
 from minisched.serve.loop import ServingLoop
-from minisched.serve.messages import Update
+from minisched.serve.messages import Sink, Update
 from minisched.serve.metrics import ServerMetrics
 from minisched.serve.protocol import APIError
 
@@ -191,7 +191,7 @@ class ServerState:
             )
         want = max_tokens if max_tokens is not None else (default_max_tokens or room)
         defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
-        given = {k: (defaults[k] if v is None and k in defaults else v) for k, v in fields.items()}
+        given: dict[str, Any] = {k: (defaults[k] if v is None and k in defaults else v) for k, v in fields.items()}
         try:
             sampling = SamplingParams(max_new_tokens=min(want, room), **given)
         except (InvalidRequest, ValueError, TypeError) as exc:
@@ -235,7 +235,8 @@ class ServerState:
             for h in mine:
                 self.live[h.rid] = h
             self.queued += n
-            self.engine_loop.submit([h.rid for h in mine], prepared.prompt_ids, prepared.sampling, mine)
+            sinks: list[Sink] = list(mine)  # submit's list is of Sinks (a list is invariant)
+            self.engine_loop.submit([h.rid for h in mine], prepared.prompt_ids, prepared.sampling, sinks)
             handles += mine
         return Call(handles, queue)
 
@@ -247,13 +248,16 @@ class ServerState:
     def request_done(self, handle: RequestHandle, now: float) -> None:
         self.live.pop(handle.rid, None)
         upd = handle.final
+        if upd is None or upd.finish_reason is None:
+            raise RuntimeError(f"request_done({handle.rid}) before its finishing update")
+        reason = upd.finish_reason
         ttft = None if handle.first_token_at is None else handle.first_token_at - handle.arrival
         self._e2e_sum += now - handle.arrival
         self._e2e_count += 1
         log.info(
             "finished %s: %s, %d prompt tokens (%d cached), %d output tokens, %.3f s",
             handle.rid,
-            upd.finish_reason,
+            reason,
             handle.prompt_len,
             upd.cached_tokens,
             handle.num_tokens,
@@ -261,7 +265,7 @@ class ServerState:
             extra={"request_id": handle.request_id},
         )
         self.metrics.request_done(
-            finish_reason=OPENAI_FINISH.get(upd.finish_reason, upd.finish_reason),
+            finish_reason=OPENAI_FINISH.get(reason, reason),
             prompt_tokens=handle.prompt_len,
             cached_tokens=upd.cached_tokens,
             output_tokens=handle.num_tokens,
