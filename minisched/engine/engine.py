@@ -23,7 +23,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -134,7 +134,7 @@ class Engine:
                     f"a token-id array prompt must be 1-D integers, got shape {arr.shape} dtype {arr.dtype}"
                 )
             prompt = arr.tolist()
-        items = list(prompt)
+        items: list[Any] = list(prompt)  # the caller's values, checked below
         if items and all(isinstance(m, dict) for m in items):
             return self.tokenizer.encode_chat(items)
         if all(is_int(t) for t in items):
@@ -265,8 +265,13 @@ class Engine:
             self.last_error = exc
             done = self.scheduler.take_finished()
         finally:
-            for handle, pages in self.scheduler.take_unrun_loads():  # a failed step's host-tier loads
-                self.runner.kv_mover.to_device(handle, pages)
+            unrun = self.scheduler.take_unrun_loads()  # a failed step's host-tier loads
+            if unrun:
+                mover = self.runner.kv_mover
+                if mover is None:
+                    raise RuntimeError("the scheduler has host-tier KV loads but the runner has no host KV mover")
+                for handle, pages in unrun:
+                    mover.to_device(handle, pages)
             self.step_times.append((t0, time.monotonic()))
         for r in done:
             self._choice_ended(r.rid, abort_prefill=False)

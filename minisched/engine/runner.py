@@ -35,7 +35,7 @@ from minisched.engine.kv_tier import HostKVMover
 from minisched.engine.logits_plan import LogitsPlan, plan_logits, read_logprobs
 from minisched.engine.structured import Matchers
 from minisched.engine.threads import ThreadTuner
-from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel
+from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel, PageTable
 from minisched.model.sampling import RowHistory, logprobs_of, make_generator, sample, verify_drafts
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.req import Req, SamplingParams
@@ -106,7 +106,7 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         page_size: int,
         *,
-        backend: str = "torch",
+        backend: str = "torch",  # one of ops.BACKENDS
         cascade: bool = False,
         check: bool = False,
         thread_tuner: Optional[ThreadTuner] = None,
@@ -119,7 +119,7 @@ class ModelRunner:
         self.thread_tuner = thread_tuner
         self.kv_cache = kv_cache
         self.page_size = page_size
-        self.backend = backend
+        self.backend: ops.Backend = ops.as_backend(backend)
         self.cascade = cascade
         self.check = check
         self.device = model.device
@@ -143,6 +143,10 @@ class ModelRunner:
     def _t(self, a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
 
+    def _table(self, csr: tuple[np.ndarray, np.ndarray, np.ndarray]) -> PageTable:
+        indptr, indices, last = csr
+        return self._t(indptr), self._t(indices), self._t(last)
+
     def build_meta(self, batch: Batch, plan: Optional[LogitsPlan] = None) -> tuple[torch.Tensor, ForwardMeta]:
         plan = plan or plan_logits(batch)
         table = batch.page_table()
@@ -150,7 +154,7 @@ class ModelRunner:
             positions=self._t(batch.positions(), torch.int64),
             out_slots=self._t(batch.out_slots()),
             qo_indptr=self._t(batch.qo_indptr()),
-            page_table=tuple(self._t(a) for a in table),
+            page_table=self._table(table),
             logits_indices=self._t(plan.rows, torch.int64),
             is_decode=batch.mode is ForwardMode.DECODE,
         )
@@ -183,10 +187,10 @@ class ModelRunner:
         return CascadeMeta(
             rows=self._t(np.asarray(rows), torch.int64),
             group_indptr=self._t(np.asarray(group_indptr)),
-            prefix_table=tuple(self._t(a) for a in build_csr(pre_pages, pre_lens, ps)),
-            suffix_table=tuple(self._t(a) for a in build_csr(suf_pages, suf_lens, ps)),
+            prefix_table=self._table(build_csr(pre_pages, pre_lens, ps)),
+            suffix_table=self._table(build_csr(suf_pages, suf_lens, ps)),
             plain_rows=self._t(np.asarray(plain, dtype=np.int64), torch.int64),
-            plain_table=tuple(self._t(a) for a in plain_table),
+            plain_table=self._table(plain_table),
         )
 
     # -- the step ------------------------------------------------------------------------------------
@@ -219,7 +223,7 @@ class ModelRunner:
         slots = None
         if batch.future_ids:
             slots = self._t(np.asarray([(-batch.future_ids[b] - 1) % FUTURE_RING for b in rows], np.int64), torch.int64)
-        history = None
+        history: Optional[list[Optional[RowHistory]]] = None
         if any(r.sampling.needs_processing for r in reqs):  # penalties and min_tokens read the tokens so far
             history = []
             for b, r in zip(rows, reqs):
@@ -270,8 +274,12 @@ class ModelRunner:
 
     def _run_forward(self, job: ForwardJob) -> torch.Tensor:
         """The job's host-tier loads and page copies, then the forward: the logits of its plan's rows."""
-        for handle, pages in job.loads:  # host-tier hits back into their device pages, before anything reads them
-            self.kv_mover.to_device(handle, pages)
+        if job.loads:  # host-tier hits back into their device pages, before anything reads them
+            mover = self.kv_mover
+            if mover is None:
+                raise RuntimeError("the batch loads host-tier KV pages but the runner has no host KV mover")
+            for handle, pages in job.loads:
+                mover.to_device(handle, pages)
         if job.copies:  # all layers, K and V, one launch
             src, dst = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in zip(*job.copies))
             ops.copy_kv_pages(self.kv_cache, src, dst, backend=self.backend, check=False)
@@ -336,7 +344,10 @@ class ModelRunner:
         a decode step does; rows with drafts get their accepted run (`verify_drafts`: greedy, or the
         rejection rule)."""
         qo, drafts, n = job.qo, job.drafts, job.batch_size
-        tokens, more = [0] * n, [[] for _ in range(n)]
+        if qo is None or drafts is None:
+            raise ValueError("a VERIFY job needs its rows' drafts and token offsets (qo)")
+        tokens: list[int] = [0] * n
+        more: list[list[int]] = [[] for _ in range(n)]
         plain = [i for i in range(n) if not drafts[i]]
         out = StepOutput(tokens)
         if plain:

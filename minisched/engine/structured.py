@@ -70,10 +70,13 @@ class _Worker:
 
     def compile(self, kind: str, spec: str, timeout: float) -> tuple[str, str]:
         grammar_worker.write_frame(self.proc.stdin, ("compile", kind, spec))
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        out = self.proc.stdout
+        if out is None:  # never: the worker is started with stdout=PIPE
+            raise RuntimeError("the grammar compile worker has no stdout pipe")
+        ready, _, _ = select.select([out], [], [], timeout)
         if not ready:
             raise GrammarTimeout(f"it did not compile within {timeout:g} s")
-        got = grammar_worker.read_frame(self.proc.stdout)
+        got = grammar_worker.read_frame(out)
         if got is None:
             raise RuntimeError(f"the compile worker died (exit status {self.proc.wait()})")
         return got

@@ -155,7 +155,7 @@ def summarize(run: RunResult) -> dict:
         "request_throughput": len(done) / d,
         "ttft_s": percentiles([r.ttft for r in done if r.ttft is not None]),
         "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
-        "e2e_latency_s": percentiles([r.e2e for r in done]),
+        "e2e_latency_s": percentiles([r.e2e for r in done if r.e2e is not None]),  # all of them: done
         "cache_hit_rate": cached / inp if inp else 0.0,
         "cached_tokens": cached,
         "retractions": run.retractions,

@@ -35,10 +35,19 @@ from minisched.ops.cpu import (  # noqa: F401  (re-exported: the CPU kernels' IS
 from minisched.ops.table import OPS, OpSpec  # noqa: F401  (OpSpec: for readers of OPS)
 
 Backend = Literal["native", "triton", "torch"]
-BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
+BACKENDS: tuple[Backend, ...] = ("native", "triton", "torch")
+
+
+def as_backend(name: str) -> Backend:
+    """`name` as a `Backend` (the type callers holding a plain string need); ValueError for any other."""
+    for backend in BACKENDS:
+        if backend == name:
+            return backend
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+
 
 try:  # the extension (csrc/, built by setup.py): importing it registers torch.ops.minisched.*
-    from minisched.ops import _C  # noqa: F401
+    from minisched.ops import _C  # type: ignore[attr-defined]  # noqa: F401  (compiled extension: no stub)
 
     NATIVE_ERROR: Optional[str] = None
 except ImportError as exc:  # a source tree that was never built

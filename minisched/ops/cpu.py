@@ -22,7 +22,7 @@ CPU_ISAS: tuple[str, ...] = ("avx2", "avx2-vnni", "avx512")
 
 
 try:  # the same module minisched.ops imports (it registers the ops)
-    from minisched.ops import _C as _ext
+    from minisched.ops import _C as _ext  # type: ignore[attr-defined]  # compiled extension: no stub
 
     _ERROR: Optional[str] = None
 except ImportError as exc:  # a source tree that was never built

@@ -119,7 +119,8 @@ class _Output:
         self.meta_id = meta_id
         self.lp = lp  # None, or (top_logprobs_num, logprob_start_len or -1, with text)
         self.fmt = fmt
-        self.text, self.ids = "", []
+        self.text = ""
+        self.ids: list[int] = []
         self.out_lp: list = []
         self.in_lp: Optional[list] = None
 
@@ -160,7 +161,10 @@ class _Output:
         return {"type": "abort", "message": upd.error or "the request was aborted"}
 
     def _logprobs(self) -> dict:
-        top, start, with_text = self.lp
+        lp = self.lp
+        if lp is None:  # never: called only for a request that asked for logprobs
+            raise RuntimeError("the request asked for no logprobs")
+        top, start, with_text = lp
 
         def text(t: int):
             return self.fmt.token(t) if with_text else None

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from minisched.sched.sampling_params import Grammar
 from minisched.serve import protocol as p
+from minisched.serve.messages import Update
 from minisched.serve.state import OPENAI_FINISH, Call, RequestHandle, ServerState
 from minisched.serve.structured import check_grammar
 
@@ -53,8 +54,19 @@ def sampling_fields(body, *, logprobs: Optional[int], prompt_logprobs: Optional[
     )
 
 
+def final_of(handle: RequestHandle) -> Update:
+    """The handle's finishing update (its callers run once the request has finished)."""
+    upd = handle.final
+    if upd is None:
+        raise RuntimeError(f"request {handle.rid} has no finishing update yet")
+    return upd
+
+
 def finish_of(handle: RequestHandle) -> str:
-    return OPENAI_FINISH.get(handle.final.finish_reason, handle.final.finish_reason)
+    reason = final_of(handle).finish_reason
+    if reason is None:  # never: the final update is the one with a finish reason (RequestHandle.deliver)
+        raise RuntimeError(f"request {handle.rid}'s finishing update has no finish reason")
+    return OPENAI_FINISH.get(reason, reason)
 
 
 def usage_of(call: Call, n: int) -> p.Usage:
@@ -68,7 +80,7 @@ def usage_of(call: Call, n: int) -> p.Usage:
 
 
 def engine_error(handle: RequestHandle) -> p.APIError:
-    upd = handle.final
+    upd = final_of(handle)
     if upd.error_type == "invalid_request_error":
         return p.APIError(400, upd.error or "invalid request")
     return p.APIError(500, f"the engine failed on this request: {upd.error}", type="server_error")
@@ -100,7 +112,7 @@ async def collect(call: Call, request: Request) -> Optional[list[list]]:
     if not result.done() or result.cancelled():
         return None
     for h in call.handles:
-        if h.final.finish_reason == "error":
+        if final_of(h).finish_reason == "error":
             raise engine_error(h)
     return got
 

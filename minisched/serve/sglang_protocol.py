@@ -26,15 +26,15 @@ class _Lenient(BaseModel):
 
 
 class SGLangSampling(_Lenient):
-    max_new_tokens: Optional[int] = Field(None, ge=0)  # 0: prefill only (prompt logprobs)
-    temperature: Optional[float] = Field(None, ge=0, le=100, allow_inf_nan=False)
-    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
-    min_new_tokens: int = Field(0, ge=0)
+    max_new_tokens: Optional[int] = Field(default=None, ge=0)  # 0: prefill only (prompt logprobs)
+    temperature: Optional[float] = Field(default=None, ge=0, le=100, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=10, allow_inf_nan=False)
+    min_new_tokens: int = Field(default=0, ge=0)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
@@ -44,9 +44,9 @@ class SGLangSampling(_Lenient):
     json_schema: Optional[Union[str, dict[str, Any]]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     logit_bias: Optional[dict[str, float]] = None
-    sampling_seed: Optional[int] = Field(None, ge=0, lt=2**64)
+    sampling_seed: Optional[int] = Field(default=None, ge=0, lt=2**64)
 
     @field_validator("stop")
     @classmethod
@@ -96,20 +96,23 @@ class GenerateRequest(_Lenient):
     top_logprobs_num: Union[int, list[int]] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
-    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     model: Optional[str] = None  # the router sends null; /generate serves this server's model whatever it says
 
     def batch(self) -> tuple[bool, list[Union[str, list[int]]]]:
         """(is a batch, the prompts): text or token ids, one of them."""
         if (self.text is None) == (self.input_ids is None):
             raise APIError(400, "Either text or input_ids should be provided (one of them).")
+        prompts: list[Union[str, list[int]]]
         if self.text is not None:
             prompts = [self.text] if isinstance(self.text, str) else list(self.text)
             is_batch = not isinstance(self.text, str)
         else:
-            ids = self.input_ids
-            is_batch = bool(ids) and isinstance(ids[0], list)
-            prompts = list(ids) if is_batch else [ids]
+            ids = self.input_ids or []  # not None: exactly one of text and input_ids is set
+            # pydantic gave one shape: list[list[int]] (a batch) when its first entry is a list, else list[int]
+            rows = [x for x in ids if isinstance(x, list)]
+            is_batch = bool(rows)
+            prompts = list(rows) if is_batch else [[x for x in ids if isinstance(x, int)]]
         if not prompts:
             raise APIError(400, "The batch of prompts is empty.")
         return is_batch, prompts
