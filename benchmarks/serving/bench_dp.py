@@ -81,10 +81,10 @@ def serve(pool: EnginePool):
 def one_run(url: str, pool: EnginePool, policy: str, workload: list[BenchRequest]) -> dict:
     pool.set_policy(RouterConfig(policy))
     pool.flush_cache()
-    before = [pool.replica_status(r) for r in pool.replicas]
+    before = pool.health().replicas
     load = os.getloadavg()[0]
     summary, _ = run_http_bench(url, workload, model="bench", name=policy)
-    after = [pool.replica_status(r) for r in pool.replicas]
+    after = pool.health().replicas
     per = [
         {k: a[k] - b[k] for k in ("finished", "prompt_tokens", "cached_tokens", "routed")}
         for a, b in zip(after, before)
