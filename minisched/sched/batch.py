@@ -20,6 +20,7 @@ All arrays are numpy int32 (bool for the mask). No torch.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,7 +70,7 @@ class Batch:
 
     def input_ids(self) -> np.ndarray:
         out: list[int] = []
-        drafts = self.drafts or [()] * len(self.reqs)
+        drafts: Sequence[Sequence[int]] = self.drafts or [()] * len(self.reqs)
         for r, p, e, d in zip(self.reqs, self.prefix_lens, self.extend_lens, drafts):
             if e == 1 or d:
                 out.append(r.token_at(p))
@@ -84,7 +85,8 @@ class Batch:
         ext = np.asarray(self.extend_lens, dtype=np.int64)
         qo = self.qo_indptr()
         shift = np.asarray(self.prefix_lens, dtype=np.int64) - qo[:-1]
-        return (np.arange(int(qo[-1]), dtype=np.int64) + np.repeat(shift, ext)).astype(np.int32)
+        out: np.ndarray = (np.arange(int(qo[-1]), dtype=np.int64) + np.repeat(shift, ext)).astype(np.int32)
+        return out
 
     def qo_indptr(self) -> np.ndarray:
         out = np.zeros(len(self.reqs) + 1, dtype=np.int32)

@@ -152,7 +152,7 @@ def decode_batch(sched: Queues, n_retracted: int) -> Batch:
     reqs = list(sched.running)
     n = len(reqs)
     spec = sched.speculator
-    ks = spec.lengths(reqs, cfg.max_context_len) if spec is not None and not sched.in_flight.launched else None
+    ks = spec.lengths(reqs, sched.max_context_len) if spec is not None and not sched.in_flight.launched else None
     drafts = draft(sched, reqs, ks) if ks is not None else None
     return Batch(
         mode=ForwardMode.VERIFY if drafts else ForwardMode.DECODE,
@@ -181,7 +181,9 @@ def draft(sched: Queues, reqs: list[Req], ks: list[int]) -> list[list[int]] | No
             ks[i] = len(r.page_ids) * ps - r.kv_len - 1
     if not any(ks):
         return None
-    drafts = sched.speculator.propose(reqs, ks)
+    spec = sched.speculator
+    assert spec is not None, "drafting without a speculator"
+    drafts = spec.propose(reqs, ks)
     for r, d in zip(reqs, drafts):
         keep = cdiv(r.kv_len + 1 + len(d), ps)
         if len(r.page_ids) > keep:

@@ -40,6 +40,7 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from minisched.base.flags import flag
 from minisched.base.values import is_int
@@ -97,7 +98,7 @@ class SchedulerConfig:
     )
 
     @classmethod
-    def preset(cls, name: str, **fields) -> SchedulerConfig:
+    def preset(cls, name: str, **fields: Any) -> SchedulerConfig:
         """A named profile (PRESETS) with `fields` on top; ValueError for an unknown name."""
         if name not in PRESETS:
             raise ValueError(f"SchedulerConfig: unknown preset {name!r}; choose one of {tuple(PRESETS)}")

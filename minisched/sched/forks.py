@@ -19,7 +19,7 @@ from minisched.sched.req import Req
 class ForkPages:
     def __init__(self, pool: KVPool, enabled: bool = True) -> None:
         self.pool, self.enabled = pool, enabled  # (without the radix cache the choices share nothing to copy onto)
-        self._kept: dict[int, list] = {}  # id(leader) -> [page, choices that have not copied it yet]
+        self._kept: dict[int, list[int]] = {}  # id(leader) -> [page, choices that have not copied it yet]
         self.copied = 0  # pages copied instead of recomputed (statistics)
 
     def keep(self, leader: Req) -> None:
@@ -29,7 +29,7 @@ class ForkPages:
         if self.enabled and leader.forks and left > 1 and leader.page_ids:
             self._kept[id(leader)] = [leader.page_ids.pop(), leader.forks]
 
-    def reclaim(self, keep: set[int] = frozenset()) -> int:
+    def reclaim(self, keep: set[int] | frozenset[int] = frozenset()) -> int:
         """The pool is short: give the kept pages back (those choices recompute the page instead), but for
         `keep` (sources of copies in the batch being built: a page copied from is no copy's destination)."""
         gone = [leader for leader, k in self._kept.items() if k[0] not in keep]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from minisched.base.values import cdiv
 from minisched.sched.queues import Queues
+from minisched.sched.radix_cache import TreeNode
 from minisched.sched.req import Place, ReqStatus
 
 
@@ -43,11 +44,12 @@ def check_scheduler(sched: Queues) -> None:
                 assert len(r.page_ids) == cdiv(r.kv_len, cfg.page_size), f"{r.rid}: pages != kv_len"
             else:
                 assert r.status is status, f"{r.rid}: status {r.status} in the {status.value} queue"
-                r.check(cfg.page_size, cfg.max_context_len)
+                r.check(cfg.page_size, sched.max_context_len)
             if r.last_node is not None:
                 assert tree.path_pages(r.last_node) == r.page_ids[: r.n_cached_pages], f"{r.rid}: prefix != tree"
-                node = r.last_node
+                node: TreeNode | None = r.last_node
                 while node is not tree.root:
+                    assert node is not None, f"{r.rid}: its locked path leaves the radix tree"
                     locks[id(node)] = locks.get(id(node), 0) + 1
                     node = node.parent
             held.extend(r.page_ids[r.n_cached_pages :])

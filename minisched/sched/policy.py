@@ -80,7 +80,7 @@ class SchedulePolicy:
         aged_ids = {id(r) for r in aged}
         return aged + [r for r in ordered if id(r) not in aged_ids]
 
-    def _match(self, r: Req):
+    def _match(self, r: Req) -> tuple[list[int], TreeNode]:
         return self.tree.match_prefix(r.fill_ids if r.output_ids else r.prompt_ids, r.seq_len - 1)
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
@@ -92,10 +92,10 @@ class SchedulePolicy:
             nodes[id(node)] = node
         weight: dict[int, int] = {}
         for nid, reqs in at_node.items():  # add each request's weight to its node's ancestors
-            node = nodes[nid]
-            while node is not None:
-                weight[id(node)] = weight.get(id(node), 0) + len(reqs)
-                node = node.parent
+            up: TreeNode | None = nodes[nid]
+            while up is not None:
+                weight[id(up)] = weight.get(id(up), 0) + len(reqs)
+                up = up.parent
         out: list[Req] = []
         stack = [(self.tree.root, False)]
         while stack:  # post-order (SGLang): heavier children first, then the node's own requests

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from minisched.base.values import cdiv
 from minisched.sched.prefill_adder import AddResult, PrefillAdder
 from minisched.sched.queues import Queues
+from minisched.sched.radix_cache import TreeNode
 from minisched.sched.req import Req
 
 
@@ -100,8 +101,9 @@ def plan(sched: Queues, adder: PrefillAdder, head: Req) -> list[Req]:
     short = need - adder.rem_total_tokens
     tree.dec_lock_ref(node)
     locked: set[int] = set()
-    node_ = node
+    node_: TreeNode | None = node
     while node_ is not tree.root:
+        assert node_ is not None, "the head's match leaves the radix tree"
         locked.add(id(node_))
         node_ = node_.parent
     cands.sort(key=lambda r: (-effective(r, now, aging), -r.arrival_seq))

@@ -31,7 +31,7 @@ from minisched.base.values import cdiv
 from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.forks import ForkPages
 from minisched.sched.kv_pool import KVPool
-from minisched.sched.radix_cache import RadixCache
+from minisched.sched.radix_cache import RadixCache, TreeNode
 from minisched.sched.req import Req
 
 
@@ -65,7 +65,8 @@ class PrefillAdder:
     copies: list = field(default_factory=list)  # (source page, page) copies to run before the forward
     free_after: list = field(default_factory=list)  # pages to free once the batch has run (copy sources)
     sources: set = field(default_factory=set)  # copy sources of this batch: neither reclaimed nor evicted
-    source_nodes: list = field(default_factory=list)  # radix nodes holding such sources, locked until `finish`
+    # radix nodes holding such sources, locked until `finish`
+    source_nodes: list[TreeNode] = field(default_factory=list)
     blocked: Req | None = None  # the request that stopped the last add_waiting without being admitted
     blocked_result: AddResult | None = None  # and why
 
@@ -95,7 +96,7 @@ class PrefillAdder:
             self.tree.dec_lock_ref(node)
         self.source_nodes.clear()
 
-    def _fork_source(self, req: Req, key: list[int], prefix: int) -> tuple[int, object] | None:
+    def _fork_source(self, req: Req, key: list[int], prefix: int) -> tuple[int, TreeNode | None] | None:
         """For an n > 1 choice's first admission: the page holding its prompt's last page and the radix node
         holding it (the leader's kept partial page: None, or the radix cache's last full page) when copying
         it saves at least one token."""
@@ -111,7 +112,7 @@ class PrefillAdder:
                 return last[-1], node
         return None
 
-    def _use_source(self, source: tuple[int, object] | None) -> None:
+    def _use_source(self, source: tuple[int, TreeNode | None] | None) -> None:
         """Protect a copy source from the evictions and reclaims of this batch's allocations."""
         if source is not None:
             self.sources.add(source[0])
@@ -119,7 +120,7 @@ class PrefillAdder:
                 self.tree.inc_lock_ref(source[1])
                 self.source_nodes.append(source[1])
 
-    def _drop_source(self, source: tuple[int, object] | None) -> None:
+    def _drop_source(self, source: tuple[int, TreeNode | None] | None) -> None:
         if source is not None:
             if not any(src == source[0] for src, _ in self.copies):
                 self.sources.discard(source[0])
@@ -127,7 +128,7 @@ class PrefillAdder:
                 self.tree.dec_lock_ref(source[1])
                 self.source_nodes.remove(source[1])
 
-    def _no_room(self, req: Req, source: tuple[int, object] | None) -> AddResult:
+    def _no_room(self, req: Req, source: tuple[int, TreeNode | None] | None) -> AddResult:
         """Out of KV budget; a choice that would have copied its last page tries again without the copy (its
         source may then be reclaimed)."""
         if source is None:
@@ -231,7 +232,7 @@ class PrefillAdder:
             return AddResult.OTHER
         tree.inc_lock_ref(node)
         need_pages = cdiv(prefix + n, ps) - len(pages)  # the host hits need device pages too
-        need_tokens = need_pages * ps
+        need_tokens: float = need_pages * ps
         if not truncated:
             need_tokens += self.reserved_for(req)
         first = not self.can_run and not self.running
@@ -254,6 +255,7 @@ class PrefillAdder:
         finally:
             tree.pinned.difference_update(id(h) for h in on_host)
         if cow is not None:
+            assert self.forks is not None, "a copied last page without fork pages"
             self.copies.append((cow, extra[0]))
             self.forks.copied += 1
         if self.forks is not None and req.after is not None and not req.forked:  # its one chance to copy: used
@@ -265,6 +267,7 @@ class PrefillAdder:
             tree.inc_lock_ref(on_host[-1])
             tree.dec_lock_ref(node)
             req.last_node, req.n_cached_pages = on_host[-1], len(pages) + n_host
+            assert tree.host is not None, "host hits without a host tier"
             tree.host.stats.host_hit_tokens += n_host * ps
         req.cache_hit_tokens = min(prefix, req.prompt_len)  # prompt tokens (a retracted one also hits its output)
         req.host_hit_tokens = min(n_host * ps, req.cache_hit_tokens)

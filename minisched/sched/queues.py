@@ -22,6 +22,7 @@ from minisched.sched.spec import Speculator
 
 class Queues(Protocol):
     config: SchedulerConfig
+    max_context_len: int  # config.max_context_len, set (the Scheduler requires it)
     pool: KVPool
     tree: RadixCache
     policy: SchedulePolicy

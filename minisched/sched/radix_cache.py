@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from minisched.sched.host_tier import HostTier
 
@@ -38,7 +39,8 @@ class TreeNode:
     key: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # device pages; [] when on the host only
     parent: TreeNode | None = None
-    children: dict = field(default_factory=dict)  # first page of the child's key (tuple) -> node
+    # first page of the child's key (tuple) -> node
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
     host: Any = None  # the host copy (host tier), or None
@@ -48,6 +50,24 @@ class TreeNode:
 
     def device_leaf(self) -> bool:
         return bool(self.pages) and not any(c.pages for c in self.children.values())
+
+
+class CachedReq(Protocol):
+    """What the request-KV methods use of a request (req.Req; req.py imports this module, not back)."""
+
+    kv_len: int
+    page_ids: list[int]
+    n_cached_pages: int
+    last_node: TreeNode | None
+
+    @property
+    def fill_ids(self) -> list[int]: ...
+
+
+class PagePool(Protocol):
+    """What they use of the page pool (kv_pool.KVPool, which imports req.py)."""
+
+    def free(self, pages: Iterable[int]) -> None: ...
 
 
 class RadixCache:
@@ -69,7 +89,7 @@ class RadixCache:
         self._seq = itertools.count()
         self.pinned: set[int] = set()  # id() of host-only nodes a request is about to load: not dropped
 
-    def _push(self, node: TreeNode, heap: list | None = None) -> None:
+    def _push(self, node: TreeNode, heap: list[tuple[int, int, TreeNode]] | None = None) -> None:
         heap = self._heap if heap is None else heap
         heapq.heappush(heap, (node.last_access, next(self._seq), node))
         if len(heap) > 2 * (self.total_pages + self.host_nodes) + 1024:  # drop stale entries now and then
@@ -89,7 +109,7 @@ class RadixCache:
         return 0 if self.host is None else self.host.used
 
     # -- helpers --------------------------------------------------------------
-    def _page_key(self, key: list[int], i: int = 0) -> tuple:
+    def _page_key(self, key: list[int], i: int = 0) -> tuple[int, ...]:
         return tuple(key[i : i + self.page_size])
 
     def _match_len(self, a: list[int], b: list[int], start: int, end: int) -> int:
@@ -111,14 +131,17 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
+        parent, host = node.parent, self.host
+        assert parent is not None, "RadixCache: splitting a node not in the tree"
         if node.host is not None:
-            upper.host, node.host = self.host.mover.split(node.host, npg)
+            assert host is not None, "RadixCache: a host copy without a host tier"
+            upper.host, node.host = host.mover.split(node.host, npg)
         upper.children[self._page_key(node.key, n)] = node
-        node.parent.children[self._page_key(node.key)] = upper
+        parent.children[self._page_key(node.key)] = upper
         node.key, node.pages, node.parent = node.key[n:], node.pages[npg:], upper
         return upper
 
-    def _walk(self, key: list[int], n: int, node: TreeNode, pos: int, t: int, device: bool):
+    def _walk(self, key: list[int], n: int, node: TreeNode, pos: int, t: int, device: bool) -> Iterator[TreeNode]:
         """Follow key[pos:n] from `node` through device nodes (`device`) or host-only ones; yields them."""
         while pos < n:
             child = node.children.get(self._page_key(key, pos))
@@ -151,7 +174,9 @@ class RadixCache:
             return []
         depth, up = 0, node
         while up is not self.root:
-            depth, up = depth + len(up.key), up.parent
+            parent = up.parent
+            assert parent is not None, "RadixCache: a match ending at a node not in the tree"
+            depth, up = depth + len(up.key), parent
         n = len(key) if max_len is None else min(len(key), max_len)
         n -= n % self.page_size
         return list(self._walk(key, n, node, depth, next(self._clock), device=False))
@@ -160,16 +185,18 @@ class RadixCache:
         """Give host-only `nodes` (a path, from `match_host`) these device pages; returns the copies
         (host copy, device pages) the forward must run first. The host copies stay (a later device
         eviction of these nodes then costs no copy)."""
-        loads, i = [], 0
+        loads: list[tuple[Any, list[int]]] = []
+        i, host = 0, self.host
         for nd in nodes:
+            assert host is not None, "RadixCache: loading host nodes without a host tier"
             k = len(nd.key) // self.page_size
             nd.pages = pages[i : i + k]
             i += k
             loads.append((nd.host, nd.pages))
             self.evictable_pages += k
             self._push(nd)
-            self.host.stats.loads += 1
-            self.host.stats.load_pages += k
+            host.stats.loads += 1
+            host.stats.load_pages += k
         return loads
 
     def insert(self, key: list[int], pages: list[int]) -> list[int]:
@@ -180,7 +207,8 @@ class RadixCache:
         ps = self.page_size
         n = min(len(key) - len(key) % ps, len(pages) * ps)
         key = key[:n]
-        node, pos, dup = self.root, 0, []
+        node, pos = self.root, 0
+        dup: list[int] = []
         t = next(self._clock)
         while pos < n:
             child = node.children.get(self._page_key(key, pos))
@@ -253,7 +281,8 @@ class RadixCache:
         unlocked nodes are whole subtrees under locked nodes or the root."""
         freed: list[int] = []
         dropped = self.host.stats.dropped_pages if self.host is not None else 0
-        tops, stack = [], [self.root]
+        tops: list[TreeNode] = []
+        stack = [self.root]
         while stack:
             node = stack.pop()
             for child in node.children.values():
@@ -273,15 +302,16 @@ class RadixCache:
     def _host_room(self, k: int, keep: TreeNode) -> bool:
         """Make room for k pages on the host by its LRU eviction (never `keep` or its ancestors)."""
         host = self.host
+        assert host is not None, "RadixCache: host room asked for without a host tier"
         if k > host.capacity:
             return False
         protect = set(self.pinned)
-        up = keep
+        up: TreeNode | None = keep
         while up is not None:
             protect.add(id(up))
             up = up.parent
         heap = self._host_heap
-        skipped = []
+        skipped: list[TreeNode] = []
         while host.free < k and heap:
             t, _, node = heapq.heappop(heap)
             if node.parent is None or node.pages or node.children or node.host is None:
@@ -302,17 +332,20 @@ class RadixCache:
 
     def _drop(self, node: TreeNode) -> None:
         """Remove `node` (unlocked, no device pages left to keep) and its host-only subtree for good."""
-        stack = [node]
+        stack, host = [node], self.host
         while stack:
             nd = stack.pop()
             stack.extend(nd.children.values())
             if nd.host is not None:
+                assert host is not None, "RadixCache: a host copy without a host tier"
                 k = len(nd.key) // self.page_size
-                self.host.give(k)
-                self.host.mover.free(nd.host)
-                self.host.stats.dropped_pages += k
+                host.give(k)
+                host.mover.free(nd.host)
+                host.stats.dropped_pages += k
                 nd.host = None
-        del node.parent.children[self._page_key(node.key)]
+        parent = node.parent
+        assert parent is not None, "RadixCache: dropping a node not in the tree"
+        del parent.children[self._page_key(node.key)]
         node.parent = None
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -321,7 +354,7 @@ class RadixCache:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
             node.lock_ref += 1
-            node = node.parent
+            node = self._up(node)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -333,10 +366,17 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0 and node.device_leaf():
                 self._push(node)
-            node = node.parent
+            node = self._up(node)
+
+    @staticmethod
+    def _up(node: TreeNode) -> TreeNode:
+        """The parent of a node on a path below the root (every node but the root has one)."""
+        parent = node.parent
+        assert parent is not None, "RadixCache: a path leaves the tree"
+        return parent
 
     # -- request KV (SGLang's cache_finished_req / cache_unfinished_req) --------
-    def cache_finished_req(self, req, pool) -> None:
+    def cache_finished_req(self, req: CachedReq, pool: PagePool) -> None:
         """A finished, aborted or retracted request gives up its KV: its full pages go into
         the tree (duplicates of already cached pages and the partial last page are freed),
         its lock is dropped, and its page table emptied."""
@@ -350,7 +390,7 @@ class RadixCache:
                 self.dec_lock_ref(req.last_node)
         req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
 
-    def cache_unfinished_req(self, req, pool, kv_len: int | None = None) -> None:
+    def cache_unfinished_req(self, req: CachedReq, pool: PagePool, kv_len: int | None = None) -> None:
         """After a prefill chunk: share the request's full pages through the tree, and move
         its lock to the deepest node (its page table now starts with the tree's pages).
         `kv_len`: share only this many tokens (overlap scheduling: later steps in flight
@@ -369,7 +409,7 @@ class RadixCache:
         req.last_node, req.n_cached_pages = node, n_full
 
     # -- inspection -----------------------------------------------------------
-    def iter_nodes(self):
+    def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node but the root (depth first)."""
         stack = list(self.root.children.values())
         while stack:
@@ -382,10 +422,10 @@ class RadixCache:
         return [p for nd in self.iter_nodes() for p in nd.pages]
 
     def path_pages(self, node: TreeNode) -> list[int]:
-        chunks = []
+        chunks: list[list[int]] = []
         while node is not self.root:
             chunks.append(node.pages)
-            node = node.parent
+            node = self._up(node)
         return [p for c in reversed(chunks) for p in c]
 
     def check(self, expected_locks: dict[int, int] | None = None) -> None:
@@ -397,8 +437,10 @@ class RadixCache:
             assert nd.key and len(nd.key) == k * ps, f"node key of {len(nd.key)} tokens is not whole pages"
             assert len(nd.pages) in (0, k), f"node of {k} pages holds {len(nd.pages)} device pages"
             assert nd.pages or nd.host is not None, "a node neither on the device nor on the host"
-            assert not nd.pages or nd.parent is self.root or nd.parent.pages, "a device node under a host-only one"
-            assert nd.parent.children.get(self._page_key(nd.key)) is nd, "child indexed under the wrong key"
+            parent = nd.parent
+            assert parent is not None, "a node in the tree without a parent"
+            assert not nd.pages or parent is self.root or parent.pages, "a device node under a host-only one"
+            assert parent.children.get(self._page_key(nd.key)) is nd, "child indexed under the wrong key"
             assert nd.lock_ref >= 0, "negative lock_ref"
             assert nd.pages or nd.lock_ref == 0, "a host-only node is locked"
             if expected_locks is not None:

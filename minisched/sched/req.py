@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from minisched.base.values import cdiv, is_int
+from minisched.sched.radix_cache import TreeNode
 from minisched.sched.sampling_params import Grammar, InvalidRequest, SamplingParams  # noqa: F401 (re-exported)
 
 
@@ -77,7 +78,7 @@ class Req:
     kv_len: int = 0
     page_ids: list[int] = field(default_factory=list)
     n_cached_pages: int = 0  # leading page_ids shared with the radix cache (locked)
-    last_node: Any = None  # radix node whose path is locked for this request
+    last_node: TreeNode | None = None  # radix node whose path is locked for this request
     # scheduling state
     max_new_tokens: int = -1  # sampling.max_new_tokens clipped to the context and the pool (-1: unclipped)
     arrival_seq: int = 0  # order of arrival at the scheduler
@@ -181,7 +182,7 @@ class Req:
 
 
 def new_request(
-    rid: str, prompt_ids, sampling: SamplingParams | dict | None, max_context_len: int, pool_tokens: int
+    rid: str, prompt_ids: Iterable[int], sampling: SamplingParams | dict | None, max_context_len: int, pool_tokens: int
 ) -> Req:
     """Validate a new request; raises InvalidRequest (a ValueError) naming the problem.
 

@@ -85,7 +85,7 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(f"SamplingParams: {msg}")
 
-        def setf(name, value) -> None:
+        def setf(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):

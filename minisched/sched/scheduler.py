@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from minisched.base.values import cdiv
 from minisched.sched import batch_builder
@@ -79,6 +79,7 @@ from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.config import SchedulerConfig
 from minisched.sched.events import Event, StepStats
 from minisched.sched.forks import ForkPages
+from minisched.sched.host_tier import HostTier
 from minisched.sched.in_flight import InFlight
 from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool
@@ -114,12 +115,13 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         stop_checker: Callable[[Req], bool] | None = None,
-        host_tier=None,
+        host_tier: HostTier | None = None,
         drafter: Drafter | None = None,
     ) -> None:
         if config.num_pages is None or config.max_context_len is None:
             raise ValueError("Scheduler: num_pages and max_context_len must be set (the engine sizes them)")
         self.config = config
+        self.max_context_len: int = config.max_context_len  # (set: checked above)
         self.stop_checker = stop_checker
         self.pool = KVPool(config.num_pages, config.page_size)
         self.forks = ForkPages(self.pool, enabled=config.enable_radix_cache)
@@ -154,8 +156,8 @@ class Scheduler:
         prompt_ids: Sequence[int],
         sampling: SamplingParams | None = None,
         *,
-        after=None,
-        gate=None,
+        after: Req | None = None,
+        gate: Any = None,
         arrival_time: float | None = None,
     ) -> Req:
         """`after`: a request this one waits for (n > 1: the prefill of the shared prompt); `gate`: a
@@ -165,7 +167,7 @@ class Scheduler:
         cfg = self.config
         if isinstance(rid, str) and rid in self.reqs:
             raise InvalidRequest(f"request {rid!r}: duplicate request id")
-        req = new_request(rid, prompt_ids, sampling, cfg.max_context_len, cfg.num_pages * cfg.page_size)
+        req = new_request(rid, prompt_ids, sampling, self.max_context_len, self.pool.num_pages * cfg.page_size)
         if req.sampling.priority != 0 and not cfg.priority_scheduling:
             raise InvalidRequest(
                 f"request {rid!r}: priority {req.sampling.priority} given but priority scheduling is not enabled"
@@ -325,7 +327,7 @@ class Scheduler:
             raise RuntimeError("launch: not the batch returned by the last get_next_batch")
         flight.built = None
         flight.launched.append(batch)
-        max_ctx, futures = self.config.max_context_len, []
+        max_ctx, futures = self.max_context_len, []
         verify = batch.mode is ForwardMode.VERIFY
         for req, p, e, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled):
             req.kv_len = p + e
@@ -379,9 +381,11 @@ class Scheduler:
             if isinstance(out, StepOutput)
             else (out, None, None, None, None)
         )
-        drafts = batch.drafts or [()] * batch.batch_size
+        drafts: Sequence[Sequence[int]] = batch.drafts or [()] * batch.batch_size
+        spec = self.speculator
         if batch.mode is ForwardMode.VERIFY:
-            self.speculator.stats.verify_steps += 1
+            assert spec is not None, "a VERIFY batch without a speculator"
+            spec.stats.verify_steps += 1
         for b, (req, p, e, sampled, fid, tok, d) in enumerate(
             zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled, batch.future_ids, tokens, drafts)
         ):
@@ -404,11 +408,13 @@ class Scheduler:
                 raise RuntimeError(f"{req.rid}: placeholder {fid} is not the oldest pending token")
             run, run_lps = [int(tok)], [lps[b] if lps is not None else None]
             if d:  # a verify row: the accepted drafts' tokens and the target's next one
+                assert more is not None and spec is not None, "a verify row without its accepted tokens"
                 run += [int(t) for t in more[b]]
-                run_lps += more_lps[b] if more_lps is not None and more_lps[b] else [None] * len(more[b])
+                row_lps = more_lps[b] if more_lps is not None else None
+                run_lps += row_lps if row_lps else [None] * len(more[b])
                 if len(run) > len(d) + 1:
                     raise RuntimeError(f"{req.rid}: {len(run)} tokens accepted from {len(d)} drafts")
-                self.speculator.observe(req, len(d), len(run) - 1)
+                spec.observe(req, len(d), len(run) - 1)
             del req.pending_ids[: 1 + len(d)]
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
@@ -427,7 +433,7 @@ class Scheduler:
     def _append(self, req: Req, run: list[int], valid: int, logprobs: list, finished: list[Req]) -> bool:
         """Append a row's tokens (and their logprobs) one at a time, checking after each whether the
         request ends (with the K/V of the tokens before it: `valid` for the first); True if it ended."""
-        checker, max_ctx = self.stop_checker, self.config.max_context_len
+        checker, max_ctx = self.stop_checker, self.max_context_len
         for i, tok in enumerate(run):
             req.output_ids.append(tok)
             if req.output_logprobs is not None:
