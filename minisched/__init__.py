@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
     from minisched.engine.engine import Engine, Output, StreamChunk
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
 __all__ = ["Engine", "Output", "SamplingParams", "StreamChunk", "__version__"]
 
@@ -44,7 +44,7 @@ _LAZY = {
     "Engine": "minisched.engine.engine",
     "Output": "minisched.engine.engine",
     "StreamChunk": "minisched.engine.engine",
-    "SamplingParams": "minisched.sched.req",
+    "SamplingParams": "minisched.sched.sampling_params",
 }
 
 

@@ -97,7 +97,7 @@ def prompts_of(engine, batch: int, length: int, seed: int = 0):
 def run_speed(args) -> dict:
     import torch
 
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
     engine = make_engine(args)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -161,7 +161,7 @@ def run_speed(args) -> dict:
 def run_profile(args) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
     engine = make_engine(args)
     # per-layer labels: wrap each layer's body by patching record_function around the loop is not
@@ -235,7 +235,7 @@ def run_model_ab(args) -> dict:
     import statistics
     import types
 
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
     spec = importlib.util.spec_from_file_location(
         "base_llama", os.path.join(args.base_tree, "minisched/model/llama.py")
@@ -332,7 +332,7 @@ def run_model_ab(args) -> dict:
 def worker_main(args) -> None:
     import torch
 
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
     engine = make_engine(args)
     engine.generate(prompts_of(engine, 2, 16, seed=99), SamplingParams(max_new_tokens=4, ignore_eos=True))

@@ -103,7 +103,7 @@ def loadavg() -> str:
 class MinischedWorker:
     def __init__(self, opts):
         from minisched.engine import Engine
-        from minisched.sched.req import SamplingParams
+        from minisched.sched.sampling_params import SamplingParams
 
         kw = dict(opts.get("engine_kw") or {})
         isa = kw.pop("cpu_isa", None)  # not an engine option: the process's CPU kernel variant

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 # The repository (for `git archive`); a --baseline-rev child imports the archived scheduler through PYTHONPATH.

@@ -26,7 +26,7 @@ import statistics
 import time
 
 from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")

@@ -42,7 +42,8 @@ from sched_decision import Decision  # noqa: E402
 
 from minisched.sched.batch import ForwardMode  # noqa: E402
 from minisched.sched.config import SchedulerConfig  # noqa: E402
-from minisched.sched.req import ReqStatus, SamplingParams  # noqa: E402
+from minisched.sched.req import ReqStatus  # noqa: E402
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler  # noqa: E402
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")

@@ -27,7 +27,7 @@ import time
 import torch
 
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 
 def loadavg() -> str:

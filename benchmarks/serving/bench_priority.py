@@ -25,7 +25,8 @@ import statistics
 import time
 
 from minisched.engine import Engine
-from minisched.sched.req import ReqStatus, SamplingParams
+from minisched.sched.req import ReqStatus
+from minisched.sched.sampling_params import SamplingParams
 
 
 def loadavg() -> str:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = [

@@ -34,7 +34,7 @@ from minisched.engine import Engine
 from minisched.model.config import preset
 from minisched.parallel import ModelSource, TPSession
 from minisched.parallel.group import CommStats
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 
 def loadavg() -> str:

@@ -6,7 +6,7 @@ import argparse
 
 from minisched.base.flags import add_flags, flag_names, flag_values
 from minisched.observe.paths import unwritable
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = (
     "temperature",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from minisched.cli.common import SAMPLING_FIELDS, CLIError, engine_config, make_engine, sampling_from
 from minisched.cli.status import StatusLine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 LENGTH_REASONS = ("max_new_tokens", "length")
 

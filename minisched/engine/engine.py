@@ -39,7 +39,8 @@ from minisched.model.detokenize import final_text
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.parallel.launch import TPSession
-from minisched.sched.req import InvalidRequest, Req, SamplingParams
+from minisched.sched.req import Req
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.sched.scheduler import Scheduler
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]

@@ -16,7 +16,8 @@ import torch
 from minisched.base.values import is_int
 from minisched.engine.outputs import Output, StreamChunk
 from minisched.model.detokenize import IncrementalDetokenizer
-from minisched.sched.req import InvalidRequest, Req
+from minisched.sched.req import Req
+from minisched.sched.sampling_params import InvalidRequest
 
 
 class EngineSurface(Protocol):

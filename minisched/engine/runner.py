@@ -38,7 +38,8 @@ from minisched.engine.threads import ThreadTuner
 from minisched.model.llama import CascadeMeta, ForwardMeta, LlamaModel, PageTable
 from minisched.model.sampling import RowHistory, logprobs_of, make_generator, sample, verify_drafts
 from minisched.sched.batch import Batch, ForwardMode
-from minisched.sched.req import Req, SamplingParams
+from minisched.sched.req import Req
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.step_output import StepOutput, TokenLogprob
 
 if TYPE_CHECKING:

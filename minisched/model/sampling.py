@@ -29,8 +29,7 @@ from typing import Optional
 
 import torch
 
-from minisched.sched.req import SamplingParams
-from minisched.sched.sampling_params import MAX_LOGPROBS
+from minisched.sched.sampling_params import MAX_LOGPROBS, SamplingParams
 from minisched.sched.spec import accept_greedy
 
 

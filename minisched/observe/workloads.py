@@ -32,7 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from minisched.sched.req import Req, SamplingParams
+from minisched.sched.req import Req
+from minisched.sched.sampling_params import SamplingParams
 
 WORKLOADS = ("mixed", "shared-prefix", "long-prompt", "poisson")
 TOKEN_RANGE = (1000, 20000)  # ordinary BPE tokens in SmolLM2's (and most) vocabularies

@@ -1,4 +1,4 @@
-"""Requests: `Req`, its status and finish reason, and `SamplingParams`.
+"""Requests: `Req`, its status and finish reason (`SamplingParams` lives in sampling_params.py).
 
 A request moves through
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from minisched.base.values import cdiv, is_int
 from minisched.sched.radix_cache import TreeNode
-from minisched.sched.sampling_params import Grammar, InvalidRequest, SamplingParams  # noqa: F401 (re-exported)
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 
 
 class ReqStatus(enum.Enum):

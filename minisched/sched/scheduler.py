@@ -85,17 +85,9 @@ from minisched.sched.invariants import check_scheduler
 from minisched.sched.kv_pool import KVPool
 from minisched.sched.policy import SchedulePolicy, take_admitted
 from minisched.sched.radix_cache import RadixCache
-from minisched.sched.req import (
-    FinishReason,
-    InvalidRequest,
-    Place,
-    Req,
-    ReqStatus,
-    SamplingParams,
-    finish_reason,
-    new_request,
-)
+from minisched.sched.req import FinishReason, Place, Req, ReqStatus, finish_reason, new_request
 from minisched.sched.retraction import fail_stalled
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.sched.snapshot import CacheFlush, Records, SchedulerSnapshot
 from minisched.sched.spec import Drafter, Speculator
 from minisched.sched.step_output import StepOutput

@@ -38,7 +38,8 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from minisched.engine.structured import GRAMMAR_FAILED
-from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
+from minisched.sched.req import ReqStatus
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.serve.cache_admin import flush_engine_cache
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Sink, Stats, Update

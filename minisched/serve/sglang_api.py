@@ -30,7 +30,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.generate import generate, sglang_error
 from minisched.serve.loop import ServingLoop
 from minisched.serve.protocol import APIError

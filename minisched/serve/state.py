@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from minisched.sched.req import InvalidRequest, SamplingParams
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.serve import request_id
 from minisched.serve.limits import ServerLimits
 from minisched.serve.loop import ServingLoop

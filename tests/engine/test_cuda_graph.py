@@ -21,7 +21,7 @@ from minisched.model.config import preset
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.batch import ForwardMode
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 
 def reference(model, prompt, n=8):

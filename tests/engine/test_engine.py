@@ -15,7 +15,7 @@ from helpers.engines import reference as _reference
 from minisched import ops
 from minisched.engine import Engine
 from minisched.model.llama import LlamaModel
-from minisched.sched.req import InvalidRequest, SamplingParams
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 
 NEW = 8
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)

@@ -18,7 +18,7 @@ from helpers.engines import assert_pool_whole, byte_engine, reference, tiny_mode
 from minisched import Engine, SamplingParams
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
-from minisched.sched.req import InvalidRequest
+from minisched.sched.sampling_params import InvalidRequest
 
 NEW = 6
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)

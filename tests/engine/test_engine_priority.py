@@ -10,7 +10,8 @@ import pytest
 
 from helpers.engines import assert_pool_whole, byte_engine, prompts, reference, tiny_model
 from minisched.cli import main
-from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
+from minisched.sched.req import ReqStatus
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 
 
 @pytest.mark.parametrize("overlap", [False, True])

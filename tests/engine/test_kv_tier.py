@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.engines import byte_engine, prompts, reference, tiny_model
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 NEW = 5
 SP = SamplingParams(max_new_tokens=NEW, ignore_eos=True)

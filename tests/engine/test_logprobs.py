@@ -9,7 +9,7 @@ import torch
 from helpers.engines import byte_engine, prompts, reference, tiny_model
 from minisched.model.llama import dense_forward
 from minisched.model.sampling import RowHistory, process_logits
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 NEW = 6
 

@@ -16,7 +16,7 @@ from helpers.engines import reference as _reference
 from minisched.engine import Engine
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 NEW = 8
 

@@ -19,7 +19,7 @@ import pytest
 from helpers.engines import assert_pool_whole, byte_engine, prompts, reference, tiny_model
 from minisched import ops
 from minisched.cli import main
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 BACKENDS = ["torch"] + (["native"] if ops.native_available() else [])

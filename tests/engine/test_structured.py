@@ -11,8 +11,7 @@ import re
 import pytest
 
 from helpers.engines import byte_engine, prompts, tiny_model
-from minisched.sched.req import SamplingParams
-from minisched.sched.sampling_params import Grammar
+from minisched.sched.sampling_params import Grammar, SamplingParams
 
 pytest.importorskip("xgrammar")
 

@@ -16,7 +16,7 @@ from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import LlamaModel
 from minisched.model.tokenizer import MiniTokenizer
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from helpers.fake_runner import FakeRunner, check_lifecycles
 from minisched.observe.run_record import RunRecord
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50

@@ -8,7 +8,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from helpers.fake_runner import FakeRunner, OracleDrafter, check_lifecycles, greedy_reference, poison_freed, run
 from minisched.sched.host_tier import HostTier
-from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
+from minisched.sched.req import FinishReason, ReqStatus
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 from minisched.sched.spec import NgramDrafter
 

@@ -18,7 +18,7 @@ from minisched.model import weights
 from minisched.model.config import ModelConfig, preset
 from minisched.model.llama import LlamaModel, dense_forward
 from minisched.model.sampling import make_generator, sample
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

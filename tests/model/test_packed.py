@@ -113,7 +113,7 @@ def test_want_packed():
 
 def test_engine_packs_by_default_on_cpu():
     from minisched.engine import Engine
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
     tok = MiniTokenizer.byte_level(preset("tiny").vocab_size)
     packed = Engine(model_of(True), tokenizer=tok, num_pages=64, num_threads=1)

@@ -105,7 +105,7 @@ def test_smollm2_int8_agrees_with_fp32():
         path = weights.default_gguf_path()
     except weights.ModelNotFound as exc:
         pytest.skip(str(exc))
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
     fp32 = Engine(path, num_threads=2)
     q = Engine(path, num_threads=2, quantize="int8")
@@ -136,7 +136,7 @@ def test_smollm2_int8_agrees_with_fp32():
 def test_engine_quantize_option():
     from minisched.engine import Engine
     from minisched.model.tokenizer import MiniTokenizer
-    from minisched.sched.req import SamplingParams
+    from minisched.sched.sampling_params import SamplingParams
 
     model = model_of(True)
     tok = MiniTokenizer.byte_level(model.cfg.vocab_size)

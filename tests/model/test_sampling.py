@@ -17,7 +17,7 @@ from minisched.model.sampling import (
     target_probs,
     verify_drafts,
 )
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 V = 64
 
@@ -130,7 +130,7 @@ def test_logprobs_are_the_raw_log_softmax():
     ],
 )
 def test_bad_fields_are_rejected(kw, match):
-    from minisched.sched.req import InvalidRequest
+    from minisched.sched.sampling_params import InvalidRequest
 
     with pytest.raises(InvalidRequest, match=match):
         SamplingParams(**kw)

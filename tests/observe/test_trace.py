@@ -16,7 +16,7 @@ from helpers.fake_runner import FakeRunner
 from helpers.lifecycle_scenario import record_scenario, scenario_config
 from minisched.observe.run_record import RunRecord, lifecycle_segments, load_runs, save_runs
 from minisched.observe.trace import chrome_trace, write_chrome_trace
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler
 
 LEGAL = {

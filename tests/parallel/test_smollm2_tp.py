@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minisched.model import weights
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
 QUESTIONS = ["What is the capital of France?", "Name three fruits.", "Write a haiku about the sea."]

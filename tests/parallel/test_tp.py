@@ -16,7 +16,7 @@ from minisched.engine import Engine
 from minisched.model.config import preset
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.parallel import ModelSource, ShardPlan, TPError, TPSession, protocol
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 MODELS = {"split-kv": preset("tiny", num_heads=4, num_kv_heads=2), "replicated-kv": preset("tiny")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 

@@ -12,7 +12,7 @@ import torch
 from minisched.engine import Engine
 from minisched.model.config import preset
 from minisched.parallel import ModelSource, TPError, TPSession
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 SAMPLING = SamplingParams(max_new_tokens=3, ignore_eos=True)
 

@@ -10,7 +10,8 @@ import pytest
 
 from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
 from minisched.sched.batch import ForwardMode
-from minisched.sched.req import FinishReason, ReqStatus, SamplingParams
+from minisched.sched.req import FinishReason, ReqStatus
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.fake_runner import FakeRunner, greedy_reference, poison_freed, run
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50

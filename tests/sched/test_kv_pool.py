@@ -7,7 +7,8 @@ import pytest
 from minisched.base.values import cdiv
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.kv_pool import KVPool
-from minisched.sched.req import Req, SamplingParams
+from minisched.sched.req import Req
+from minisched.sched.sampling_params import SamplingParams
 
 
 def make_req(n_prompt: int, rid: str = "r") -> Req:

@@ -16,7 +16,8 @@ import pytest
 from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, poison_freed, run
 from minisched.sched.events import transitions
 from minisched.sched.preemption import effective
-from minisched.sched.req import InvalidRequest, ReqStatus, SamplingParams
+from minisched.sched.req import ReqStatus
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 S = ReqStatus

@@ -14,7 +14,8 @@ import pytest
 from helpers.fake_runner import FakeRunner, check_lifecycles, greedy_reference, run
 from minisched.sched.batch import ForwardMode
 from minisched.sched.events import transitions
-from minisched.sched.req import FinishReason, InvalidRequest, ReqStatus, SamplingParams
+from minisched.sched.req import FinishReason, ReqStatus
+from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 S = ReqStatus

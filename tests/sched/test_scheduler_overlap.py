@@ -23,7 +23,8 @@ from hypothesis.stateful import precondition, rule
 from helpers.fake_runner import FakeRunner, greedy_reference, poison_freed
 from helpers.scheduler_machine import VOCAB, SchedulerMachine
 from minisched.sched.batch import Batch
-from minisched.sched.req import FinishReason, Req, SamplingParams
+from minisched.sched.req import FinishReason, Req
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 from minisched.sched.step_output import StepOutput
 

@@ -18,7 +18,8 @@ import pytest
 from helpers.fake_runner import FakeRunner, OracleDrafter, greedy_reference, poison_freed, run
 from minisched.base.values import cdiv
 from minisched.sched.batch import ForwardMode
-from minisched.sched.req import FinishReason, ReqStatus, SamplingParams
+from minisched.sched.req import FinishReason, ReqStatus
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 from minisched.sched.spec import NgramDrafter, accept_greedy
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from helpers.fake_runner import FakeRunner, greedy_reference, poison_freed, run
 from minisched.sched.host_tier import HostTier
-from minisched.sched.req import ReqStatus, SamplingParams
+from minisched.sched.req import ReqStatus
+from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 50

@@ -10,7 +10,7 @@ import httpx
 import openai
 
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 
 def client(live, **kw) -> openai.OpenAI:

@@ -20,7 +20,7 @@ import pytest
 
 from helpers.serve import pool_server
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.pool import EnginePool
 from minisched.serve.replica import ReplicaStartError
 from minisched.serve.router import RouterConfig

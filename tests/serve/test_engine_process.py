@@ -21,7 +21,7 @@ import pytest
 
 from helpers.serve import pool_server
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.pool import Supervision
 
 TINY = functools.partial(Engine, "dummy:tiny", num_pages=512, chunk_size=8, page_size=4)

@@ -12,7 +12,7 @@ import pytest
 
 from helpers.serve import running_server
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.engine_loop import EngineLoop
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -15,7 +15,7 @@ import pytest
 
 from helpers.serve import TINY, pool_whole, running_server
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 N_CLIENTS, N_DISCONNECT, MAX_TOKENS, LONG = 64, 16, 24, 1500
 

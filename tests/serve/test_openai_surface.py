@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 
 def client(live) -> openai.OpenAI:

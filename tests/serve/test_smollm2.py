@@ -11,7 +11,7 @@ import pytest
 
 from helpers.serve import running_server
 from minisched.engine import Engine
-from minisched.sched.req import SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name three fruits."}]
