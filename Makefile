@@ -90,7 +90,7 @@ bench: $(EXT)
 	$(PY) benchmarks/kernels/bench_kernels.py
 	$(PY) benchmarks/sched/bench_scheduler.py
 
-# SGLang 0.5.23 for the differential test (benchmarks/sched/diff_sglang.py, issue 33): its own environment outside
+# SGLang 0.5.23 for the differential test (benchmarks/sched/diff_sglang.py): its own environment outside
 # the repo, the project's torch (and minisched) through a site dir of .venv, sglang without its GPU dependencies.
 # Not part of `make test` (tests/sched/test_diff_sglang.py skips without it).
 SGLANG_ENV := $(HOME)/.cache/minisched/sglang-venv

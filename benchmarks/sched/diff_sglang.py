@@ -1,4 +1,4 @@
-"""Differential test: minisched's Scheduler against SGLang 0.5.23's own scheduling classes (issue 33).
+"""Differential test: minisched's Scheduler against SGLang 0.5.23's own scheduling classes.
 
 Each random trace (seeded: arrivals over steps with prompts sharing prefixes, output lengths, aborts of
 queued requests, a pool small enough to retract) is fed step by step to `SGLangReplica`
@@ -10,7 +10,7 @@ the retraction victims; `new_token_ratio`; the tokens the radix cache holds (mat
 evictions show there). It stops a trace at the first differing decision (after one the two runs are
 no longer comparable) and prints both sides' state for the first few; the summary counts the traces
 that differ per policy x page size and a histogram of the first differences' kinds, each mapped to
-the row of issue 33's table it most likely confirms.
+the known SGLang-vs-minisched rule difference it most likely confirms (docs/architecture.md, "Scheduler decisions beyond SGLang's").
 
 Requests do not set `ignore_eos` (and the fake model's tokens never stop one: no stop ids): SGLang 0.5.23
 reserves an `ignore_eos` request's future tokens at ratio 1.0 (`_get_running_request_total_token_offset`)
@@ -51,7 +51,7 @@ PAGE_SIZES = (1, 16)
 VOCAB = 50
 CONTEXT = 1024
 
-# first-difference kind -> the row of issue 33's table it most likely confirms
+# first-difference kind -> the known SGLang-vs-minisched rule difference it most likely confirms (docs/architecture.md, "Scheduler decisions beyond SGLang's")
 ROWS = {
     "decode-instead-of-prefill": "prefill-first vs alternating prefill and decode rounds",
     "prefill-instead-of-decode": "admission budget (reservation / first-request exemption / page overhead)",

@@ -30,7 +30,7 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   at most, adapted per request when `spec_adaptive`; no drafting with more than
   `spec_max_batch_size` (8) running requests.
 - Presets (`SchedulerConfig.preset(name)`, `PRESETS`): "default" is the above; "sglang" moves toward
-  SGLang 0.5.23's code as benchmarks/sched/diff_sglang.py measures it (issue 33). So far: prefill
+  SGLang 0.5.23's code as benchmarks/sched/diff_sglang.py measures it. So far: prefill
   always first. Its admission, chunking and retraction rules still differ (the harness lists them).
 - `max_stalled_steps` (32): after this many consecutive steps with work but no batch
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with

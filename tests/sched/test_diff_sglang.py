@@ -1,4 +1,4 @@
-"""The differential harness against SGLang 0.5.23 (benchmarks/sched/diff_sglang.py, issue 33) on a small trace set.
+"""The differential harness against SGLang 0.5.23 (benchmarks/sched/diff_sglang.py) on a small trace set.
 
 Runs only where the SGLang environment exists (`make sglang-env`, or MINISCHED_SGLANG_PYTHON naming its
 python); skips with one line otherwise.
@@ -61,7 +61,7 @@ def test_harness_rejects_bad_options(tmp_path):
 @pytest.mark.timeout(300)
 def test_sglang_profile_runs_further_than_default(tmp_path):
     """The sglang preset (prefill first) removes the alternating-rounds difference: its traces agree for
-    more steps than the default's on the same seeds. (It does not reach 0 differing steps yet: issue 33.)"""
+    more steps than the default's on the same seeds. (It does not reach 0 differing steps yet.)"""
     default, _ = run_harness(tmp_path)
     sglang, stdout = run_harness(tmp_path, "--profile", "sglang")
     assert "crash" not in sglang["kinds"], stdout[-3000:]
