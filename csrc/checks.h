@@ -446,6 +446,36 @@ inline void check_packed_linear(const at::Tensor& x, const at::Tensor& w_packed,
   }
 }
 
+// GGUF block linear: x [M, K] float32 (rows may be strided, elements contiguous; K a multiple of 32,
+// GGUF's block), w_packed [P, K / 32, 16 x block bytes] uint8 (ops.pack_gguf_weight: panels of 16
+// rows, P = ceil(N / 16)), qtype a GGML type id of a supported block format (2 Q4_0, 3 Q4_1, 8 Q8_0),
+// out [M, N] float32.
+inline void check_gguf_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t qtype, const at::Tensor& out) {
+  const char* op = "gguf_linear";
+  TORCH_CHECK_VALUE(qtype == 2 || qtype == 3 || qtype == 8, op, ": qtype ", qtype,
+                    " is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)");
+  const int64_t block_bytes = qtype == 2 ? 18 : (qtype == 3 ? 20 : 34);
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dim(op, "x", x, 2);
+  check_dtype(op, "w_packed", w_packed, {at::kByte});
+  check_dim(op, "w_packed", w_packed, 3);
+  check_dtype(op, "out", out, {at::kFloat});
+  check_dim(op, "out", out, 2);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = (n + 15) / 16;
+  TORCH_CHECK_VALUE(k % 32 == 0, op, ": K=", k, " (x ", shape_str(x.sizes()),
+                    ") is not a multiple of 32, the GGUF block size");
+  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k / 32 && w_packed.size(2) == 16 * block_bytes,
+                    op, ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k / 32,
+                    ", ", 16 * block_bytes, ") for x ", shape_str(x.sizes()), ", out ", shape_str(out.sizes()),
+                    " and qtype ", qtype, " (pack the blocks with minisched.ops.pack_gguf_weight)");
+  check_shape(op, "out", out, {m, n});
+  TORCH_CHECK_VALUE(x.stride(1) == 1 || k <= 1, op, ": x must have contiguous rows (stride(1) == 1)");
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"out", &out}}) {
+    check_device(op, name, *t, x.device());
+    check_contiguous(op, name, *t);
+  }
+}
+
 inline void check_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                            double eps, const at::Tensor& out) {
   const char* op = "rms_norm";

@@ -41,6 +41,9 @@ TORCH_LIBRARY(minisched, m) {
   m.def("int8_linear(Tensor x, Tensor w_packed, Tensor s_packed, Tensor(a!) out) -> ()");
   // Packed float32 matmul (CPU): out [M, N] = x [M, K] @ w.T, w packed as [ceil(N/16), K, 16] panels
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor(a!) out) -> ()");
+  // GGUF block matmul (CPU): out [M, N] = x [M, K] @ W.T, W in a GGUF block format (qtype: GGML's type id,
+  // 2 Q4_0, 3 Q4_1, 8 Q8_0) repacked in 16-row panels (ops.pack_gguf_weight: [ceil(N/16), K/32, 16 x block bytes])
+  m.def("gguf_linear(Tensor x, Tensor w_packed, int qtype, Tensor(a!) out) -> ()");
   // RMSNorm (CPU, float32): with delta, x += delta first (the residual add); out = x / rms(x) * weight
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
 }

@@ -129,10 +129,13 @@ def _build(
     else:
         model, model_name = load_model(config, device), config.model or weights.DEFAULT_MODEL
         tokenizer = tokenizer or load_tokenizer(config.model)
-    quantize_model(model, quant)  # in place; a model passed in quantized stays as it is
+    # in place; a model passed in quantized stays as it is. gguf: the file's block-quantized tensors
+    blocks = weights.gguf_blocks(config.model) if quant.mode == "gguf" else None
+    quantize_model(model, quant, blocks)
     backend = pick_backend(config.backend, device)
-    # packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls
-    pack = want_packed(config.pack_weights, device, model.dtype, backend, quant.enabled, tp)
+    # packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls (with
+    # gguf: the tensors the file holds as floats)
+    pack = want_packed(config.pack_weights, device, model.dtype, backend, quant.enabled and quant.mode != "gguf", tp)
     if pack:
         pack_model(model)
     cuda_graph = want_cuda_graph(config.cuda_graph, device, backend, config.check, tp)

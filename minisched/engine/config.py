@@ -28,7 +28,7 @@ from minisched.sched.spec import SPECULATIVE
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "native", "triton", "torch")
-QUANTIZE_CHOICES = ("none", "int8", "bf16")  # model/quant.py
+QUANTIZE_CHOICES = ("none", "int8", "bf16", "gguf")  # model/quant.py
 
 
 def default_scheduler() -> SchedulerConfig:
@@ -85,8 +85,9 @@ class EngineConfig:
     quantize: str = flag(
         "none",
         "CPU weights for the projections and LM head: int8 (group scales; activations rounded to "
-        "int16 per row: faster decode and prefill, close to but not bit-equal with fp32) or bf16 (half "
-        "fp32's bytes, float32 activations and sums)",
+        "int16 per row: faster decode and prefill, close to but not bit-equal with fp32), bf16 (half "
+        "fp32's bytes, float32 activations and sums) or gguf (a GGUF model's Q4_0/Q4_1/Q8_0 tensors kept in "
+        "the file's blocks, dequantized in registers: fp32's bits from ~1/6 of the bytes)",
         choices=QUANTIZE_CHOICES,
     )
     pack_weights: Optional[bool] = flag(  # None: on for a float32 CPU model (model/packed.py)

@@ -10,12 +10,20 @@ Prefill and large batches are bound by arithmetic, where vpdpwssd (AVX-VNNI / AV
 twice the fp32 FMA rate. It is an option, not the default: fp32 matches transformers, int8 does
 not exactly (the agreement with fp32 greedy output is measured in benchmarks/RESULTS.md; 16-bit
 activations keep it where weight-only int8 was, 8-bit ones would not).
+
+`--quantize gguf` keeps a GGUF model's own block-quantized tensors (Q4_0, Q4_1, Q8_0) in their
+blocks, repacked for minisched's `gguf_linear` (csrc/cpu/gguf_linear.cpp), which dequantizes them to
+float32 in registers: the float32 model (which is that file dequantized) computed from the file's
+bytes -- SmolLM2's Q4_1 projections and Q8_0 head read ~96 MB per token instead of 540 MB -- with the
+same bits (every output the same FMA chain as packed_linear's), so greedy output is the fp32 path's.
+Tensors in other formats, and a fused projection whose parts differ in format, stay float32
+(packed). It needs the model's GGUF file (`weights.gguf_blocks`), not a model object.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -25,7 +33,7 @@ from minisched.model.linear import plain
 from minisched.model.llama import LlamaModel
 from minisched.model.packed import PackedWeight
 
-QUANT_MODES = ("none", "int8", "bf16")
+QUANT_MODES = ("none", "int8", "bf16", "gguf")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -75,6 +83,89 @@ class Int8Weight(nn.Module):
         )
 
 
+class GGUFWeight(nn.Module):
+    """An [N, K] weight kept in GGUF blocks (qtype: GGML's type id, ops.GGUF_QTYPES), packed for
+    gguf_linear; `linear(x)` is x @ W.T in float32 on the weight dequantized as gguf does."""
+
+    w_packed: torch.Tensor
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, k: int):
+        super().__init__()
+        self.n, self.k, self.qtype = blocks.shape[0], k, qtype
+        self.register_buffer("w_packed", ops.pack_gguf_weight(blocks, qtype))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k))
+
+    def unpacked(self) -> torch.Tensor:
+        """The float32 [N, K] weight the blocks hold (gguf's dequantization)."""
+        blocks = ops.reference.unpack_gguf_weight(self.w_packed, self.qtype, self.n)
+        return ops.reference.dequantize_gguf(blocks, self.qtype)
+
+    def linear(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return ops.gguf_linear(
+            x, self.w_packed, self.qtype, self.n, backend="native" if backend == "native" else "torch"
+        )
+
+
+# The HF names of each fused projection's parts, in the order LlamaModel.load_hf_state_dict concatenates them.
+_PARTS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def _gguf_weight(blocks: dict[str, tuple[int, torch.Tensor]], names: list[str], shape: torch.Size):
+    """The GGUFWeight of the parts `names` concatenated (rows), or None when one is not in blocks or
+    their formats differ (the projection stays float32)."""
+    found = [blocks[n] for n in names if n in blocks]
+    if len(found) != len(names) or len({qtype for qtype, _ in found}) != 1:
+        return None
+    qtype = found[0][0]
+    rows = torch.cat([b for _, b in found])
+    size = ops.reference.GGUF_BLOCK_BYTES[qtype]
+    if rows.shape != (shape[0], shape[1] // ops.reference.GGUF_BLOCK * size) or shape[1] % ops.reference.GGUF_BLOCK:
+        raise ValueError(
+            f"--quantize gguf: the blocks of {names} have shape {tuple(rows.shape)}, which does not hold the "
+            f"model's {tuple(shape)} weight (a model other than the file?)"
+        )
+    return GGUFWeight(rows, qtype, shape[1])
+
+
+@torch.no_grad()
+def keep_gguf_blocks(model: LlamaModel, blocks: dict[str, tuple[int, torch.Tensor]]) -> LlamaModel:
+    """`--quantize gguf`: replace the projections and the LM head whose tensors the file holds in a
+    block format (weights.gguf_blocks) by GGUFWeight, in place; the rest stays as it is (float32, packed
+    later). A tied model keeps its float32 embedding for the lookup, the head runs on the blocks."""
+    for idx, layer in enumerate(model.decoder_layers):
+        for name, parts in _PARTS.items():
+            w = getattr(layer, name)
+            if isinstance(w, GGUFWeight):
+                continue
+            q = _gguf_weight(blocks, [f"model.layers.{idx}.{p}.weight" for p in parts], w.shape)
+            if q is not None:
+                delattr(layer, name)
+                setattr(layer, name, q)
+    if isinstance(model.lm_head, GGUFWeight):
+        return model
+    tied = model.lm_head is None
+    head_shape = model.embed.shape if tied else model.lm_head.shape  # type: ignore[union-attr]
+    q = _gguf_weight(blocks, ["model.embed_tokens.weight" if tied else "lm_head.weight"], head_shape)
+    if q is not None:
+        if isinstance(model.embed, PackedWeight):  # a packed tied model: the lookup needs its own fp32 table
+            table = plain(model.embed).clone()
+            del model.embed
+            model.embed = nn.Parameter(table, requires_grad=False)
+        del model.lm_head
+        model.lm_head = q
+    return model
+
+
 def group_size_for(k: int, group_size: int) -> int:
     """The configured group size when it divides K, else one group per row (per-channel scales)."""
     return group_size if k % group_size == 0 else k
@@ -93,7 +184,9 @@ def _converted(w, cfg: QuantConfig) -> bool:
 
 
 @torch.no_grad()
-def quantize_model(model: LlamaModel, cfg: QuantConfig) -> LlamaModel:
+def quantize_model(
+    model: LlamaModel, cfg: QuantConfig, blocks: Optional[dict[str, tuple[int, torch.Tensor]]] = None
+) -> LlamaModel:
     """Replace the model's projection weights and LM head by Int8Weight (`int8`) or bfloat16
     PackedWeight (`bf16`: the weights rounded to bfloat16, half the bytes of float32, activations and
     sums still float32), in place (after the weights are loaded). The fp32 embedding stays for the
@@ -104,6 +197,10 @@ def quantize_model(model: LlamaModel, cfg: QuantConfig) -> LlamaModel:
         raise ValueError(
             f"--quantize {cfg.mode} runs on the CPU with a float32 model (got {model.device.type}, {model.dtype})"
         )
+    if cfg.mode == "gguf":
+        if blocks is None:
+            raise ValueError("--quantize gguf needs the model's GGUF blocks (weights.gguf_blocks of its file)")
+        return keep_gguf_blocks(model, blocks)
     for layer in model.decoder_layers:
         for name in PROJECTIONS:
             w = getattr(layer, name)

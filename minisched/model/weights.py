@@ -182,6 +182,45 @@ def load_gguf(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelCon
     return cfg, state
 
 
+GGUF_BLOCK_QTYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the block formats ops.gguf_linear runs
+
+
+def gguf_blocks(spec: str | None) -> dict[str, tuple[int, torch.Tensor]]:
+    """The block-quantized weights of the GGUF model `spec` (resolve's names), undequantized: {HF name:
+    (GGML type id, uint8 blocks [N, K / 32 * block bytes])} for every 2-D tensor in a format of
+    GGUF_BLOCK_QTYPES, with Q and K's rows unpermuted as load_gguf does (blocks are per row, so a row
+    permutation moves whole rows of blocks). Tensors in other formats are absent (they load as float)."""
+    from minisched.model.gguf_file import GGUFFile
+
+    kind, where = resolve(spec)
+    if kind != "gguf":
+        raise ValueError(f"--quantize gguf needs a GGUF model, got {spec!r} ({kind})")
+    gf = GGUFFile(where)
+    cfg = config_from_gguf(gf.metadata)
+    out: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, t in gf.tensors.items():
+        if t.qtype not in GGUF_BLOCK_QTYPES or len(t.shape) != 2:
+            continue
+        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [N, row bytes], a copy off the mmap
+        if name == "token_embd.weight":
+            key = "model.embed_tokens.weight"
+        elif name == "output.weight":
+            key = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, layer, part, _ = name.split(".")
+            if part not in _GGUF_NAMES:
+                continue
+            key = f"model.layers.{layer}.{_GGUF_NAMES[part]}.weight"
+            if part == "attn_q":
+                blocks = unpermute_qk(blocks, cfg.num_heads)
+            elif part == "attn_k":
+                blocks = unpermute_qk(blocks, cfg.num_kv_heads)
+        else:
+            continue
+        out[key] = (t.qtype, blocks.contiguous())
+    return out
+
+
 # -- HF safetensors directory ------------------------------------------------------------------------
 
 

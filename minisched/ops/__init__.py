@@ -374,6 +374,46 @@ def packed_linear(
     return out
 
 
+# -- GGUF block weights ---------------------------------------------------------------------------
+
+# The GGUF block formats gguf_linear runs, by name: GGML's type ids (gguf.GGMLQuantizationType).
+GGUF_QTYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def pack_gguf_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """A GGUF tensor's blocks, uint8 [N, K / 32 * block bytes] (one row per output row, as the file
+    holds them), in gguf_linear's layout: panels of 16 rows, [ceil(N / 16), K / 32, 16 x block bytes]
+    (zero past N), each block's scales of the 16 rows first, then their quants with the rows innermost.
+    Done once, when the model is loaded."""
+    if qtype not in reference.GGUF_BLOCK_BYTES or isinstance(qtype, bool):
+        raise ValueError(f"pack_gguf_weight: qtype {qtype!r} is not one of {GGUF_QTYPES}")
+    size = reference.GGUF_BLOCK_BYTES[qtype]
+    if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
+        raise ValueError(
+            f"pack_gguf_weight: expected uint8 blocks [N, K / 32 * {size}] for qtype {qtype}, got "
+            f"{blocks.dtype} {tuple(blocks.shape)}"
+        )
+    return reference.pack_gguf_weight(blocks.detach(), qtype)
+
+
+def gguf_linear(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    qtype: int,
+    n: int,
+    *,
+    backend: Backend = "native",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, n] (float32) for the GGUF-block weight W packed by pack_gguf_weight (qtype:
+    GGUF_QTYPES' ids), dequantized to float32 as it is read: the bits of packed_linear on the
+    dequantized weight."""
+    if out is None:
+        out = x.new_empty((x.shape[0], n))
+    call_op("gguf_linear", (x, w_packed, qtype, out), backend)
+    return out
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

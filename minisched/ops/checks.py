@@ -457,6 +457,47 @@ def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) ->
             _fail(ValueError, op, f"{name} must be contiguous")
 
 
+GGUF_QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}  # GGML type id: (name, bytes per block)
+
+
+def gguf_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """x [M, K] float32 (rows may be strided; K a multiple of 32, the GGUF block), w_packed [ceil(N / 16),
+    K / 32, 16 x block bytes] uint8 (pack_gguf_weight's layout), qtype 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0),
+    out [M, N] float32 (csrc/checks.h: check_gguf_linear)."""
+    op = "gguf_linear"
+    if isinstance(qtype, bool) or qtype not in GGUF_QTYPES:
+        _fail(
+            ValueError, op, f"qtype {qtype!r} is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)"
+        )
+    size = GGUF_QTYPES[qtype][1]
+    check_dtype(op, "x", x, (torch.float32, torch.float64))
+    check_dtype(op, "w_packed", w_packed, (torch.uint8,))
+    check_dtype(op, "out", out, (torch.float32, torch.float64))
+    for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("out", out, 2)):
+        if t.dim() != dims:
+            _fail(ValueError, op, f"{name} must have {dims} dims (shape {tuple(t.shape)})")
+    (m, k), n = x.shape, out.shape[1]
+    if k % 32:
+        _fail(ValueError, op, f"K={k} (x {tuple(x.shape)}) is not a multiple of 32, the GGUF block size")
+    panels = cdiv(n, 16)
+    if tuple(w_packed.shape) != (panels, k // 32, 16 * size):
+        _fail(
+            ValueError,
+            op,
+            f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k // 32}, {16 * size}) for x "
+            f"{tuple(x.shape)}, out {tuple(out.shape)} and qtype {qtype} (pack the blocks with "
+            f"minisched.ops.pack_gguf_weight)",
+        )
+    check_shape(op, "out", out, (m, n))
+    if x.stride(1) != 1 and k > 1:
+        _fail(ValueError, op, "x must have contiguous rows (stride(1) == 1)")
+    for name, t in (("w_packed", w_packed), ("out", out)):
+        if t.device != x.device:
+            _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
+        if not t.is_contiguous():
+            _fail(ValueError, op, f"{name} must be contiguous")
+
+
 def rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     """x [M, D] float32 contiguous (updated in place when delta is given), delta None or [M, D], weight [D],
     eps > 0, out [M, D] (csrc/checks.h: check_rms_norm)."""

@@ -235,3 +235,67 @@ def rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, out: torc
         x.add_(delta)
     xd = x.double()
     out.copy_(weight.double() * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)))
+
+
+# GGUF block formats (GGML type id: bytes per block of 32 input channels): Q4_0, Q4_1, Q8_0.
+GGUF_BLOCK = 32
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+
+
+def dequantize_gguf(blocks: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] weights from GGUF blocks [N, K / 32 * block bytes] (uint8) of type qtype, computed as
+    gguf.quants.dequantize does (float32: d * q rounded, then + m rounded; float64: exact):
+    Q4_0 d * (q - 8), Q4_1 d * q + m, Q8_0 q * d, with the 4-bit q of channel c < 16 the low nibble of
+    byte c and of channel c >= 16 the high nibble of byte c - 16."""
+    n, nbytes = blocks.shape
+    size = GGUF_BLOCK_BYTES[qtype]
+    b = blocks.reshape(n, nbytes // size, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).to(dtype)
+    if qtype == 8:
+        w = b[..., 2:].contiguous().view(torch.int8).to(dtype) * d
+    else:
+        qs = b[..., 4:] if qtype == 3 else b[..., 2:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(dtype)
+        if qtype == 2:
+            w = d * (q - 8)
+        else:
+            w = d * q + b[..., 2:4].contiguous().view(torch.float16).to(dtype)
+    return w.reshape(n, -1)
+
+
+def pack_gguf_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """gguf_linear's layout: panels of 16 rows (zero blocks past N), per panel and block of 32 channels
+    one panel-block of 16 x block bytes: the 16 rows' d (fp16), their m (Q4_1), then the quants with
+    the rows innermost (Q4: [16 bytes][16 rows], byte j holding channels j and j + 16; Q8: [32][16]).
+    Returns uint8 [ceil(N / 16), K / 32, 16 x block bytes]."""
+    n, nbytes = blocks.shape
+    size = GGUF_BLOCK_BYTES[qtype]
+    nb, panels = nbytes // size, cdiv(n, 16)
+    padded = blocks.new_zeros(panels * 16, nb, size)
+    padded[:n] = blocks.reshape(n, nb, size)
+    b = padded.view(panels, 16, nb, size).permute(0, 2, 1, 3)  # [P, KB, 16 rows, size]
+    head = 4 if qtype == 3 else 2
+    parts = [b[..., 0:2].reshape(panels, nb, 32)]
+    if qtype == 3:
+        parts.append(b[..., 2:4].reshape(panels, nb, 32))
+    parts.append(b[..., head:].transpose(-1, -2).reshape(panels, nb, -1))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack_gguf_weight(w_packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+    """The inverse of pack_gguf_weight: the GGUF blocks [N, K / 32 * block bytes]."""
+    panels, nb, _ = w_packed.shape
+    size = GGUF_BLOCK_BYTES[qtype]
+    head = 4 if qtype == 3 else 2
+    rows = [w_packed[..., 0:32].reshape(panels, nb, 16, 2)]
+    if qtype == 3:
+        rows.append(w_packed[..., 32:64].reshape(panels, nb, 16, 2))
+    rows.append(w_packed[..., 16 * head :].reshape(panels, nb, size - head, 16).transpose(-1, -2))
+    b = torch.cat(rows, dim=-1)  # [P, KB, 16 rows, size]
+    return b.permute(0, 2, 1, 3).reshape(panels * 16, nb * size)[:n]
+
+
+def gguf_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """out = x @ W.T for the GGUF-block weight W (exactly dequantized), accumulated in float64."""
+    w = dequantize_gguf(unpack_gguf_weight(w_packed, qtype, out.shape[1]), qtype, torch.float64)
+    out.copy_(x.double() @ w.T)

@@ -36,6 +36,8 @@ OPS: dict[str, OpSpec] = {
         # projections, the fused RMSNorm for per-op overhead (GPUs have cuBLAS and torch's fused norm).
         OpSpec("int8_linear", "int8_linear", reads_indices=False, triton=False, cuda=False),
         OpSpec("packed_linear", "packed_linear", reads_indices=False, triton=False, cuda=False),
+        # CPU only: a GGUF file's own 4/8-bit blocks, dequantized in registers (the fp32 model from ~1/6 the bytes).
+        OpSpec("gguf_linear", "gguf_linear", reads_indices=False, triton=False, cuda=False),
         OpSpec("rms_norm", "rms_norm", reads_indices=False, triton=False, cuda=False),
     )
 }

@@ -1,0 +1,146 @@
+"""gguf_linear (a GGUF file's own blocks, csrc/cpu/gguf_linear.cpp) against the float32 packed_linear
+on the same dequantized weights, on SmolLM2-135M's projection shapes and formats -- not a test.
+
+    python benchmarks/kernels/bench_gguf_linear.py [--rows 1 8 32 512] [--threads 2] [--rounds 3]
+        [--layers 30] [--isa avx2 ...] [--json out.json]
+
+Shapes ([N, K], the file's format): qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536 (Q4_1),
+lm_head 49152x576 (Q8_0). Each shape is held --layers times (distinct weights, as the model's 30
+layers), and the calls cycle through them: the weights stream from memory, as in a decode step,
+instead of sitting in cache (the LM head, 113 MB in float32, is one copy). packed_linear and
+gguf_linear (per --isa variant) run alternately (A, B, B, A, ...) for --rounds rounds of ~--seconds
+each on fresh random inputs; reported: median microseconds per call, the weight bytes read per
+call over the time (GB/s), and the speedup (median of per-round ratios). The outputs are checked
+equal bit for bit first. /proc/loadavg is recorded before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+from minisched import ops
+from minisched.ops import reference
+
+SHAPES = {
+    "qkv": (960, 576, 3),
+    "o": (576, 576, 3),
+    "gate_up": (3072, 576, 3),
+    "down": (576, 1536, 3),
+    "lm_head": (49152, 576, 8),
+}
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def per_call(fn, seconds: float, copies: int) -> float:
+    """Mean microseconds per call, cycling through the weight copies (whole cycles)."""
+    for i in range(copies):
+        fn(i)
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or n % copies:
+        fn(n % copies)
+        n += 1
+    return elapsed / n * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
+    p.add_argument("--threads", type=int, nargs="+", default=[2])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--layers", type=int, default=30, help="weight copies per shape (the model's layers)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=0.3, help="per timed run")
+    p.add_argument("--isa", nargs="+", default=None, help="gguf_linear's ISA variants (default: all supported)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    isas = args.isa or ops.supported_cpu_isas()
+    results = {"load_before": loadavg(), "isas": isas, "cpu": ops.cpu_features(), "layers": args.layers, "runs": []}
+    print(f"load {results['load_before']}; gguf_linear variants {isas}; {args.layers} weight copies per shape")
+    print(
+        f"{'thr':>3} {'M':>4} {'shape':>8} {'fmt':>4} {'fp32 us':>9} {'GB/s':>6} "
+        + " ".join(f"{isa + ' us':>11} {'GB/s':>6} {'x fp32':>7}" for isa in isas)
+    )
+    weights = {}
+    for name in args.shapes:
+        n, k, qtype = SHAPES[name]
+        copies = 1 if name == "lm_head" else args.layers
+        g = torch.Generator().manual_seed(n + k)
+        packed, fp32 = [], []
+        for _ in range(copies):
+            w = torch.randn(n, k, generator=g) * 0.05
+            blocks = torch.from_numpy(gguf_quantize(w.numpy(), GGMLQuantizationType(qtype)).view(np.uint8))
+            packed.append(ops.pack_gguf_weight(blocks.reshape(n, -1), qtype))
+            fp32.append(ops.pack_linear_weight(reference.dequantize_gguf(blocks.reshape(n, -1), qtype)))
+        weights[name] = (packed, fp32)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for m in args.rows:
+            for name in args.shapes:
+                n, k, qtype = SHAPES[name]
+                if name == "lm_head" and m > 64:
+                    continue  # prefill computes logits for the last row only
+                packed, fp32 = weights[name]
+                copies = len(packed)
+                g = torch.Generator().manual_seed(m * 7 + n)
+                x, out = torch.randn(m, k, generator=g), torch.empty(m, n)
+                assert torch.equal(ops.gguf_linear(x, packed[0], qtype, n), ops.packed_linear(x, fp32[0], n))
+                fns = [("fp32", None, lambda i: ops.packed_linear(x, fp32[i], n, out=out))]
+                fns += [(isa, isa, lambda i: ops.gguf_linear(x, packed[i], qtype, n, out=out)) for isa in isas]
+                times: dict[str, list[float]] = {label: [] for label, _, _ in fns}
+                for r in range(args.rounds):
+                    x.copy_(torch.randn(m, k, generator=g))
+                    for label, isa, fn in fns if r % 2 == 0 else fns[::-1]:
+                        with ops.use_cpu_isa(isa):
+                            times[label].append(per_call(fn, args.seconds, copies))
+                med = {label: statistics.median(v) for label, v in times.items()}
+                ratio = lambda a, b: statistics.median(u / v for u, v in zip(times[a], times[b]))  # noqa: E731
+                bytes_fp32 = fp32[0].numel() * 4
+                bytes_gguf = packed[0].numel()
+                row = dict(
+                    threads=threads,
+                    rows=m,
+                    shape=name,
+                    n=n,
+                    k=k,
+                    qtype=qtype,
+                    fp32_us=med["fp32"],
+                    fp32_gbps=bytes_fp32 / med["fp32"] / 1e3,
+                    gguf_us={isa: med[isa] for isa in isas},
+                    gguf_gbps={isa: bytes_gguf / med[isa] / 1e3 for isa in isas},
+                    speedup={isa: ratio("fp32", isa) for isa in isas},
+                    bytes_fp32=bytes_fp32,
+                    bytes_gguf=bytes_gguf,
+                )
+                results["runs"].append(row)
+                fmt = "Q8_0" if qtype == 8 else "Q4_1"
+                print(
+                    f"{threads:>3} {m:>4} {name:>8} {fmt:>4} {med['fp32']:>9.1f} {row['fp32_gbps']:>6.1f} "
+                    + " ".join(
+                        f"{med[isa]:>11.1f} {row['gguf_gbps'][isa]:>6.1f} {row['speedup'][isa]:>6.2f}x" for isa in isas
+                    ),
+                    flush=True,
+                )
+    results["load_after"] = loadavg()
+    print(f"load {results['load_after']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

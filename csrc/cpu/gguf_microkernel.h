@@ -1,0 +1,280 @@
+// The block formats of gguf_linear (gguf_linear.cpp) and their dequantization: the panel layout,
+// the scalar dequantizer (the generic build's and the reference's arithmetic) and, with AVX2, the
+// register-blocked micro-kernel for few activation rows.
+//
+// Formats (GGML's block of 32 input channels; value w[c] of channel c in the block):
+//   Q4_0 (type 2)  fp16 d, 16 bytes qs:        w[c] = d * (q[c] - 8)
+//   Q4_1 (type 3)  fp16 d, fp16 m, 16 bytes:    w[c] = d * q[c] + m
+//   Q8_0 (type 8)  fp16 d, 32 int8 qs:          w[c] = q[c] * d
+// with the 4-bit q[c] = low nibble of qs[c] for c < 16, high nibble of qs[c - 16] otherwise. Each
+// value is computed in float32 as gguf.quants.dequantize computes it (d * q rounded, then + m
+// rounded): the dequantized weight is bit for bit the float32 model's.
+//
+// Layout (ops.pack_gguf_weight): panels of 16 output rows, as packed_linear's; per panel and block
+// one panel-block of 16 x the format's block bytes (so the bytes per weight are the file's):
+//   [0, 32)    d of rows 0..15 (fp16)
+//   [32, 64)   m of rows 0..15 (fp16; Q4_1 only)
+//   then       Q4: 16 x 16 bytes, [j][r] = row r's qs[j] (low nibble: channel j, high: channel j + 16)
+//              Q8: 32 x 16 int8,  [c][r] = row r's q[c]
+// so one 16-byte load holds one channel (or channel pair) of all 16 rows, the lanes of the FMAs.
+//
+// Every output is one FMA chain over k in order, started from zero, on those dequantized weights:
+// the same operations as packed_linear on the dequantized float32 weight, so the results are its
+// bits, whatever the rows around a row or the thread split.
+//
+// Everything here has internal linkage (cpu_isa.h says why).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MINISCHED_GGUF_AVX2 1
+#endif
+
+namespace minisched::cpu::ggufk {
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kBlock = 32;  // input channels per block
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML's type ids (gguf.GGMLQuantizationType)
+
+constexpr int64_t block_bytes(int qt) { return qt == kQ4_0 ? 18 : (qt == kQ4_1 ? 20 : 34); }
+constexpr int64_t panel_block_bytes(int qt) { return kPanel * block_bytes(qt); }
+constexpr int64_t quant_offset(int qt) { return qt == kQ4_1 ? 64 : 32; }
+
+// fp16 bits to float32 (exact), without F16C.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 0x400) == 0);
+    bits = sign | (uint32_t(112 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float load_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return half_to_float(h);
+}
+
+// Dequantize panel-block `blk` (format QT) to float32, k-major as packed_linear's panels:
+// dst[c * 16 + r] = w[row r, channel c]. The float products and sums are done in double and rounded
+// once to float32: the correctly rounded float32 result (53 >= 2 * 24 + 2), so no FMA contraction can
+// change them.
+template <int QT>
+inline void dequant_block_generic(const uint8_t* blk, float* dst) {
+  const uint8_t* qs = blk + quant_offset(QT);
+  for (int64_t r = 0; r < kPanel; ++r) {
+    const double d = load_half(blk + 2 * r);
+    const float m = QT == kQ4_1 ? load_half(blk + 32 + 2 * r) : 0.f;
+    for (int64_t c = 0; c < kBlock; ++c) {
+      float w;
+      if constexpr (QT == kQ8_0) {
+        w = static_cast<float>(static_cast<double>(static_cast<int8_t>(qs[c * kPanel + r])) * d);
+      } else {
+        const uint8_t byte = qs[(c % 16) * kPanel + r];
+        const int q = c < 16 ? (byte & 0xF) : (byte >> 4);
+        if constexpr (QT == kQ4_0) {
+          w = static_cast<float>(d * (q - 8));
+        } else {
+          const float dq = static_cast<float>(d * q);
+          w = static_cast<float>(static_cast<double>(dq) + static_cast<double>(m));
+        }
+      }
+      dst[c * kPanel + r] = w;
+    }
+  }
+}
+
+#ifdef MINISCHED_GGUF_AVX2
+// The block scales of one panel-block's 8-row half h.
+struct Scales {
+  __m256 d, m;
+};
+
+template <int QT>
+inline Scales load_scales(const uint8_t* blk, int h) {
+  Scales s;
+  s.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+  s.m = QT == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)))
+                    : _mm256_setzero_ps();
+  return s;
+}
+
+// The 8 weights (rows 8h .. 8h + 7) of channel c of a panel-block, as float32. kHigh: the high nibbles
+// (channels 16..31 of a Q4 block; `q8` then points at channel c - 16's bytes).
+template <int QT, bool kHigh>
+inline __m256 dequant8(const uint8_t* q8, const Scales& s) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q8));
+  if constexpr (QT == kQ8_0) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s.d);
+  } else {
+    __m256i v = _mm256_cvtepu8_epi32(bytes);
+    v = kHigh ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+    const __m256 q = _mm256_cvtepi32_ps(v);
+    if constexpr (QT == kQ4_0) {
+      return _mm256_mul_ps(s.d, _mm256_sub_ps(q, _mm256_set1_ps(8.f)));  // q - 8 is exact
+    } else {
+      __m256 dq = _mm256_mul_ps(s.d, q);
+      asm("" : "+x"(dq));  // two roundings, as gguf's dequantize: GCC would contract this into an FMA
+      return _mm256_add_ps(dq, s.m);
+    }
+  }
+}
+
+template <int QT>
+inline void dequant_block(const uint8_t* blk, float* dst) {
+  const uint8_t* qs = blk + quant_offset(QT);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const Scales s = load_scales<QT>(blk, h);
+    if constexpr (QT == kQ8_0) {
+      for (int64_t c = 0; c < kBlock; ++c)
+        _mm256_storeu_ps(dst + c * kPanel + 8 * h, dequant8<QT, false>(qs + c * kPanel + 8 * h, s));
+    } else {
+      for (int64_t j = 0; j < 16; ++j) {
+        _mm256_storeu_ps(dst + j * kPanel + 8 * h, dequant8<QT, false>(qs + j * kPanel + 8 * h, s));
+        _mm256_storeu_ps(dst + (j + 16) * kPanel + 8 * h, dequant8<QT, true>(qs + j * kPanel + 8 * h, s));
+      }
+    }
+  }
+}
+#else
+template <int QT>
+inline void dequant_block(const uint8_t* blk, float* dst) {
+  dequant_block_generic<QT>(blk, dst);
+}
+#endif
+
+// np_here consecutive panels (KB blocks each, at wp) to float32 in packed_linear's layout:
+// dst[(p * K + k) * 16 + r].
+template <int QT>
+inline void dequant_panels(const uint8_t* wp, int64_t np_here, int64_t KB, float* dst) {
+  for (int64_t p = 0; p < np_here; ++p)
+    for (int64_t b = 0; b < KB; ++b)
+      dequant_block<QT>(wp + (p * KB + b) * panel_block_bytes(QT), dst + (p * KB + b) * kBlock * kPanel);
+}
+
+#ifdef MINISCHED_GGUF_AVX2
+constexpr int64_t kMaxRows = 4;  // activation rows per micro-kernel call
+
+constexpr int64_t rows_per_block(int64_t m) {
+  const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
+  return blocks == 0 ? 1 : (m + blocks - 1) / blocks;
+}
+
+// Panels per call: two at one row (4 FMA chains, as many as the dequantization keeps fed), one from
+// two rows on (the weights dequantized once feed MT rows).
+constexpr int panels_per_call(int64_t m) { return rows_per_block(m) == 1 ? 2 : 1; }
+
+// acc[m][p][h] += x[m][k] * w[p][h][k] for the channels of one block (in order: channel c of the block
+// is k = 32 b + c). kHigh: the Q4 high nibbles, channels 16..31.
+template <int QT, int MT, int NP, bool kHigh>
+inline void block_pass(const float* x, int64_t ldx, const uint8_t* const* qs, const Scales (&s)[NP][2],
+                       __m256 (&acc)[MT][NP][2], int64_t c0, int64_t nc) {
+#pragma GCC unroll 4
+  for (int64_t j = 0; j < nc; ++j) {
+    __m256 xb[MT];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) xb[m] = _mm256_broadcast_ss(x + m * ldx + c0 + j);
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 w = dequant8<QT, kHigh>(qs[p] + j * kPanel + 8 * h, s[p][h]);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) acc[m][p][h] = _mm256_fmadd_ps(xb[m], w, acc[m][p][h]);
+      }
+  }
+}
+
+// MT activation rows against NP consecutive panels (KB blocks each) over the whole K.
+template <int QT, int MT, int NP>
+inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t KB, float* out, int64_t ldo, int64_t ncols) {
+  constexpr int64_t S = panel_block_bytes(QT);
+  __m256 acc[MT][NP][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[m][p][0] = acc[m][p][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    Scales s[NP][2];
+    const uint8_t* qs[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* blk = w + (p * KB + b) * S;
+      s[p][0] = load_scales<QT>(blk, 0);
+      s[p][1] = load_scales<QT>(blk, 1);
+      qs[p] = blk + quant_offset(QT);
+    }
+    const float* xb = x + b * kBlock;
+    if constexpr (QT == kQ8_0) {
+      block_pass<QT, MT, NP, false>(xb, ldx, qs, s, acc, 0, kBlock);
+    } else {
+      block_pass<QT, MT, NP, false>(xb, ldx, qs, s, acc, 0, 16);
+      block_pass<QT, MT, NP, true>(xb, ldx, qs, s, acc, 16, 16);
+    }
+  }
+  alignas(32) float tmp[NP * kPanel];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm256_store_ps(tmp + p * kPanel, acc[m][p][0]);
+      _mm256_store_ps(tmp + p * kPanel + 8, acc[m][p][1]);
+    }
+    std::copy(tmp, tmp + ncols, out + m * ldo);
+  }
+}
+
+template <int QT, int NP>
+inline void rows_block(int64_t mt, const float* x, int64_t ldx, const uint8_t* w, int64_t KB, float* out, int64_t ldo,
+                       int64_t ncols) {
+  switch (mt) {
+    case 1:
+      return micro<QT, 1, NP>(x, ldx, w, KB, out, ldo, ncols);
+    case 2:
+      return micro<QT, 2, NP>(x, ldx, w, KB, out, ldo, ncols);
+    case 3:
+      return micro<QT, 3, NP>(x, ldx, w, KB, out, ldo, ncols);
+    default:
+      return micro<QT, 4, NP>(x, ldx, w, KB, out, ldo, ncols);
+  }
+}
+
+// Rows [0, M) of x against np_here (<= panels_per_call(M)) consecutive panels at wp (ncols valid
+// columns), in balanced blocks of at most kMaxRows rows.
+template <int QT>
+inline void panel_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* wp, int64_t np_here, int64_t KB,
+                       float* out, int64_t ldo, int64_t ncols) {
+  const int64_t rows = rows_per_block(M);
+  for (int64_t m0 = 0; m0 < M; m0 += rows) {
+    const int64_t mt = std::min(rows, M - m0);
+    if (np_here == 2)
+      rows_block<QT, 2>(mt, x + m0 * ldx, ldx, wp, KB, out + m0 * ldo, ldo, ncols);
+    else
+      rows_block<QT, 1>(mt, x + m0 * ldx, ldx, wp, KB, out + m0 * ldo, ldo, ncols);
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace minisched::cpu::ggufk

@@ -1,0 +1,172 @@
+"""`--quantize gguf`: a GGUF model's block-quantized tensors (Q4_0, Q4_1, Q8_0) stay in their blocks and
+run through gguf_linear; tensors in other formats, and a fused projection whose parts differ in
+format, stay float32. The logits are the float32 model's bits (the float32 model is the file
+dequantized), so greedy output is identical (SmolLM2, slow)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import quantize as gguf_quantize
+
+from helpers.model import BACKENDS, paged_logits
+from minisched import ops
+from minisched.model import weights
+from minisched.model.config import preset
+from minisched.model.llama import LlamaModel
+from minisched.model.packed import PackedWeight, pack_model
+from minisched.model.quant import GGUFWeight, QuantConfig, keep_gguf_blocks, quantize_model
+
+# tensor -> format in the tiny file: Q4_1 and Q4_0 projections, a float32 v (so qkv's parts differ and
+# qkv stays float32), a Q8_0 embedding (the tied head)
+FORMATS = {
+    "attn_q": T.Q4_1,
+    "attn_k": T.Q4_1,
+    "attn_v": T.F32,
+    "attn_output": T.Q4_0,
+    "ffn_gate": T.Q4_1,
+    "ffn_up": T.Q4_1,
+    "ffn_down": T.Q8_0,
+}
+
+
+def write_tiny_gguf(path: str, seed: int = 0) -> None:
+    cfg = preset("tiny")
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, "llama")
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_embedding_length(h)
+    w.add_block_count(cfg.num_layers)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_feed_forward_length(i)
+    w.add_context_length(cfg.max_position)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+
+    def add(name: str, rows: int, cols: int, fmt: T, std: float = 0.05) -> None:
+        a = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+        if fmt == T.F32:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, gguf_quantize(a, fmt), raw_dtype=fmt)
+
+    add("token_embd.weight", cfg.vocab_size, h, T.Q8_0, std=1.0)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    shapes = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q)}
+    shapes |= {"ffn_gate": (i, h), "ffn_up": (i, h), "ffn_down": (h, i)}
+    for layer in range(cfg.num_layers):
+        for part in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{layer}.{part}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+        for part, (rows, cols) in shapes.items():
+            add(f"blk.{layer}.{part}.weight", rows, cols, FORMATS[part])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    write_tiny_gguf(path)
+    return path
+
+
+def fp32_model(path: str) -> LlamaModel:
+    cfg, state = weights.load(path)
+    return LlamaModel.from_state_dict(cfg, state)
+
+
+def test_blocks_are_the_loaded_float32_weights(tiny_gguf):
+    """weights.gguf_blocks holds every block tensor, rows unpermuted as the float loader does: each
+    dequantizes to the float32 weight load_gguf gives (bit for bit)."""
+    blocks = weights.gguf_blocks(tiny_gguf)
+    _, state = weights.load(tiny_gguf)
+    assert "model.layers.0.self_attn.v_proj.weight" not in blocks  # float32 in the file
+    assert blocks["model.embed_tokens.weight"][0] == int(T.Q8_0)
+    assert len(blocks) == 1 + 2 * 6
+    for name, (qtype, b) in blocks.items():
+        assert torch.equal(ops.reference.dequantize_gguf(b, qtype), state[name]), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gguf_weights_give_the_float32_bits(tiny_gguf, backend):
+    fp32 = pack_model(fp32_model(tiny_gguf))
+    q = quantize_model(fp32_model(tiny_gguf), QuantConfig("gguf"), weights.gguf_blocks(tiny_gguf))
+    layer = q.decoder_layers[0]
+    assert isinstance(layer.gate_up, GGUFWeight) and layer.gate_up.qtype == int(T.Q4_1)
+    assert isinstance(layer.o, GGUFWeight) and layer.o.qtype == int(T.Q4_0)
+    assert isinstance(layer.down, GGUFWeight) and layer.down.qtype == int(T.Q8_0)
+    assert isinstance(layer.qkv, torch.Tensor)  # Q4_1 q, k with a float32 v: stays float
+    assert isinstance(q.lm_head, GGUFWeight) and q.lm_head.qtype == int(T.Q8_0)
+    assert isinstance(q.embed, torch.Tensor) and q.embed.dtype == torch.float32  # the lookup
+    pack_model(q)  # the float tensors: packed, as the engine does
+    assert isinstance(q.decoder_layers[0].qkv, PackedWeight) and isinstance(q.lm_head, GGUFWeight)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1, 17, 40)]
+    cached = [0, 16, 9]
+    got = paged_logits(q, seqs, cached, 16, backend)
+    want = paged_logits(fp32, seqs, cached, 16, backend)
+    if backend == "native":
+        assert torch.equal(got, want)  # the same weights, the same FMA chains
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    w = q.decoder_layers[1].gate_up
+    assert torch.equal(w.unpacked(), fp32.decoder_layers[1].gate_up.unpacked())
+
+
+def test_gguf_mode_checks(tiny_gguf):
+    model = fp32_model(tiny_gguf)
+    with pytest.raises(ValueError, match="needs the model's GGUF blocks"):
+        quantize_model(copy.deepcopy(model), QuantConfig("gguf"))
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        weights.gguf_blocks("dummy:tiny")
+    other = weights.gguf_blocks(tiny_gguf)
+    name = "model.layers.0.mlp.down_proj.weight"
+    other[name] = (other[name][0], other[name][1][:, :-34])  # one block short per row
+    with pytest.raises(ValueError, match="does not hold the model's"):
+        keep_gguf_blocks(copy.deepcopy(model), other)
+
+
+def test_engine_gguf_option(tiny_gguf):
+    """Through the engine: --quantize gguf packs the float tensors and keeps the blocks; greedy output
+    equals the float32 engine's."""
+    from minisched.engine import Engine
+    from minisched.model.tokenizer import MiniTokenizer
+    from minisched.sched.sampling_params import SamplingParams
+
+    tok = MiniTokenizer.byte_level(512)
+    fp32 = Engine(tiny_gguf, tokenizer=tok, num_pages=64)
+    q = Engine(tiny_gguf, tokenizer=tok, num_pages=64, quantize="gguf")
+    assert isinstance(q.model.lm_head, GGUFWeight) and isinstance(q.model.decoder_layers[0].qkv, PackedWeight)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 60))]
+    params = SamplingParams(max_new_tokens=12)
+    assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in fp32.generate(prompts, params)]
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_greedy_equals_fp32():
+    """SmolLM2's Q4_1 projections and Q8_0 head from their blocks: the logits are fp32's bits, so the
+    greedy continuations of the held prompts are the same tokens."""
+    from minisched.engine import Engine
+    from minisched.sched.sampling_params import SamplingParams
+
+    try:
+        path = weights.default_gguf_path()
+    except weights.ModelNotFound as exc:
+        pytest.skip(str(exc))
+    fp32 = Engine(path, num_threads=2)
+    q = Engine(path, num_threads=2, quantize="gguf")
+    assert isinstance(q.model.lm_head, GGUFWeight) and isinstance(q.model.decoder_layers[0].qkv, GGUFWeight)
+    prompts = ["What is the capital of France?", "Name three fruits.", "Why is the sky blue?"]
+    params = SamplingParams(max_new_tokens=32)
+    want = [o.token_ids for o in fp32.generate(prompts, params, chat=True)]
+    assert [o.token_ids for o in q.generate(prompts, params, chat=True)] == want
