@@ -181,68 +181,58 @@ constexpr int64_t rows_per_block(int64_t m) {
   return blocks == 0 ? 1 : (m + blocks - 1) / blocks;
 }
 
-// Panels per call: two at one row (4 FMA chains, as many as the dequantization keeps fed), one from
-// two rows on (the weights dequantized once feed MT rows).
-constexpr int panels_per_call(int64_t m) { return rows_per_block(m) == 1 ? 2 : 1; }
-
-// acc[m][p][h] += x[m][k] * w[p][h][k] for the channels of one block (in order: channel c of the block
-// is k = 32 b + c). kHigh: the Q4 high nibbles, channels 16..31.
-template <int QT, int MT, int NP, bool kHigh>
-inline void block_pass(const float* x, int64_t ldx, const uint8_t* const* qs, const Scales (&s)[NP][2],
-                       __m256 (&acc)[MT][NP][2], int64_t c0, int64_t nc) {
-#pragma GCC unroll 4
-  for (int64_t j = 0; j < nc; ++j) {
-    __m256 xb[MT];
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) xb[m] = _mm256_broadcast_ss(x + m * ldx + c0 + j);
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256 w = dequant8<QT, kHigh>(qs[p] + j * kPanel + 8 * h, s[p][h]);
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) acc[m][p][h] = _mm256_fmadd_ps(xb[m], w, acc[m][p][h]);
-      }
-  }
+// Panels per call: enough FMA chains (MT x NP) to cover the FMA latency behind the dequantization: 4
+// panels at one row, 2 at two, 1 from three rows on (the weights dequantized once feed MT rows).
+constexpr int panels_per_call(int64_t m) {
+  const int64_t rows = rows_per_block(m);
+  return rows == 1 ? 4 : (rows == 2 ? 2 : 1);
 }
 
-// MT activation rows against NP consecutive panels (KB blocks each) over the whole K.
+// MT activation rows against NP consecutive panels (KB blocks each) over the whole K, one 8-row half
+// of the panels at a time (MT x NP accumulators: with the block scales and the broadcast activations
+// they fit the 16 ymm registers; both halves at once would spill the accumulators). Every loop over m
+// and p is fully unrolled, in this one function: the accumulators must stay in registers.
 template <int QT, int MT, int NP>
 inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t KB, float* out, int64_t ldo, int64_t ncols) {
   constexpr int64_t S = panel_block_bytes(QT);
-  __m256 acc[MT][NP][2];
+  constexpr int kPasses = QT == kQ8_0 ? 1 : 2;   // Q4: the low nibbles (channels 0..15), then the high ones
+  constexpr int64_t kPerPass = kBlock / kPasses;  // channels per pass
+  alignas(32) float tmp[MT][NP * kPanel];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MT][NP];
 #pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[m][p][0] = acc[m][p][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    Scales s[NP][2];
-    const uint8_t* qs[NP];
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < KB; ++b) {
+      Scales s[NP];
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      const uint8_t* blk = w + (p * KB + b) * S;
-      s[p][0] = load_scales<QT>(blk, 0);
-      s[p][1] = load_scales<QT>(blk, 1);
-      qs[p] = blk + quant_offset(QT);
+      for (int p = 0; p < NP; ++p) s[p] = load_scales<QT>(w + (p * KB + b) * S, h);
+      const uint8_t* qs = w + b * S + quant_offset(QT) + 8 * h;
+      const float* xb = x + b * kBlock;
+#pragma GCC unroll 2
+      for (int pass = 0; pass < kPasses; ++pass) {
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < kPerPass; ++j) {
+          __m256 xv[MT];
+#pragma GCC unroll 8
+          for (int m = 0; m < MT; ++m) xv[m] = _mm256_broadcast_ss(xb + m * ldx + pass * kPerPass + j);
+#pragma GCC unroll 8
+          for (int p = 0; p < NP; ++p) {
+            const uint8_t* q8 = qs + p * KB * S + j * kPanel;
+            const __m256 wv = pass == 0 ? dequant8<QT, false>(q8, s[p]) : dequant8<QT, true>(q8, s[p]);
+#pragma GCC unroll 8
+            for (int m = 0; m < MT; ++m) acc[m][p] = _mm256_fmadd_ps(xv[m], wv, acc[m][p]);
+          }
+        }
+      }
     }
-    const float* xb = x + b * kBlock;
-    if constexpr (QT == kQ8_0) {
-      block_pass<QT, MT, NP, false>(xb, ldx, qs, s, acc, 0, kBlock);
-    } else {
-      block_pass<QT, MT, NP, false>(xb, ldx, qs, s, acc, 0, 16);
-      block_pass<QT, MT, NP, true>(xb, ldx, qs, s, acc, 16, 16);
-    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) _mm256_store_ps(tmp[m] + p * kPanel + 8 * h, acc[m][p]);
   }
-  alignas(32) float tmp[NP * kPanel];
-#pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m) {
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      _mm256_store_ps(tmp + p * kPanel, acc[m][p][0]);
-      _mm256_store_ps(tmp + p * kPanel + 8, acc[m][p][1]);
-    }
-    std::copy(tmp, tmp + ncols, out + m * ldo);
-  }
+  for (int m = 0; m < MT; ++m) std::copy(tmp[m], tmp[m] + ncols, out + m * ldo);
 }
 
 template <int QT, int NP>
@@ -268,10 +258,24 @@ inline void panel_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* wp
   const int64_t rows = rows_per_block(M);
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
     const int64_t mt = std::min(rows, M - m0);
-    if (np_here == 2)
-      rows_block<QT, 2>(mt, x + m0 * ldx, ldx, wp, KB, out + m0 * ldo, ldo, ncols);
-    else
-      rows_block<QT, 1>(mt, x + m0 * ldx, ldx, wp, KB, out + m0 * ldo, ldo, ncols);
+    const float* xm = x + m0 * ldx;
+    float* om = out + m0 * ldo;
+    switch (np_here) {
+      case 4:
+        if (mt == 1) micro<QT, 1, 4>(xm, ldx, wp, KB, om, ldo, ncols);
+        break;
+      case 3:
+        if (mt == 1) micro<QT, 1, 3>(xm, ldx, wp, KB, om, ldo, ncols);
+        break;
+      case 2:
+        if (mt == 1)
+          micro<QT, 1, 2>(xm, ldx, wp, KB, om, ldo, ncols);
+        else
+          micro<QT, 2, 2>(xm, ldx, wp, KB, om, ldo, ncols);
+        break;
+      default:
+        rows_block<QT, 1>(mt, xm, ldx, wp, KB, om, ldo, ncols);
+    }
   }
 }
 #endif
