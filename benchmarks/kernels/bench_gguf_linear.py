@@ -3,6 +3,12 @@ on the same dequantized weights, on SmolLM2-135M's projection shapes and formats
 
     python benchmarks/kernels/bench_gguf_linear.py [--rows 1 8 32 512] [--threads 2] [--rounds 3]
         [--layers 30] [--isa avx2 ...] [--json out.json]
+    python benchmarks/kernels/bench_gguf_linear.py --bytes [--json out.json]
+
+`--bytes`: the weight bytes one decode step reads in SmolLM2 (the projections and the LM head; the
+embedding lookup reads one row) for fp32 and `--quantize gguf`, and the machine's read bandwidth
+(torch.sum over 1 GiB of float32, 2 threads, best of 5): a B=1 decode's tok/s x bytes per token over
+it is the bandwidth fraction.
 
 Shapes ([N, K], the file's format): qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536 (Q4_1),
 lm_head 49152x576 (Q8_0). Each shape is held --layers times (distinct weights, as the model's 30
@@ -57,6 +63,34 @@ def per_call(fn, seconds: float, copies: int) -> float:
     return elapsed / n * 1e6
 
 
+def bytes_per_token() -> dict:
+    """Weight bytes of a SmolLM2 decode step: fp32 (packed) and gguf (the file's blocks)."""
+    from minisched.engine.build import build_parts
+    from minisched.engine.config import EngineConfig
+
+    out = {}
+    for mode in ("none", "gguf"):
+        model = build_parts(EngineConfig(quantize=mode, num_pages=64)).model
+        heads = [model.lm_head] if model.lm_head is not None else [model.embed]
+        weights = [getattr(layer, n) for layer in model.decoder_layers for n in ("qkv", "o", "gate_up", "down")]
+        out["fp32" if mode == "none" else "gguf"] = sum(
+            b.numel() * b.element_size() for w in weights + heads for b in w.buffers()
+        )
+    return out
+
+
+def read_bandwidth(gib: float = 1.0, threads: int = 2) -> float:
+    """GB/s of torch.sum over `gib` GiB of float32 (best of 5)."""
+    torch.set_num_threads(threads)
+    a = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
@@ -67,7 +101,16 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.3, help="per timed run")
     p.add_argument("--isa", nargs="+", default=None, help="gguf_linear's ISA variants (default: all supported)")
     p.add_argument("--json", default=None)
+    p.add_argument("--bytes", action="store_true", help="bytes per decode step and the read bandwidth only")
     args = p.parse_args()
+    if args.bytes:
+        res = {"load_before": loadavg(), "bytes_per_token": bytes_per_token(), "read_gbps": read_bandwidth()}
+        res["load_after"] = loadavg()
+        print(json.dumps(res, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     isas = args.isa or ops.supported_cpu_isas()
     results = {"load_before": loadavg(), "isas": isas, "cpu": ops.cpu_features(), "layers": args.layers, "runs": []}
     print(f"load {results['load_before']}; gguf_linear variants {isas}; {args.layers} weight copies per shape")

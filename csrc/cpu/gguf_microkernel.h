@@ -174,7 +174,7 @@ inline void dequant_panels(const uint8_t* wp, int64_t np_here, int64_t KB, float
 }
 
 #ifdef MINISCHED_GGUF_AVX2
-constexpr int64_t kMaxRows = 4;  // activation rows per micro-kernel call
+constexpr int64_t kMaxRows = 8;  // activation rows per micro-kernel call (8 accumulators at one panel)
 
 constexpr int64_t rows_per_block(int64_t m) {
   const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
@@ -214,15 +214,14 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t KB, flo
       for (int pass = 0; pass < kPasses; ++pass) {
 #pragma GCC unroll 4
         for (int64_t j = 0; j < kPerPass; ++j) {
-          __m256 xv[MT];
-#pragma GCC unroll 8
-          for (int m = 0; m < MT; ++m) xv[m] = _mm256_broadcast_ss(xb + m * ldx + pass * kPerPass + j);
 #pragma GCC unroll 8
           for (int p = 0; p < NP; ++p) {
             const uint8_t* q8 = qs + p * KB * S + j * kPanel;
             const __m256 wv = pass == 0 ? dequant8<QT, false>(q8, s[p]) : dequant8<QT, true>(q8, s[p]);
+            // (broadcast at its use: with one panel only one is live; with more, GCC shares them)
 #pragma GCC unroll 8
-            for (int m = 0; m < MT; ++m) acc[m][p] = _mm256_fmadd_ps(xv[m], wv, acc[m][p]);
+            for (int m = 0; m < MT; ++m)
+              acc[m][p] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + m * ldx + pass * kPerPass + j), wv, acc[m][p]);
           }
         }
       }
@@ -245,8 +244,16 @@ inline void rows_block(int64_t mt, const float* x, int64_t ldx, const uint8_t* w
       return micro<QT, 2, NP>(x, ldx, w, KB, out, ldo, ncols);
     case 3:
       return micro<QT, 3, NP>(x, ldx, w, KB, out, ldo, ncols);
-    default:
+    case 4:
       return micro<QT, 4, NP>(x, ldx, w, KB, out, ldo, ncols);
+    case 5:
+      return micro<QT, 5, NP>(x, ldx, w, KB, out, ldo, ncols);
+    case 6:
+      return micro<QT, 6, NP>(x, ldx, w, KB, out, ldo, ncols);
+    case 7:
+      return micro<QT, 7, NP>(x, ldx, w, KB, out, ldo, ncols);
+    default:
+      return micro<QT, 8, NP>(x, ldx, w, KB, out, ldo, ncols);
   }
 }
 
