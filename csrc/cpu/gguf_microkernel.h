@@ -38,7 +38,7 @@ namespace minisched::cpu::ggufk {
 namespace {
 
 constexpr int64_t kPanel = 16;
-constexpr int64_t kBlock = 32;  // input channels per block
+constexpr int64_t kBlock = 32;                  // input channels per block
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML's type ids (gguf.GGMLQuantizationType)
 
 constexpr int64_t block_bytes(int qt) { return qt == kQ4_0 ? 18 : (qt == kQ4_1 ? 20 : 34); }
@@ -195,7 +195,7 @@ constexpr int panels_per_call(int64_t m) {
 template <int QT, int MT, int NP>
 inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t KB, float* out, int64_t ldo, int64_t ncols) {
   constexpr int64_t S = panel_block_bytes(QT);
-  constexpr int kPasses = QT == kQ8_0 ? 1 : 2;   // Q4: the low nibbles (channels 0..15), then the high ones
+  constexpr int kPasses = QT == kQ8_0 ? 1 : 2;    // Q4: the low nibbles (channels 0..15), then the high ones
   constexpr int64_t kPerPass = kBlock / kPasses;  // channels per pass
   alignas(32) float tmp[MT][NP * kPanel];
   for (int h = 0; h < 2; ++h) {
