@@ -260,7 +260,7 @@ def run_http_conversations(
     if api != "generate":
         raise ValueError("run_http_conversations needs the reply's token ids: api='generate'")
 
-    async def chat(client, model: str, conv: Conversation, start: float, out: list) -> None:
+    async def chat(client: httpx.AsyncClient, model: str, conv: Conversation, start: float, out: list) -> None:
         await asyncio.sleep(max(0.0, start + conv.start - time.monotonic()))
         history: list[int] = []
         for t, (user, max_new) in enumerate(conv.turns):
@@ -274,7 +274,7 @@ def run_http_conversations(
             await _request(client, api, model, prompt, max_new, tr)
             history += tr.output_ids
 
-    async def go():
+    async def go() -> tuple[str, float, float, list[list]]:
         async with _client(url, api_key, len(conversations), timeout) as client:
             m = model or await _first_model(client)
             outs: list[list] = [[] for _ in conversations]

@@ -103,9 +103,8 @@ def make_shared_prefix(
     if num_requests < 1 or prefixes < 1:
         raise ValueError("num_requests and prefixes must be >= 1")
     rng = np.random.default_rng(seed)
-    lo, hi = TOKEN_RANGE if vocab > TOKEN_RANGE[1] else (3, vocab)
     s = lambda x: max(1, int(round(x * scale)))  # noqa: E731
-    toks = lambda k: tuple(int(t) for t in rng.integers(lo, hi, size=k))  # noqa: E731
+    toks = lambda k: _tokens(rng, k, vocab)  # noqa: E731
     heads = [toks(s(rng.integers(350, 451))) for _ in range(prefixes)]
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num_requests)) if rate > 0 else np.zeros(num_requests)
     return [
