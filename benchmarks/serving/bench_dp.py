@@ -31,36 +31,15 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from minisched.engine import Engine
 from minisched.observe.http_bench import run_http_bench
-from minisched.observe.workloads import BenchRequest
+from minisched.observe.workloads import BenchRequest, make_shared_prefix
 from minisched.serve import create_app, make_server
 from minisched.serve.pool import EnginePool
 from minisched.serve.router import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 POLICIES = ("cache-aware", "round-robin")
-
-
-def shared_prefix(n: int, prefixes: int, rate: float, vocab: int, seed: int, scale: float) -> list[BenchRequest]:
-    """workloads.py's shared-prefix shape, with `prefixes` groups and each request's group drawn at random."""
-    rng = np.random.default_rng(seed)
-    lo, hi = (1000, 20000) if vocab > 20000 else (3, vocab)
-    s = lambda x: max(1, int(round(x * scale)))  # noqa: E731
-    toks = lambda k: tuple(int(t) for t in rng.integers(lo, hi, size=k))  # noqa: E731
-    heads = [toks(s(rng.integers(350, 451))) for _ in range(prefixes)]
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n)) if rate > 0 else np.zeros(n)
-    return [
-        BenchRequest(
-            f"dp-{seed}-{i}",
-            heads[int(rng.integers(prefixes))] + toks(s(rng.integers(8, 33))),
-            s(rng.integers(16, 65)),
-            float(arrivals[i]),
-        )
-        for i in range(n)
-    ]
 
 
 def serve(pool: EnginePool):
@@ -126,7 +105,9 @@ def main() -> None:
     try:
         vocab = pool.info.cfg.vocab_size
         for r in range(args.rounds):
-            workload = shared_prefix(args.num_requests, args.prefixes, args.rate, vocab, r, args.scale)
+            workload = make_shared_prefix(
+                args.num_requests, args.prefixes, args.rate, vocab=vocab, seed=r, scale=args.scale, name="dp"
+            )
             for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
                 res = one_run(url, pool, policy, workload)
                 res["round"] = r

@@ -8,7 +8,8 @@ minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KE
 The engine runs in a process of its own (N with --dp N), supervised: a dead or hung one is
 restarted (minisched/serve/pool.py). `--engine-in-process` keeps the engine on a thread of the
 server process instead (the layout before; for comparison); `--tp N` does so too (the engine's
-rank 0 spawns and watches its ranks itself).
+rank 0 spawns and watches its ranks itself, or joins torchrun's: docs/fleet.md); a lost rank ends the
+server with that error (exit status 1).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
+import threading
+import time
 
 from minisched.cli.common import CLIError, engine_args, engine_config, make_engine
 
@@ -120,7 +124,7 @@ def cmd_serve(args) -> int:
         raise CLIError("--dp with --tp is not supported yet: use one of them")
     if args.engine_in_process and args.dp > 1:
         raise CLIError("--engine-in-process runs one engine: not with --dp")
-    from minisched.serve import create_app, run
+    from minisched.serve import create_app, make_server
     from minisched.serve.limits import ServerLimits
     from minisched.serve.request_id import install_logging
 
@@ -153,15 +157,33 @@ def cmd_serve(args) -> int:
         f"{', API key required' if args.api_key else ''})",
         flush=True,
     )
+    server = make_server(app, args.host, args.port, args.grace_period, args.log_level)
+    failure: list[str] = []
+    if config.tp > 1:
+        threading.Thread(target=_end_on_tp_failure, args=(engine, server, failure), daemon=True).start()
     try:
-        run(app, host=args.host, port=args.port, grace_period=args.grace_period, log_level=args.log_level)
+        server.run()
     except OSError as exc:  # e.g. the port is taken
         raise CLIError(f"cannot serve on {args.host}:{args.port}: {exc}") from exc
     finally:
         if loop is not None:  # the replicas end with the server, however it ends
             loop.stop()
             loop.join(10)
-    return 0
+    return 1 if failure else 0
+
+
+def _end_on_tp_failure(engine, server, failure: list[str]) -> None:
+    """--tp: once a rank is lost (its node gone, a collective hung) the engine can only fail requests;
+    the server says why and ends (exit status 1), so a supervisor or torchrun sees it, instead of
+    answering 503 for ever."""
+    while not server.should_exit:
+        why = engine.health()
+        if why:
+            failure.append(why)
+            print(f"minisched serve: error: {why}; shutting down", file=sys.stderr, flush=True)
+            server.should_exit = True  # the usual drain: requests in flight end with that error
+            return
+        time.sleep(0.5)
 
 
 def replica_config(config, index: int):

@@ -9,6 +9,9 @@ fixed seed, outputs forced to their length (`ignore_eos`):
   long-prompt    prompts 1-3k tokens, outputs 8-32 (chunked prefill at work); Poisson arrivals
   poisson        uniform chat-sized requests (prompt 64-128, output 64) with Poisson arrivals
 
+and multi-turn chats (`make_conversations`): each turn's prompt is the conversation so far, so
+it depends on the replies; a client runs them closed loop (observe/http_bench.py).
+
 `rate <= 0` (or inf) means every request arrives at t=0.
 
 `run_workload(engine, workload, mode)`:
@@ -83,6 +86,68 @@ def make_workload(
             prompt, out = _tokens(rng, s(rng.integers(64, 129)), vocab), s(64)
         reqs.append(BenchRequest(f"{name}-{i}", prompt, out, float(arrivals[i])))
     return reqs
+
+
+def make_shared_prefix(
+    num_requests: int,
+    prefixes: int,
+    rate: float,
+    *,
+    vocab: int = 49152,
+    seed: int = 0,
+    scale: float = 1.0,
+    name: str = "shared-prefix",
+) -> list[BenchRequest]:
+    """shared-prefix's shape with `prefixes` groups and each request's group drawn at random (with
+    `make_workload`'s `i % 4` order, round-robin over 2 servers keeps every prefix on one by accident)."""
+    if num_requests < 1 or prefixes < 1:
+        raise ValueError("num_requests and prefixes must be >= 1")
+    rng = np.random.default_rng(seed)
+    s = lambda x: max(1, int(round(x * scale)))  # noqa: E731
+    toks = lambda k: _tokens(rng, k, vocab)  # noqa: E731
+    heads = [toks(s(rng.integers(350, 451))) for _ in range(prefixes)]
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num_requests)) if rate > 0 else np.zeros(num_requests)
+    return [
+        BenchRequest(
+            f"{name}-{seed}-{i}",
+            heads[int(rng.integers(prefixes))] + toks(s(rng.integers(8, 33))),
+            s(rng.integers(16, 65)),
+            float(arrivals[i]),
+        )
+        for i in range(num_requests)
+    ]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A multi-turn chat: per turn, the user's new tokens and the reply's length. The prompt of turn t
+    is everything before it (earlier turns and their replies) + its own tokens: a client builds it."""
+
+    cid: str
+    turns: tuple[tuple[tuple[int, ...], int], ...]
+    start: float = 0.0  # seconds after the start of the run
+
+
+def make_conversations(
+    num_conversations: int, turns: int, *, vocab: int = 49152, seed: int = 0, scale: float = 1.0
+) -> list[Conversation]:
+    """multi-turn: each conversation opens with its own system prompt of 150-250 tokens; every turn
+    adds a 16-48-token user message and asks for a 16-48-token reply (x `scale`)."""
+    if num_conversations < 1 or turns < 1:
+        raise ValueError("num_conversations and turns must be >= 1")
+    rng = np.random.default_rng(seed)
+    s = lambda x: max(1, int(round(x * scale)))  # noqa: E731
+    convs = []
+    for c in range(num_conversations):
+        system = _tokens(rng, s(rng.integers(150, 251)), vocab)
+        msgs = [_tokens(rng, s(rng.integers(16, 49)), vocab) for _ in range(turns)]
+        convs.append(
+            Conversation(
+                f"conv-{seed}-{c}",
+                tuple(((system if t == 0 else ()) + m, s(rng.integers(16, 49))) for t, m in enumerate(msgs)),
+            )
+        )
+    return convs
 
 
 @dataclass(kw_only=True)

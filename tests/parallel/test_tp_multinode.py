@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 GEN = [
@@ -50,8 +51,9 @@ def tokens(stdout: str) -> list:
     return [json.loads(line)["token_ids"] for line in stdout.splitlines() if line.startswith("{")]
 
 
-def agent(node_rank: int, port: int, argv: list[str], **kw) -> subprocess.Popen:
-    """One node's torchrun agent, in a session of its own (so that the whole node can be killed)."""
+def agent(node_rank: int, port: int, argv: list[str], log=None) -> subprocess.Popen:
+    """One node's torchrun agent, in a session of its own (so that the whole node can be killed);
+    its output to pipes, or to the file `log` (a server that runs a while must not fill a pipe)."""
     cmd = [
         sys.executable,
         "-m",
@@ -72,7 +74,9 @@ def agent(node_rank: int, port: int, argv: list[str], **kw) -> subprocess.Popen:
         "minisched",
         *argv,
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kw)
+    if log is not None:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def descendants(pid: int) -> list[int]:
@@ -162,3 +166,77 @@ def test_losing_a_node_ends_the_other_with_a_clear_error():
     assert head.returncode != 0, err
     assert "minisched: request prompt 0: TPError: tensor parallelism failed" in err, err[-3000:]
     assert elapsed < 60, elapsed
+
+
+def wait_for(cond, timeout: float, what: str, procs=(), logs=()):
+    """Poll `cond()` (a value, or None / False to go on) until `timeout`; a process of `procs` that exits fails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"{what}: an agent exited ({p.returncode}):\n{tails(logs)}")
+        try:
+            got = cond()
+        except httpx.TransportError:
+            got = None
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s\n{tails(logs)}"
+        time.sleep(0.2)
+
+
+def tails(logs) -> str:
+    return "\n".join(f"--- {p.name}:\n{p.read_text(errors='replace')[-2500:]}" for p in logs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_serve_on_two_nodes_then_losing_one(tmp_path):
+    """`minisched serve --tp 2` on two torchrun agents: rank 0 serves HTTP, its greedy completion equals one
+    process's; node 1 lost -> the server says why and ends (exit status 1), within seconds."""
+    prompt, n = "Hello there", 12
+    gen = ["generate", "--model", "dummy:tiny", "--threads", "1", "--ignore-eos", "--json", "--no-progress"]
+    one = subprocess.run(
+        [sys.executable, "-m", "minisched", *gen, "--max-new-tokens", str(n), prompt],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert one.returncode == 0, one.stderr
+    (want,) = tokens(one.stdout)
+    http = free_port()
+    argv = ["serve", "--model", "dummy:tiny", "--served-model-name", "tiny", "--threads", "1", "--tp", "2"]
+    argv += ["--tp-timeout", "5", "--port", str(http), "--grace-period", "1", "--log-level", "warning"]
+    url = f"http://127.0.0.1:{http}"
+    port = free_port()
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    files = [open(f, "wb") for f in logs]
+    head, other = agent(0, port, argv, files[0]), agent(1, port, argv, files[1])
+    try:
+        ok = lambda: httpx.get(url + "/health", timeout=2).status_code == 200  # noqa: E731
+        wait_for(ok, 60, "/health 200", (head, other), logs)
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+        got = httpx.post(url + "/generate", json=body, timeout=30)
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == want  # the two nodes' answer is one process's
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == n, r.text
+
+        kill_node(other)  # node 1's machine is gone: the idle server's heartbeat finds it out
+        t0 = time.monotonic()
+        head.wait(45)  # rank 0 ends on its own, and its agent with it
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in (head, other):
+            if p.poll() is None:
+                kill_node(p)
+        for f in files:
+            f.close()
+    log = logs[0].read_text(errors="replace")
+    assert head.returncode not in (None, 0), tails(logs)
+    assert "minisched serve: error: tensor parallelism failed" in log, tails(logs)
+    assert elapsed < 30, elapsed
