@@ -6,11 +6,11 @@ One JSON-ready dict per entry, `op` first:
     add         rid, prompt (token ids), sampling (the SamplingParams fields scheduling reads), after (rid of
                 the request it waits for, n > 1), gated (it waits for a grammar), t (arrival)
     abort       rid
-    build       step, the batch (mode, rids, prefix, extend, drafts; or none) and its reasons (why:
-                decisions.StepWhy), t
+    build       step, opened (the gated requests whose grammar was found compiled at its start), the
+                batch (mode, rids, prefix, extend, drafts; or none) and its reasons (why: decisions.StepWhy), t
     launch      t
     resolve     tokens (one per row), more (a verify step's accepted tokens per row, or absent), t
-    stop        rid, n: the stop checker ended it after n output tokens (error: it raised, with this text)
+    stop        rid, n: the stop checker ended it after n output tokens (raised: it raised, message)
     fail        message: a step failed (fail_in_flight)
     fail_waiting rid, message: a waiting request failed (its grammar did not compile)
     flush       the radix cache was emptied
@@ -36,7 +36,7 @@ from minisched.sched.config import SchedulerConfig
 from minisched.sched.decisions import StepWhy
 from minisched.sched.sampling_params import SamplingParams
 
-NOT_COMPARED = ("t",)  # fields a replay does not compare
+NOT_COMPARED = ("t", "message")  # fields a replay does not compare (times, exception texts)
 
 
 # the SamplingParams fields the scheduler reads (the rest shape sampling and text, not decisions)
@@ -90,8 +90,10 @@ class Journal:
             }
         )
 
-    def build(self, step: int, batch: Batch | None, why: StepWhy) -> None:
+    def build(self, step: int, batch: Batch | None, why: StepWhy, opened: list[str]) -> None:
         entry: dict[str, Any] = {"op": "build", "step": step, "t": time.monotonic()}
+        if opened:
+            entry["opened"] = opened
         if batch is not None:
             entry["mode"] = batch.mode.value
             entry["rids"] = [r.rid for r in batch.reqs]

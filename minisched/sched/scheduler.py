@@ -146,6 +146,7 @@ class Scheduler:
             else Speculator(drafter, config.num_draft_tokens, config.spec_max_batch_size, config.spec_adaptive)
         )
         self._num_arrivals = 0
+        self._closed_gates: list[Req] = []  # waiting requests whose gate has not opened yet
 
     # -- requests -------------------------------------------------------------
     def add_request(
@@ -171,6 +172,8 @@ class Scheduler:
                 f"request {rid!r}: priority {req.sampling.priority} given but priority scheduling is not enabled"
             )
         req.after, req.gate = after, gate
+        if gate is not None:
+            self._closed_gates.append(req)
         if after is not None:
             after.forks += 1
         req.arrival_seq, req.arrival_step = self._num_arrivals, self.step_count
@@ -221,7 +224,7 @@ class Scheduler:
     def only_gated_work(self) -> list:
         """The gates (futures) of the waiting requests when every queued request waits for one and nothing
         runs, so the caller may wait for a gate instead of spinning; else []."""
-        pending = [r.gate for r in self.waiting if not r.ready and r.gate is not None]
+        pending = [r.gate for r in self.waiting if not r.ready and r.gate is not None and not r.gate.done()]
         if pending and len(pending) == len(self.waiting) and not self.running and self.chunked_req is None:
             return pending
         return []
@@ -303,10 +306,11 @@ class Scheduler:
             raise RuntimeError("get_next_batch called before the previous batch was launched (or process_batch_result)")
         self.step_count += 1
         self.why = why = StepWhy(self.step_count)
+        opened = self._open_gates()
         evicted = self.tree.evicted_pages
         batch, n_retracted, hits = batch_builder.build(self)
         why.evicted = self.tree.evicted_pages - evicted
-        self.journal.build(self.step_count, batch, why)
+        self.journal.build(self.step_count, batch, why, opened)
         if batch is None:
             gated = any(not r.ready for r in self.waiting)  # waiting for a grammar or a prefill: not stuck
             self.stalled = self.stalled + 1 if self.has_work() and not self.in_flight.launched and not gated else 0
@@ -491,13 +495,31 @@ class Scheduler:
         self._finished_early = failed
         return list(failed)
 
+    def _open_gates(self) -> list[str]:
+        """Open the gates that are done (a compiled grammar) now, once per build; their request ids."""
+        if not self._closed_gates:
+            return []
+        opened, closed = [], []
+        for r in self._closed_gates:
+            if r.place is not Place.WAITING:
+                continue  # ended (a failed grammar, an abort)
+            gate = r.gate
+            if gate.done() and gate.exception() is None:
+                r.gate_open = True
+                opened.append(r.rid)
+            else:
+                closed.append(r)
+        self._closed_gates = closed
+        return opened
+
     def _checked_stop(self, req: Req) -> bool:
         """The engine's stop checker, its verdicts journalled (a replay has no text to check)."""
         assert self._stop_checker is not None, "no stop checker"
         try:
             hit = self._stop_checker(req)
         except Exception as exc:
-            self.journal.append({"op": "stop", "rid": req.rid, "n": len(req.output_ids), "error": f"{type(exc).__name__}: {exc}"})
+            text = f"{type(exc).__name__}: {exc}"
+            self.journal.append({"op": "stop", "rid": req.rid, "n": len(req.output_ids), "raised": True, "message": text})
             raise
         if hit:
             self.journal.append({"op": "stop", "rid": req.rid, "n": len(req.output_ids)})
