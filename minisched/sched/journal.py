@@ -5,11 +5,12 @@ One JSON-ready dict per entry, `op` first:
     init        the SchedulerConfig (as a dict), host tier (capacity, write_through) or None, drafter?
     add         rid, prompt (token ids), sampling (the SamplingParams fields scheduling reads), after (rid of
                 the request it waits for, n > 1), gated (it waits for a grammar), t (arrival)
-    abort       rid
+    abort       rid, t
     build       step, opened (the gated requests whose grammar was found compiled at its start), the
                 batch (mode, rids, prefix, extend, drafts; or none) and its reasons (why: decisions.StepWhy), t
     launch      t
-    resolve     tokens (one per row), more (a verify step's accepted tokens per row, or absent), t
+    resolve     tokens (one per row), more (a verify step's accepted tokens per row, or absent), idle (no
+                work was left after it: the time to the next build was not the step's), t
     stop        rid, n: the stop checker ended it after n output tokens (raised: it raised, message)
     fail        message: a step failed (fail_in_flight)
     fail_waiting rid, message: a waiting request failed (its grammar did not compile)
@@ -106,11 +107,13 @@ class Journal:
             entry["why"] = why_d
         self.append(entry)
 
-    def resolve(self, tokens: list[int], more: list[list[int]] | None) -> None:
+    def resolve(self, tokens: list[int], more: list[list[int]] | None) -> dict:
+        """The entry, which the scheduler marks `idle` if no work is left after it."""
         entry: dict[str, Any] = {"op": "resolve", "tokens": tokens, "t": time.monotonic()}
         if more is not None:
             entry["more"] = more
         self.append(entry)
+        return entry
 
 
 def same(a: dict, b: dict) -> bool:

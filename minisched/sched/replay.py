@@ -41,7 +41,7 @@ class JournalError(ValueError):
     """The journal cannot be replayed (no init entry, an unknown op, an input the scheduler refuses)."""
 
 
-class _Gate:
+class JournalGate:
     """A grammar future whose completion the journal decides."""
 
     def __init__(self) -> None:
@@ -57,7 +57,7 @@ class _Gate:
         return None
 
 
-class _Mover:
+class NullMover:
     """Host-tier copies without data: the scheduler only needs handles."""
 
     def to_host(self, pages: list[int]) -> Any:
@@ -73,15 +73,14 @@ class _Mover:
         return None
 
 
-class _Drafter:
-    """Proposes the drafts the recorded build held (set before each build)."""
+class JournalDrafter:
+    """Proposes the drafts the recorded build held, by request (set before each build)."""
 
     def __init__(self) -> None:
-        self.next: list[list[int]] = []
+        self.next: dict[str, list[int]] = {}
 
     def propose(self, reqs: Sequence[Req], ks: Sequence[int]) -> list[list[int]]:
-        rows = self.next if len(self.next) == len(reqs) else [[] for _ in reqs]
-        return [list(d[:k]) for d, k in zip(rows, ks)]
+        return [list(self.next.get(r.rid, [])[:k]) for r, k in zip(reqs, ks)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,10 +150,10 @@ def replay(entries: Sequence[dict], overrides: dict | None = None) -> ReplayResu
         return True
 
     host = init.get("host")
-    tier = None if host is None else HostTier(int(host[0]), _Mover(), write_through=bool(host[1]))
-    drafter = _Drafter() if init.get("drafter") else None
+    tier = None if host is None else HostTier(int(host[0]), NullMover(), write_through=bool(host[1]))
+    drafter = JournalDrafter() if init.get("drafter") else None
     sched = Scheduler(config, stop_checker=checker, host_tier=tier, drafter=drafter)
-    gates: dict[str, _Gate] = {}
+    gates: dict[str, JournalGate] = {}
     everyone: dict[str, Req] = {}
     built: Batch | None = None
     launched: deque[Batch] = deque()
@@ -172,15 +171,15 @@ def replay(entries: Sequence[dict], overrides: dict | None = None) -> ReplayResu
             if op == "add":
                 sp = SamplingParams(**{**e["sampling"], "stop_token_ids": tuple(e["sampling"]["stop_token_ids"])})
                 after = everyone.get(e["after"]) if e.get("after") else None
-                gate = gates.setdefault(e["rid"], _Gate()) if e.get("gated") else None
+                gate = gates.setdefault(e["rid"], JournalGate()) if e.get("gated") else None
                 everyone[e["rid"]] = sched.add_request(e["rid"], e["prompt"], sp, after=after, gate=gate)
             elif op == "abort":
                 sched.abort(e["rid"])
             elif op == "build":
                 for rid in e.get("opened", ()):
-                    gates.setdefault(rid, _Gate()).ready = True
+                    gates.setdefault(rid, JournalGate()).ready = True
                 if drafter is not None:
-                    drafter.next = e.get("drafts", [])
+                    drafter.next = dict(zip(e.get("rids", ()), e.get("drafts", ())))
                 built = sched.get_next_batch()
                 steps += 1
             elif op == "launch":

@@ -193,7 +193,7 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None:
             return False
-        self.journal.append({"op": "abort", "rid": rid})
+        self.journal.append({"op": "abort", "rid": rid, "t": time.monotonic()})
         if self.in_flight.in_built(req):
             self.in_flight.aborted.add(id(req))
         else:
@@ -379,7 +379,7 @@ class Scheduler:
         out = next_token_ids
         more = out.more_tokens if isinstance(out, StepOutput) else None
         tokens = out.tokens if isinstance(out, StepOutput) else out
-        self.journal.resolve([int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more])
+        entry = self.journal.resolve([int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more])
         finished, self._finished_early = self._finished_early, []
         try:
             self._apply(batch, next_token_ids, finished)
@@ -389,6 +389,8 @@ class Scheduler:
             raise
         flight.launched.pop(0)
         self.pool.free(batch.free_after)  # pages its copies read from (forks.py): free once it has run
+        if not self.has_work():
+            entry["idle"] = True
         return finished
 
     def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
