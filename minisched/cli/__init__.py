@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object per output (per chunk with --stream)")
     g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    g.add_argument("--record", default=None, help="write the run (events, journal) here: minisched explain / replay")
     sampling_args(g)
     engine_args(g)
     c = sub.add_parser(
