@@ -203,10 +203,10 @@ def simulate(run: RunRecord, requests: list[Traffic], model: CostModel, override
     aborts = sorted((t.abort, t.rid) for t in requests if t.abort is not None)
     live: dict[str, Req] = {}
     first_token: dict[str, float] = {}
+    finish: dict[str, float] = {}
     hits: dict[str, int] = {}
     arrival: dict[str, float] = {}
     clock = pending[0].arrival if pending else 0.0
-    start, end = clock, clock
     while pending or sched.has_work():
         while pending and pending[0].arrival <= clock:
             t = pending.pop(0)
@@ -244,20 +244,25 @@ def simulate(run: RunRecord, requests: list[Traffic], model: CostModel, override
             rec = by_rid[r.rid].output if r.rid in by_rid else []
             n = len(r.output_ids)
             tokens.append(0 if not sampled else rec[n] if n < len(rec) else (rec[-1] if rec else 0))
-        sched.process_batch_result(batch, tokens)
+        for r in sched.process_batch_result(batch, tokens):
+            finish[r.rid] = clock
         for r, sampled in zip(batch.reqs, batch.sampled):
             if sampled and r.rid not in first_token and r.output_ids:
                 first_token[r.rid] = clock
-        end = clock
-    out_tokens = sum(len(r.output_ids) for r in live.values())
-    ttfts = [first_token[r] - arrival[r] for r in first_token if r in arrival]
-    prompt_tokens = sum(len(t.prompt) for t in requests if t.rid in arrival)
+    # measured as the record measures: requests that arrived in the run (a warm-up before it is simulated, not
+    # counted), from the first arrival to the last finish
+    measured = [rid for rid, t in arrival.items() if t >= 0]
+    out_tokens = sum(len(live[rid].output_ids) for rid in measured)
+    ttfts = [first_token[r] - arrival[r] for r in measured if r in first_token]
+    prompt_tokens = sum(len(live[rid].prompt_ids) for rid in measured)
+    ends = [finish[r] for r in measured if r in finish]
+    duration = max(ends) - min(arrival[r] for r in measured) if ends else 0.0
     return Outcome(
         ttft_p50=percentile(ttfts, 50),
         ttft_p99=percentile(ttfts, 99),
-        output_tok_s=out_tokens / max(end - start, 1e-9),
-        cache_hit_rate=sum(hits.values()) / max(prompt_tokens, 1),
-        duration=end - start,
+        output_tok_s=out_tokens / max(duration, 1e-9),
+        cache_hit_rate=sum(hits.get(r, 0) for r in measured) / max(prompt_tokens, 1),
+        duration=duration,
     )
 
 
