@@ -1,238 +1,38 @@
-"""Each request's story, from a run's journal (minisched/sched/journal.py): why it waited, how it ran.
-
-`stories(record)` walks the journal's builds once and turns each request's part in them into a few
-lines in step order, consecutive steps with the same reason merged:
-
-    r12: 812-token prompt, 48 tokens out (max_new_tokens), TTFT 1.92 s, e2e 4.10 s
-      step 3        arrived
-      steps 3-5     waited 3 steps (0.31 s): the prefill token budget was spent (by r10, r11)
-      step 6        admitted: 96 cached tokens, chunk 1 of 3 (256 new tokens, 22 pages)
-      steps 9-40    decoded 32 steps (1.40 s)
-      step 41       retracted: decode pages ran out (chosen over r3, r5)
-      ...
-
-A waiting request named in no decision of a build was offered after the request that build stopped
-at, so it waits behind that one for the same reason ("behind r7: its KV pages did not fit"). Times
-come from the builds' timestamps (a phase lasts from its first build to the build after its last).
-`story_segments` gives the same as (step, end step, text) tuples for the HTML report and the trace.
-"""
+"""Each request's story from a run file (`minisched explain`): sched/story.py over the run's journal, with
+the run's per-request metrics (TTFT, e2e) in each story's first line."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from minisched.observe.run_record import RunRecord
-from minisched.sched.decisions import TEXT, Reason
+from minisched.sched.story import Life, lives, render, story_segments
 
 
-@dataclass
-class _Life:
-    rid: str
-    arrival_step: int
-    arrival_t: float
-    prompt_len: int
-    items: list[tuple[int, str, object]] = field(default_factory=list)  # (step, kind, detail) in order
-    chunks: list[tuple[int, int, int, bool, int, int]] = field(default_factory=list)  # open admission's chunks
-
-
-def _reason_text(reason: str, by: list | tuple) -> str:
-    try:
-        text = TEXT[Reason(reason)]
-    except ValueError:
-        text = "it was not offered" if reason == "not_offered" else reason
-    return f"{text} (by {', '.join(by)})" if by else text
-
-
-def _retract_text(rule: str, by: list) -> str:
-    if rule.startswith("preempted_for:"):
-        head = rule.split(":", 1)[1]
-        return f"preempted for the more urgent {head}" + (f" (chosen over {', '.join(by)})" if by else "")
-    return "retracted: the next decode step's pages ran out" + (f" (chosen over {', '.join(by)})" if by else "")
-
-
-def _lives(record: RunRecord) -> tuple[dict[str, list[_Life]], dict[int, float]]:
-    """Each request's lives (a request id may be reused after it ended) and each build's time."""
-    lives: dict[str, list[_Life]] = {}
-    live: dict[str, _Life] = {}
-    waiting: dict[str, _Life] = {}
-    times: dict[int, float] = {}
-    step = 0
-
-    def flush_chunks(life: _Life) -> None:
-        n = len(life.chunks)
-        for k, (s, prefix, new, _trunc, pages, host) in enumerate(life.chunks):
-            if n == 1:
-                what = f"admitted: {prefix} cached tokens, {new} new tokens, {pages} pages"
-            elif k == 0:
-                what = f"admitted: {prefix} cached tokens, chunk 1 of {n} ({new} new tokens, {pages} pages)"
-            else:
-                what = f"chunk {k + 1} of {n} ({new} new tokens, {pages} pages)"
-            if host:
-                what += f", {host} tokens loaded back from the host tier"
-            life.items.append((s, "admit", what))
-        life.chunks.clear()
-
-    for e in record.journal:
-        op = e.get("op")
-        if op == "add":
-            life = _Life(e["rid"], step, float(e.get("t", 0.0)), len(e.get("prompt", ())))
-            lives.setdefault(life.rid, []).append(life)
-            live[life.rid] = waiting[life.rid] = life
-            life.items.append((step, "arrive", "arrived"))
-        elif op == "build":
-            step = int(e["step"])
-            times[step] = float(e.get("t", 0.0))
-            why = e.get("why", {})
-            told: set[str] = set()
-            for rid, prefix, new, trunc, pages, host in why.get("admitted", ()):
-                life = live.get(rid)
-                if life is None:
-                    continue
-                told.add(rid)
-                waiting.pop(rid, None)
-                life.chunks.append((step, prefix, new, trunc, pages, host))
-                if not trunc:
-                    flush_chunks(life)
-            for rid, reason, by in why.get("skipped", ()):
-                if rid in waiting:
-                    told.add(rid)
-                    waiting[rid].items.append((step, "wait", (reason, None, tuple(by))))
-            stopped = why.get("stopped")
-            if stopped is not None and stopped[0] in waiting:
-                told.add(stopped[0])
-                waiting[stopped[0]].items.append((step, "wait", (stopped[1], None, tuple(stopped[2]))))
-            for rid, rule, by in why.get("retracted", ()):
-                life = live.get(rid)
-                if life is not None:
-                    flush_chunks(life)
-                    life.items.append((step, "retract", _retract_text(rule, by)))
-                    waiting[rid] = life
-                    told.add(rid)
-            behind: tuple[str, str | None, tuple[str, ...]]
-            if why.get("no_prefill"):
-                behind = (why["no_prefill"], None, ())
-            elif stopped is not None:
-                behind = (stopped[1], stopped[0], tuple(stopped[2]))
-            else:
-                trunc = tuple(a[0] for a in why.get("admitted", ()) if a[3])
-                behind = (Reason.CHUNK_BUDGET.value, None, trunc) if trunc else ("not_offered", None, ())
-            for rid, life in waiting.items():
-                if rid not in told:
-                    life.items.append((step, "wait", behind))
-            admitted = {a[0] for a in why.get("admitted", ())}
-            mode = e.get("mode")
-            for rid in e.get("rids", ()):
-                life = live.get(rid)
-                if life is not None and rid not in admitted and mode in ("decode", "mixed", "verify"):
-                    life.items.append((step, "decode", "verify" if mode == "verify" else "decode"))
-    for ev in record.events:  # the endings (finish reason, abort), at the step they happened
-        if ev.get("dst") in ("finished", "aborted"):
-            for life in reversed(lives.get(ev["rid"], [])):
-                if life.arrival_step <= int(ev.get("step", 0)):
-                    flush_chunks(life)
-                    note = ev.get("note") or ev["dst"]
-                    life.items.append((int(ev.get("step", 0)), "end", f"{ev['dst']} ({note})"))
-                    break
-    return lives, times
-
-
-def _span(times: dict[int, float], a: int, b: int) -> float | None:
-    """Seconds from build a to the build after b (or b's own time, at the end of the run)."""
-    if a not in times:
-        return None
-    end = times.get(b + 1, times.get(b))
-    return None if end is None else max(0.0, end - times[a])
-
-
-def _top(names: list[str], k: int = 4) -> list[str]:
-    counts: dict[str, int] = {}
-    for n in names:
-        counts[n] = counts.get(n, 0) + 1
-    return sorted(counts, key=lambda n: -counts[n])[:k]
-
-
-def _wait_text(waits: list[tuple[str, str | None, tuple[str, ...]]]) -> str:
-    """One waiting phase: its reasons by the steps each cost, with who held the resource and whom it
-    queued behind."""
-    by_reason: dict[str, list] = {}
-    for w in waits:
-        by_reason.setdefault(w[0], []).append(w)
-    parts = []
-    for reason, ws in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
-        text = _reason_text(reason, _top([b for w in ws for b in w[2]]))
-        behind = _top([w[1] for w in ws if w[1] is not None], 3)
-        if behind:
-            text = f"behind {', '.join(behind)}: {text}"
-        parts.append(text + (f" [{len(ws)} steps]" if len(by_reason) > 1 else ""))
-    return "; ".join(parts)
-
-
-def story_segments(life: _Life, times: dict[int, float]) -> list[tuple[int, int, str]]:
-    """(first step, last step, text) of one life: each waiting phase and each run of decode steps is one
-    segment."""
-    out: list[tuple[int, int, str]] = []
-    items = sorted(life.items, key=lambda it: it[0])  # stable: same-step items keep their order
-    i = 0
-    while i < len(items):
-        s, kind, what = items[i]
-        j = i
-        if kind in ("wait", "decode"):
-            while j + 1 < len(items) and items[j + 1][1] == kind:
-                j += 1
-        t = items[j][0]
-        n = t - s + 1
-        dur = _span(times, s, t)
-        secs = "" if dur is None else f" ({dur:.2f} s)"
-        if kind == "wait":
-            waits = [it[2] for it in items[i : j + 1]]
-            text = f"waited {n} step{'s' if n > 1 else ''}{secs}: {_wait_text(waits)}"  # type: ignore[arg-type]
-        elif kind == "decode":
-            verb = "verified" if what == "verify" else "decoded"
-            text = f"{verb} in {n} step{'s' if n > 1 else ''}{secs}"
-        else:
-            text = str(what)
-        out.append((s, t, text))
-        i = j + 1
-    return out
-
-
-def _header(life: _Life, metrics: dict | None) -> str:
-    parts = [f"{life.rid}: {life.prompt_len}-token prompt"]
-    if metrics is not None:
-        parts.append(f"{metrics.get('output_tokens', 0)} tokens out ({metrics.get('finish_reason') or 'live'})")
-        for key, label in (("ttft", "TTFT"), ("e2e_latency", "e2e")):
-            if metrics.get(key) is not None:
-                parts.append(f"{label} {metrics[key]:.2f} s")
-        if metrics.get("cached_tokens"):
-            parts.append(f"{metrics['cached_tokens']} cached")
-    return ", ".join(parts)
-
-
-def render(life: _Life, times: dict[int, float], metrics: dict | None) -> str:
-    lines = [_header(life, metrics)]
-    for a, b, text in story_segments(life, times):
-        where = f"step {a}" if a == b else f"steps {a}-{b}"
-        lines.append(f"  {where:<14}{text}")
-    return "\n".join(lines)
+def _lives(record: RunRecord) -> tuple[dict[str, list[Life]], dict[int, float]]:
+    endings = [
+        (e["rid"], int(e.get("step", 0)), e["dst"], e.get("note") or "")
+        for e in record.events
+        if e.get("dst") in ("finished", "aborted")
+    ]
+    return lives(record.journal, endings)
 
 
 def stories(record: RunRecord, rids: list[str] | None = None, slowest: int | None = None) -> list[str]:
     """The stories of `rids` (all by default; the `slowest` worst TTFTs if given), in arrival order."""
     if not record.journal:
         raise ValueError(f"run {record.name!r} has no journal (recorded before decisions were journalled)")
-    lives, times = _lives(record)
+    by_rid, times = _lives(record)
     metrics = {m["rid"]: m for m in record.requests}
     if slowest is not None:
         ranked = sorted((m for m in record.requests if m.get("ttft") is not None), key=lambda m: -m["ttft"])
         rids = [m["rid"] for m in ranked[:slowest]]
-    chosen = list(lives) if rids is None else rids
-    missing = [r for r in chosen if r not in lives]
+    chosen = list(by_rid) if rids is None else rids
+    missing = [r for r in chosen if r not in by_rid]
     if missing:
         raise ValueError(f"no request {missing[0]!r} in run {record.name!r}")
-    return [render(life, times, metrics.get(rid)) for rid in chosen for life in lives[rid]]
+    return [render(life, times, metrics.get(rid)) for rid in chosen for life in by_rid[rid]]
 
 
 def request_story(record: RunRecord, rid: str) -> list[tuple[int, int, str]]:
     """The story of the last life of `rid` as segments ([] if unknown)."""
-    lives, times = _lives(record)
-    return story_segments(lives[rid][-1], times) if rid in lives else []
+    by_rid, times = _lives(record)
+    return story_segments(by_rid[rid][-1], times) if rid in by_rid else []
