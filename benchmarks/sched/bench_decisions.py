@@ -145,9 +145,14 @@ def main() -> None:
         # a bound that noise cannot hide: the whole scheduler step, recording included, against the model step
         out["decode_bound_share"] = out["decode_on"] / out["decode_b64_s"]
         out["prefill_bound_share"] = out["prefill_on"] / out["prefill_512_s"]
-    print("| step | scheduler, recording on | off | recording cost | model step | share | bound: whole scheduler step |")
+    print(
+        "| step | scheduler, recording on | off | recording cost | model step | share | bound: whole scheduler step |"
+    )
     print("|---|---|---|---|---|---|---|")
-    for name, key, model_key in (("B=64 decode", "decode", "decode_b64_s"), ("512-token prefill", "prefill", "prefill_512_s")):
+    for name, key, model_key in (
+        ("B=64 decode", "decode", "decode_b64_s"),
+        ("512-token prefill", "prefill", "prefill_512_s"),
+    ):
         m = out.get(model_key)
         share = f"{out[f'{key}_cost_s'] / m:.3%}" if m else "-"
         bound = f"{out[f'{key}_on'] / m:.3%}" if m else "-"

@@ -58,11 +58,19 @@ def main() -> None:
                 errs[key] = None if not want or got is None else (got - want) / want
             rows.append((wl, setting, pred, actual, errs))
             out["runs"].append(
-                {"workload": wl, "setting": setting, "prediction": pred.to_dict(), "actual": actual.row(), "errors": errs}
+                {
+                    "workload": wl,
+                    "setting": setting,
+                    "prediction": pred.to_dict(),
+                    "actual": actual.row(),
+                    "errors": errs,
+                }
             )
             print(f"{wl} {setting}: errors {errs}", flush=True)
     out["load_end"] = os.getloadavg()
-    print("\n| workload | setting | TTFT p50 pred / ran (s) | TTFT p99 pred / ran (s) | tok/s pred / ran | hit pred / ran | errors p50, p99, tok/s | model R^2, error |")
+    print(
+        "\n| workload | setting | TTFT p50 pred / ran (s) | TTFT p99 pred / ran (s) | tok/s pred / ran | hit pred / ran | errors p50, p99, tok/s | model R^2, error |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for wl, setting, pred, actual, errs in rows:
         p = pred.predicted

@@ -12,7 +12,9 @@ ALL_LIMIT = 20  # without --request or --slowest, every request of a run up to t
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("explain", help="why each request of a recorded run waited and how it ran", formatter_class=Formatter)
+    p = sub.add_parser(
+        "explain", help="why each request of a recorded run waited and how it ran", formatter_class=Formatter
+    )
     p.add_argument("run", help="run file (bench --json, generate --record, serve --record)")
     p.add_argument("--request", action="append", default=None, metavar="ID", help="this request's story (repeatable)")
     p.add_argument("--slowest", type=int, default=None, metavar="K", help="the K requests with the worst TTFT")

@@ -48,8 +48,23 @@ def cmd_replay(args) -> int:
         raise CLIError(f"{args.run}: {exc}") from exc
     if args.json:
         d = result.divergence
-        print(json.dumps({"identical": result.identical, "steps": result.steps, "divergence": None if d is None else {
-            "index": d.index, "step": d.step, "recorded": d.recorded, "replayed": d.replayed, "state": d.state}}))
+        print(
+            json.dumps(
+                {
+                    "identical": result.identical,
+                    "steps": result.steps,
+                    "divergence": None
+                    if d is None
+                    else {
+                        "index": d.index,
+                        "step": d.step,
+                        "recorded": d.recorded,
+                        "replayed": d.replayed,
+                        "state": d.state,
+                    },
+                }
+            )
+        )
     elif result.identical:
         print(f"identical, {result.steps} steps ({len(run.journal)} journal entries)")
     else:

@@ -114,7 +114,9 @@ class CostModel:
 
     def describe(self) -> str:
         terms = ", ".join(f"{n} {c * 1e3:.4g} ms" for n, c in zip(FEATURES, self.coef))
-        return f"step cost model ({self.num_steps} steps): {terms}; R^2 {self.r2:.3f}, mean error {self.mean_abs_err:.1%}"
+        return (
+            f"step cost model ({self.num_steps} steps): {terms}; R^2 {self.r2:.3f}, mean error {self.mean_abs_err:.1%}"
+        )
 
 
 def _entry_features(e: dict) -> np.ndarray:

@@ -216,7 +216,9 @@ def replay(entries: Sequence[dict], overrides: dict | None = None) -> ReplayResu
     return ReplayResult(steps=steps, entries=len(entries), scheduler=sched, requests=everyone)
 
 
-def _diverged(sched: Scheduler, index: int, recorded: dict | None, replayed: dict | None, everyone: dict) -> ReplayResult:
+def _diverged(
+    sched: Scheduler, index: int, recorded: dict | None, replayed: dict | None, everyone: dict
+) -> ReplayResult:
     return ReplayResult(
         steps=sched.step_count,
         entries=index,

@@ -180,7 +180,9 @@ class Scheduler:
         self._num_arrivals += 1
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.journal.add(rid, req.prompt_ids, req.sampling, None if after is None else after.rid, gate is not None, req.arrival_time)
+        self.journal.add(
+            rid, req.prompt_ids, req.sampling, None if after is None else after.rid, gate is not None, req.arrival_time
+        )
         self.reqs[rid] = req
         self._put(req, Place.WAITING)
         self.record(req, None, ReqStatus.WAITING, at=arrival_time)
@@ -379,7 +381,9 @@ class Scheduler:
         out = next_token_ids
         more = out.more_tokens if isinstance(out, StepOutput) else None
         tokens = out.tokens if isinstance(out, StepOutput) else out
-        entry = self.journal.resolve([int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more])
+        entry = self.journal.resolve(
+            [int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more]
+        )
         finished, self._finished_early = self._finished_early, []
         try:
             self._apply(batch, next_token_ids, finished)
@@ -521,7 +525,9 @@ class Scheduler:
             hit = self._stop_checker(req)
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
-            self.journal.append({"op": "stop", "rid": req.rid, "n": len(req.output_ids), "raised": True, "message": text})
+            self.journal.append(
+                {"op": "stop", "rid": req.rid, "n": len(req.output_ids), "raised": True, "message": text}
+            )
             raise
         if hit:
             self.journal.append({"op": "stop", "rid": req.rid, "n": len(req.output_ids)})

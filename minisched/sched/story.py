@@ -78,10 +78,10 @@ def lives(
     for e in journal:
         op = e.get("op")
         if op == "add":
-            life = Life(e["rid"], step, float(e.get("t", 0.0)), len(e.get("prompt", ())))
-            out.setdefault(life.rid, []).append(life)
-            live[life.rid] = waiting[life.rid] = life
-            life.items.append((step, "arrive", "arrived"))
+            born = Life(e["rid"], step, float(e.get("t", 0.0)), len(e.get("prompt", ())))
+            out.setdefault(born.rid, []).append(born)
+            live[born.rid] = waiting[born.rid] = born
+            born.items.append((step, "arrive", "arrived"))
         elif op == "build":
             step = int(e["step"])
             times[step] = float(e.get("t", 0.0))

@@ -130,8 +130,11 @@ def create_app(
             except RuntimeError:  # a replica that is down holds nothing
                 continue
         if not found:
-            raise p.APIError(404, f"no recent request {rid!r} (the server keeps the last few thousand steps)", code="not_found")
+            raise p.APIError(
+                404, f"no recent request {rid!r} (the server keeps the last few thousand steps)", code="not_found"
+            )
         return {"id": rid, "call_id": call_id, "requests": found}
+
     return app
 
 

@@ -26,7 +26,9 @@ def request_stories(call_id: str, engine) -> list[dict]:
                 {
                     "rid": rid,
                     "story": render(life, times, None),
-                    "segments": [{"first_step": a, "last_step": b, "text": t} for a, b, t in story_segments(life, times)],
+                    "segments": [
+                        {"first_step": a, "last_step": b, "text": t} for a, b, t in story_segments(life, times)
+                    ],
                 }
             )
     return out

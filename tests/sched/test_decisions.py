@@ -119,7 +119,11 @@ def test_an_n_choice_waits_for_its_prompts_prefill():
 
 def test_a_retraction_names_its_victim_and_the_requests_it_passed_over():
     sched, runner = make(
-        num_pages=16, chunk_size=None, init_new_token_ratio=0.01, min_new_token_ratio=0.01, new_token_ratio_decay_steps=1
+        num_pages=16,
+        chunk_size=None,
+        init_new_token_ratio=0.01,
+        min_new_token_ratio=0.01,
+        new_token_ratio_decay_steps=1,
     )
     for i in range(3):
         sched.add_request(f"r{i}", prompt(8, i), SamplingParams(max_new_tokens=40, ignore_eos=True))
