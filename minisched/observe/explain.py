@@ -36,3 +36,29 @@ def request_story(record: RunRecord, rid: str) -> list[tuple[int, int, str]]:
     """The story of the last life of `rid` as segments ([] if unknown)."""
     by_rid, times = _lives(record)
     return story_segments(by_rid[rid][-1], times) if rid in by_rid else []
+
+
+def story_marks(record: RunRecord) -> dict[str, list[tuple[float, str, str]]]:
+    """Per request id: (time of its first step, steps, text) of each story segment, for the trace's and the
+    HTML report's rows ({} without a journal)."""
+    if not record.journal:
+        return {}
+    by_rid, times = _lives(record)
+    out: dict[str, list[tuple[float, str, str]]] = {}
+    for rid, mine in by_rid.items():
+        life = mine[-1]
+        rows = []
+        for a, b, text in story_segments(life, times):
+            t = times.get(a, life.arrival_t) if text != "arrived" else life.arrival_t
+            rows.append((t, f"{a}" if a == b else f"{a}-{b}", text))
+        out[rid] = rows
+    return out
+
+
+def story_texts(record: RunRecord) -> dict[str, str]:
+    """Per request id: its story as text ({} without a journal)."""
+    if not record.journal:
+        return {}
+    by_rid, times = _lives(record)
+    metrics = {m["rid"]: m for m in record.requests}
+    return {rid: render(mine[-1], times, metrics.get(rid)) for rid, mine in by_rid.items()}

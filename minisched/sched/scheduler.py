@@ -185,7 +185,7 @@ class Scheduler:
         )
         self.reqs[rid] = req
         self._put(req, Place.WAITING)
-        self.record(req, None, ReqStatus.WAITING, at=arrival_time)
+        self.record(req, None, ReqStatus.WAITING, at=req.arrival_time)  # the journal's arrival time too
         return req
 
     def abort(self, rid: str) -> bool:

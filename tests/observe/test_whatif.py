@@ -107,3 +107,18 @@ def test_stories_explain_waits_chunks_and_endings(monkeypatch):
     assert segs and segs[0][2] == "arrived" and all(a <= b for a, b, _ in segs)
     with pytest.raises(ValueError, match="no request"):
         stories(run, rids=["nope"])
+
+
+def test_the_trace_and_the_html_report_carry_the_stories(monkeypatch, tmp_path):
+    from minisched.observe.report import render_report
+    from minisched.observe.trace import chrome_trace
+
+    run = simulate_run(monkeypatch, num_pages=90, chunk_size=32)
+    events = chrome_trace(run)["traceEvents"]
+    decisions = [e for e in events if e.get("cat") == "decision"]
+    assert {"why: arrived", "why: finished"} <= {e["name"] for e in decisions}
+    assert any("did not fit" in e["args"]["why"] or "budget" in e["args"]["why"] for e in decisions)
+    html = tmp_path / "r.html"
+    render_report([run], tmp_path / "r.png", html=html)
+    page = html.read_text()
+    assert page.count("<details>") == len(run.requests) and "waited" in page
