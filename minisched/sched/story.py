@@ -164,7 +164,8 @@ def _wait_text(waits: list[tuple[str, str | None, tuple[str, ...]]]) -> str:
         behind = _top([w[1] for w in ws if w[1] is not None], 3)
         if behind:
             text = f"behind {', '.join(behind)}: {text}"
-        parts.append(text + (f" [{len(ws)} steps]" if len(by_reason) > 1 else ""))
+        n = len(ws)
+        parts.append(text + (f" [{n} step{'s' if n > 1 else ''}]" if len(by_reason) > 1 else ""))
     return "; ".join(parts)
 
 
