@@ -48,35 +48,50 @@ def option_name(field: dataclasses.Field, spec: Flag) -> str:
     return spec.name or "--" + field.name.replace("_", "-")
 
 
-def add_flags(group: Any, config: Any) -> None:
-    """One option per flagged field of `config` (an instance: its values are the defaults)."""
+def add_flags(group: Any, config: Any, suppress: bool = False) -> None:
+    """One option per flagged field of `config` (an instance: its values are the defaults). With `suppress`,
+    an option not given sets nothing (`given_flag_values` reads the ones given)."""
     for f, spec in flagged_fields(type(config)):
         value = getattr(config, f.name)
         name = option_name(f, spec)
-        if spec.negate:
-            group.add_argument(name, dest=f.name, action="store_true", help=spec.help)
-            continue
         default = spec.cli_default if spec.cli_default is not _UNSET else value
         if value is None and spec.none_as is not _UNSET:
             default = spec.none_as
         kind = spec.type or (type(default) if default is not None else None)
-        if kind is bool:
-            if default is False:
-                group.add_argument(name, dest=f.name, action="store_true", help=spec.help)
-            else:  # True or None (the device's default): --x / --no-x
-                group.add_argument(
-                    name, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=spec.help
-                )
+        if spec.negate or (kind is bool and default is False):
+            action = group.add_argument(name, dest=f.name, action="store_true", help=spec.help)
+        elif kind is bool:  # True or None (the device's default): --x / --no-x
+            action = group.add_argument(
+                name, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=spec.help
+            )
+        else:
+            action = group.add_argument(
+                name,
+                dest=f.name,
+                type=kind if kind is not str else None,
+                default=default,
+                choices=list(spec.choices) if spec.choices is not None else None,
+                metavar=None if spec.choices is not None else name.lstrip("-").upper().replace("-", "_"),
+                help=spec.help,
+            )
+        if suppress:
+            action.default = argparse.SUPPRESS
+
+
+def given_flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """{field: value} of the flagged fields of `cls` given on the command line (options added with
+    `add_flags(..., suppress=True)`: the others are absent from `args`)."""
+    out = {}
+    for f, spec in flagged_fields(cls):
+        if not hasattr(args, f.name):
             continue
-        group.add_argument(
-            name,
-            dest=f.name,
-            type=kind if kind is not str else None,
-            default=default,
-            choices=list(spec.choices) if spec.choices is not None else None,
-            metavar=None if spec.choices is not None else name.lstrip("-").upper().replace("-", "_"),
-            help=spec.help,
-        )
+        value = getattr(args, f.name)
+        if spec.negate:
+            value = not value
+        elif spec.none_as is not _UNSET and value == spec.none_as:
+            value = None
+        out[f.name] = value
+    return out
 
 
 def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:

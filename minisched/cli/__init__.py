@@ -6,6 +6,8 @@
                     [--compare static] [--json out.json]
     minisched report run.json -o report.png [--html ...] [--trace ...]
     minisched serve [--host 127.0.0.1] [--port 30000] [--api-key KEY]   OpenAI-compatible HTTP server
+    minisched explain run.json [--request ID] [--slowest K]   why each request waited, how it ran
+    minisched replay run.json [--policy lpm --chunk-size 256 --num-pages N ...]   exact replay / what-if
 
 `--file` takes JSON lines: a string, or an object with "prompt" (text or token ids) or
 "messages" (chat), and optional sampling fields ("max_new_tokens", "temperature", ...).
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minisched.cli import explain as explain_cli
+from minisched.cli import replay as replay_cli
 from minisched.cli import serve as serve_cli
 from minisched.cli.common import CLIError, Formatter, engine_args, run_tp_worker, sampling_args
 
@@ -55,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object per output (per chunk with --stream)")
     g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    g.add_argument("--record", default=None, help="write the run (events, journal) here: minisched explain / replay")
     sampling_args(g)
     engine_args(g)
     c = sub.add_parser(
@@ -87,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--vocab-size", type=int, default=49152, help="token ids of the random prompts stay below this")
     engine_args(b)
     serve_cli.add_parser(sub).formatter_class = Formatter
+    explain_cli.add_parser(sub)
+    replay_cli.add_parser(sub)
     sub.add_parser(
         "report", help="lifecycle report of a bench JSON (minisched report -h for its options)", add_help=False
     ).add_argument("rest", nargs=argparse.REMAINDER)
@@ -107,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return report.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "explain":
+            return explain_cli.cmd_explain(args)
+        if args.command == "replay":
+            return replay_cli.cmd_replay(args)
         status = run_tp_worker(args)  # torchrun's ranks > 0 of --tp N
         if status is not None:
             return status

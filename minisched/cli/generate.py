@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from minisched.cli.common import SAMPLING_FIELDS, CLIError, engine_config, make_engine, sampling_from
+from minisched.cli.common import SAMPLING_FIELDS, CLIError, check_output_path, engine_config, make_engine, sampling_from
 from minisched.cli.status import StatusLine
 from minisched.sched.sampling_params import SamplingParams
 
@@ -143,8 +143,19 @@ def _record(item: PromptItem, out) -> dict:
 
 
 def cmd_generate(args) -> int:
+    check_output_path(args.record, "--record")
     items = read_prompts(args)
     engine = make_engine(engine_config(args))
+    try:
+        return _generate(engine, items, args)
+    finally:
+        if args.record:  # the scheduler's journal and events: `minisched explain` / `minisched replay` read it
+            from minisched.observe.run_record import RunRecord, save_runs
+
+            save_runs(args.record, [RunRecord.from_scheduler("generate", engine.scheduler)])
+
+
+def _generate(engine, items: list[PromptItem], args) -> int:
     prompts, params = [i.prompt for i in items], [i.sampling for i in items]
     if args.stream:
         failed = _stream(engine, items, prompts, params, args)

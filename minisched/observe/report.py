@@ -30,6 +30,7 @@ from matplotlib.artist import Artist  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from minisched.observe.explain import story_texts
 from minisched.observe.paths import unwritable  # noqa: E402
 from minisched.observe.run_record import RunRecord, derived_summary, lifecycle_segments, load_runs, step_bounds  # noqa: E402
 
@@ -348,6 +349,18 @@ def _table(title: str, runs: list[RunRecord], rows: list[dict]) -> str:
     return f"<h2>{esc(title)}</h2>\n<table><tr><th></th>{head}</tr>{body}</table>\n"
 
 
+def _stories(run: RunRecord) -> str:
+    """One row per request, in the picture's order (arrival): click it for its story (observe/explain.py)."""
+    texts = story_texts(run)
+    if not texts:
+        return ""
+    esc = html_lib.escape
+    rows = "".join(
+        f"<details><summary>{esc(rid)}</summary><pre>{esc(text)}</pre></details>" for rid, text in texts.items()
+    )
+    return f"<h2>{esc(run.name)}: why each request waited (click a request)</h2>\n{rows}\n"
+
+
 def html_page(runs: list[RunRecord], png: bytes) -> str:
     img = base64.b64encode(png).decode("ascii")
     names = ", ".join(r.name for r in runs)
@@ -356,6 +369,7 @@ def html_page(runs: list[RunRecord], png: bytes) -> str:
         + _table("Benchmark summary", runs, [_flatten(r.summary) for r in runs])
         + _table("Configuration", runs, [_flatten(r.config) for r in runs])
     )
+    tables += "".join(_stories(r) for r in runs)
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>minisched report: {html_lib.escape(names)}</title>
 <style>
@@ -363,6 +377,7 @@ body {{ font-family: sans-serif; margin: 2em; color: #222; }}
 table {{ border-collapse: collapse; margin-bottom: 1.5em; }}
 td, th {{ border: 1px solid #ccc; padding: 3px 10px; text-align: right; }}
 td:first-child {{ text-align: left; }}
+pre {{ margin: 0.3em 0 0.8em 1.5em; }}
 img {{ max-width: 100%; }}
 </style></head><body>
 <h1>minisched request lifecycle: {html_lib.escape(names)}</h1>

@@ -24,7 +24,10 @@ File layout (`save_runs` / `load_runs`; a `--compare` bench writes two runs):
             {"rid": "r0", "status": "finished", "finish_reason": "max_new_tokens",
              "arrival": 0.0, "first_token": 0.05, "finish": 0.9, "prompt_tokens": 40,
              "output_tokens": 32, "cached_tokens": 16, "num_retractions": 0,
-             "ttft": 0.05, "e2e_latency": 0.9}, ...]}]}
+             "ttft": 0.05, "e2e_latency": 0.9}, ...],
+        "journal": [                # the scheduler's inputs and decisions (minisched/sched/journal.py)
+            {"op": "init", "config": {...}, "host": null, "drafter": false},
+            {"op": "add", "rid": "r0", "prompt": [1, 2, ...], "sampling": {...}, "t": 0.0}, ...]}]}
 
 A request's status values are `ReqStatus` values: waiting, prefilling, running, retracted,
 finished, aborted; `src` is null when the request arrives. `first_token`/`ttft` are null
@@ -78,6 +81,9 @@ class RunRecord:
     events: list[dict] = field(default_factory=list)
     step_stats: list[dict] = field(default_factory=list)
     requests: list[dict] = field(default_factory=list)  # per-request metrics (`request_metrics`)
+    # the scheduler's journal (minisched/sched/journal.py): inputs and decisions from its birth, `t` relative
+    # to the run's start like every time here; `minisched explain` and `minisched replay` read it
+    journal: list[dict] = field(default_factory=list)
 
     @property
     def duration(self) -> float:
@@ -95,9 +101,11 @@ class RunRecord:
         config: dict | None = None,
         summary: dict | None = None,
         start_time: float | None = None,
+        journal: list | tuple = (),
     ) -> RunRecord:
         """From `Event`/`StepStats` objects (absolute time.monotonic() times). With
-        `start_time`, what happened before it (a warm-up on the same scheduler) is dropped."""
+        `start_time`, what happened before it (a warm-up on the same scheduler) is dropped, but from the
+        journal (replay needs it whole)."""
         if start_time is not None:
             events = [e for e in events if e.time >= start_time]
             step_stats = [s for s in step_stats if s.time >= start_time]
@@ -113,6 +121,7 @@ class RunRecord:
             [_plain(s, t0) for s in step_stats],
         )
         rec.requests = request_metrics(rec.events)
+        rec.journal = [_relative(e, t0) for e in journal]
         return rec
 
     @classmethod
@@ -139,6 +148,7 @@ class RunRecord:
             config,
             summary,
             start_time,
+            records.journal,
         )
 
     def to_dict(self) -> dict:
@@ -151,6 +161,7 @@ class RunRecord:
             "events": self.events,
             "step_stats": self.step_stats,
             "requests": self.requests,
+            "journal": self.journal,
         }
 
     @classmethod
@@ -169,7 +180,15 @@ class RunRecord:
             events,
             [dict(s) for s in d["step_stats"]],
             requests,
+            [dict(e) for e in d.get("journal", [])],
         )
+
+
+def _relative(entry: dict, t0: float) -> dict:
+    """A journal entry with its time relative to t0."""
+    if "t" not in entry:
+        return dict(entry)
+    return {**entry, "t": round(float(entry["t"]) - t0, 6)}
 
 
 def save_runs(path: str | Path, runs: list[RunRecord]) -> None:
@@ -184,7 +203,7 @@ def save_runs(path: str | Path, runs: list[RunRecord]) -> None:
         head = ", ".join(f"{dump(k)}: {dump(d[k])}" for k in ("name", "config", "summary", "num_pages", "page_size"))
         lists = ",\n ".join(
             f"{dump(k)}: [\n  " + ",\n  ".join(dump(x) for x in d[k]) + "]"
-            for k in ("events", "step_stats", "requests")
+            for k in ("events", "step_stats", "requests", "journal")
         )
         parts.append("{" + head + ",\n " + lists + "}")
     Path(path).write_text(f'{{"version": {FORMAT_VERSION}, "runs": [\n' + ",\n".join(parts) + "]}\n")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from minisched.observe.explain import story_marks
 from minisched.observe.run_record import RunRecord, lifecycle_segments, step_bounds
 
 US = 1e6
@@ -95,8 +96,24 @@ def _run_events(record: RunRecord, pid: int) -> list[dict]:
                 "args": {"running": s["num_running"], "waiting": s["num_waiting"]},
             }
         )
-    # -- one track per request --
+    # -- one track per request; its decisions (observe/explain.py) as instants whose args say why --
+    marks = story_marks(record)
     for tid, seg in enumerate(lifecycle_segments(record), start=1):
+        for t, steps, text in marks.pop(seg["key"], []):
+            if t < 0:  # before the record's start (a warm-up on the same scheduler)
+                continue
+            out.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "pid": pid,
+                    "tid": tid,
+                    "name": "why: " + text.split(":")[0].split(" (")[0],
+                    "cat": "decision",
+                    "ts": _us(t),
+                    "args": {"steps": steps, "why": text},
+                }
+            )
         out.append(_meta(pid, tid, "thread_name", f"req {seg['key']}"))
         out.append(_meta(pid, tid, "thread_sort_index", tid))
         for state, start, end, args in seg["slices"]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from minisched.base.values import cdiv
 from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
+from minisched.sched.decisions import Reason, not_ready, sharer, stop_reason, users
 from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.prefill_adder import PrefillAdder
 from minisched.sched.queues import Queues
@@ -32,9 +33,12 @@ from minisched.sched.retraction import make_room_for_decode
 def build(sched: Queues) -> tuple[Batch | None, int, int]:
     cfg, launched = sched.config, sched.in_flight.launched
     if launched and launched[-1].mode is ForwardMode.VERIFY:
+        sched.why.no_prefill = Reason.VERIFY_PENDING.value
         return None, 0, 0  # its accepted lengths decide the next step: resolve it first (spec.py)
     k = cfg.max_prefill_rounds_between_decodes
     decode_due = bool(sched.running) and k is not None and sched.prefill_rounds >= k
+    if decode_due and (sched.waiting or sched.chunked_req is not None):
+        sched.why.no_prefill = Reason.DECODE_TURN.value
     batch, hits, adder = (None, 0, None) if decode_due else prefill_batch(sched)
     n_retracted = 0
     if batch is not None and cfg.enable_mixed_chunk and sched.running:
@@ -54,7 +58,7 @@ def build(sched: Queues) -> tuple[Batch | None, int, int]:
 
 def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None]:
     """(the prefill batch or None, prefix tokens its admitted requests reuse)."""
-    cfg = sched.config
+    cfg, why = sched.config, sched.why
     if sched.chunked_req is None and not sched.waiting:
         return None, 0, None
     prio = cfg.priority_scheduling
@@ -64,9 +68,11 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         if carried is not None and ready:
             head = min(ready, key=lambda r: preemption.effective(r, sched.step_count, cfg.priority_aging_steps))
             if preemption.preempts(sched, head, carried):
+                why.retract(carried, f"preempted_for:{head.rid}", [])
                 preemption.preempt(sched, None, [carried])
     if sched.chunked_req is None and len(sched.running) >= cfg.max_running_requests:
         if not (prio and preemption.may_preempt(sched, [r for r in sched.waiting if r.ready])):
+            why.no_prefill = Reason.RUNNING_CAP.value
             return None, 0, None
     defer = None
     if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
@@ -87,12 +93,21 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
     )
     carried = sched.take_carried()
     if carried is not None and not adder.add_chunked_req(carried):
+        why.no_prefill = Reason.CARRIED_FIRST.value
+        why.stop(carried, Reason.KV_PAGES, users(Reason.KV_PAGES, adder, sched.running))
         sched.carry(carried)  # its pages do not fit yet: decode first
         return None, 0, None
     if adder.new_chunked_req is None and sched.waiting:
         # a request preempted while its row is in a launched batch waits for that batch to resolve
         busy = sched.in_flight.launched_rows() if sched.in_flight.launched and prio else ()
-        ready = [r for r in sched.policy.order(sched.waiting) if r.ready and id(r) not in busy]
+        ready = []
+        for r in sched.policy.order(sched.waiting):
+            if not r.ready:
+                why.skip(r, not_ready(r))
+            elif id(r) in busy:
+                why.skip(r, Reason.BUSY)
+            else:
+                ready.append(r)
         if prio:
             ready = preemption.order(ready, sched.step_count, cfg.priority_aging_steps)
         admitted = adder.add_waiting(ready)
@@ -101,10 +116,15 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
             victims = preemption.plan(sched, adder, head)
             if not victims:
                 break
+            for v in victims:
+                why.retract(v, f"preempted_for:{head.rid}", [r for r in sched.running if r not in victims])
             preemption.preempt(sched, adder, victims)
             admitted += adder.add_waiting(ready[ready.index(head) :])
+        note_waiting(sched, adder, ready)
         if admitted:
             sched.admit(admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs")
+    for r, p, e in zip(adder.can_run, adder.prefix_lens, adder.extend_lens):
+        why.admit(r, p, e, r is adder.new_chunked_req)
     sched.carry(adder.new_chunked_req)
     if not adder.can_run:
         adder.finish()
@@ -120,6 +140,21 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         free_after=adder.free_after,
     )
     return batch, adder.cache_hit_tokens, adder
+
+
+def note_waiting(sched: Queues, adder: PrefillAdder, ready: list[Req]) -> None:
+    """Why the offered requests that were not admitted wait: deferred ones, and the one the batch stopped
+    at (refused by a budget, or the next in line after a truncated admission spent the chunk)."""
+    why = sched.why
+    for r in adder.deferred:
+        why.skip(r, Reason.PREFIX_DEFER, sharer(r, adder.can_run))
+    stopped, result = adder.blocked, adder.blocked_result
+    if stopped is None and adder.new_chunked_req is not None:
+        taken = {id(r) for r in adder.can_run} | {id(r) for r in adder.deferred}
+        stopped = next((r for r in ready if id(r) not in taken), None)
+    if stopped is not None:
+        reason = stop_reason(adder, result)
+        why.stop(stopped, reason, users(reason, adder, sched.running))
 
 
 def mix(sched: Queues, batch: Batch) -> Batch:

@@ -69,6 +69,7 @@ class PrefillAdder:
     source_nodes: list[TreeNode] = field(default_factory=list)
     blocked: Req | None = None  # the request that stopped the last add_waiting without being admitted
     blocked_result: AddResult | None = None  # and why
+    deferred: list[Req] = field(default_factory=list)  # skipped for the in-batch prefix, in order
 
     def __post_init__(self) -> None:
         clip = self.clip_estimate
@@ -192,7 +193,9 @@ class PrefillAdder:
             result = self.add_one_req(req)
             if self.can_run and self.can_run[-1] is req:
                 admitted.append(req)
-            elif result is not AddResult.DEFERRED:
+            elif result is AddResult.DEFERRED:
+                self.deferred.append(req)
+            else:
                 self.blocked, self.blocked_result = req, result
             if result is not AddResult.CONTINUE and result is not AddResult.DEFERRED:
                 break

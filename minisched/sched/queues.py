@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from minisched.sched.config import SchedulerConfig
+from minisched.sched.decisions import StepWhy
 from minisched.sched.forks import ForkPages
 from minisched.sched.in_flight import InFlight
 from minisched.sched.kv_pool import KVPool
@@ -37,6 +38,7 @@ class Queues(Protocol):
     forks: ForkPages
     step_count: int
     speculator: Speculator | None
+    why: StepWhy  # the decisions of the batch being built (decisions.py)
 
     def admit(self, admitted: list[Req], aging: bool) -> None: ...
 

@@ -81,6 +81,7 @@ class RadixCache:
     def reset(self) -> None:
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
         self.evictable_pages = 0
+        self.evicted_pages = 0  # device pages evicted so far (a counter: the decisions record per-step deltas)
         self.protected_pages = 0
         # lazy LRU heaps of (last_access, seq, node) candidates -- device eviction and host eviction;
         # stale entries (touched, locked, inner or removed nodes) are re-checked when popped
@@ -256,6 +257,7 @@ class RadixCache:
             k = len(node.pages)
             freed.extend(node.pages)
             self.evictable_pages -= k
+            self.evicted_pages += k
             parent = node.parent
             host = self.host
             if host is not None and (node.host is not None or self._host_room(k, node)):

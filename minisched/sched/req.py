@@ -93,6 +93,7 @@ class Req:
     prompt_logprobs: list | None = None  # prompt positions from sampling.prompt_logprob_start (position 0: None)
     after: Req | None = None  # n > 1: the request prefilling the shared prompt; admitted once it has ended
     gate: Any = None  # a future (structured outputs: the compiling grammar); admitted once it is done
+    gate_open: bool = False  # its gate was found done at the start of a build (Scheduler.get_next_batch)
     forks: int = 0  # n > 1 leader: its choices (forks.py)
     forked: bool = False  # n > 1 choice: it has copied (or given up) its leader's last page
     # timing (time.monotonic())
@@ -139,11 +140,9 @@ class Req:
     @property
     def ready(self) -> bool:
         """May it be admitted now (its shared prefill has ended, its grammar is compiled)? A grammar that
-        failed is never ready: the engine ends the request before the next step (not a batch's matcher)."""
-        gate = self.gate
-        return (self.after is None or self.after.is_finished) and (
-            gate is None or (gate.done() and gate.exception() is None)
-        )
+        failed is never ready: the engine ends the request before the next step (not a batch's matcher).
+        A gate opens only at the start of a build, so one build sees one answer (and a replay the same)."""
+        return (self.after is None or self.after.is_finished) and (self.gate is None or self.gate_open)
 
     @property
     def is_finished(self) -> bool:

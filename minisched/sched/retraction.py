@@ -80,6 +80,8 @@ def make_room_for_decode(sched: Queues) -> int:
         else:
             cfg = sched.config
             victim = pick_victim(running, sched.step_count, cfg.priority_aging_steps, cfg.priority_scheduling)
+        others = sorted((r for r in running if r is not victim), key=lambda r: len(r.output_ids))
+        sched.why.retract(victim, "decode_pages", others)
         sched.retract(victim, at=len(retracted))  # the retracted go to the queue's head, in this order
         retracted.append(victim)
     if retracted:

@@ -77,11 +77,13 @@ from minisched.base.values import cdiv
 from minisched.sched import batch_builder
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.config import SchedulerConfig
+from minisched.sched.decisions import StepWhy
 from minisched.sched.events import Event, StepStats
 from minisched.sched.forks import ForkPages
 from minisched.sched.host_tier import HostTier
 from minisched.sched.in_flight import InFlight
 from minisched.sched.invariants import check_scheduler
+from minisched.sched.journal import Journal
 from minisched.sched.kv_pool import KVPool
 from minisched.sched.policy import SchedulePolicy, take_admitted
 from minisched.sched.radix_cache import RadixCache
@@ -114,7 +116,11 @@ class Scheduler:
             raise ValueError("Scheduler: num_pages and max_context_len must be set (the engine sizes them)")
         self.config = config
         self.max_context_len: int = config.max_context_len  # (set: checked above)
-        self.stop_checker = stop_checker
+        self._stop_checker = stop_checker
+        self.stop_checker = None if stop_checker is None else self._checked_stop
+        host = None if host_tier is None else (host_tier.capacity, host_tier.write_through)
+        self.journal = Journal(config, host, drafter is not None)  # inputs and decisions, for replay (journal.py)
+        self.why = StepWhy(0)  # the decisions of the batch being built (decisions.py)
         self.pool = KVPool(config.num_pages, config.page_size)
         self.forks = ForkPages(self.pool, enabled=config.enable_radix_cache)
         self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache, host=host_tier)
@@ -140,6 +146,7 @@ class Scheduler:
             else Speculator(drafter, config.num_draft_tokens, config.spec_max_batch_size, config.spec_adaptive)
         )
         self._num_arrivals = 0
+        self._closed_gates: list[Req] = []  # waiting requests whose gate has not opened yet
 
     # -- requests -------------------------------------------------------------
     def add_request(
@@ -165,15 +172,20 @@ class Scheduler:
                 f"request {rid!r}: priority {req.sampling.priority} given but priority scheduling is not enabled"
             )
         req.after, req.gate = after, gate
+        if gate is not None:
+            self._closed_gates.append(req)
         if after is not None:
             after.forks += 1
         req.arrival_seq, req.arrival_step = self._num_arrivals, self.step_count
         self._num_arrivals += 1
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        self.journal.add(
+            rid, req.prompt_ids, req.sampling, None if after is None else after.rid, gate is not None, req.arrival_time
+        )
         self.reqs[rid] = req
         self._put(req, Place.WAITING)
-        self.record(req, None, ReqStatus.WAITING, at=arrival_time)
+        self.record(req, None, ReqStatus.WAITING, at=req.arrival_time)  # the journal's arrival time too
         return req
 
     def abort(self, rid: str) -> bool:
@@ -183,6 +195,7 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None:
             return False
+        self.journal.append({"op": "abort", "rid": rid, "t": time.monotonic()})
         if self.in_flight.in_built(req):
             self.in_flight.aborted.add(id(req))
         else:
@@ -213,7 +226,7 @@ class Scheduler:
     def only_gated_work(self) -> list:
         """The gates (futures) of the waiting requests when every queued request waits for one and nothing
         runs, so the caller may wait for a gate instead of spinning; else []."""
-        pending = [r.gate for r in self.waiting if not r.ready and r.gate is not None]
+        pending = [r.gate for r in self.waiting if not r.ready and r.gate is not None and not r.gate.done()]
         if pending and len(pending) == len(self.waiting) and not self.running and self.chunked_req is None:
             return pending
         return []
@@ -247,26 +260,31 @@ class Scheduler:
         )
 
     def records(self) -> Records:
-        """The events and step stats recorded since the last `drain_records` (copies)."""
-        return Records(events=tuple(self.events), step_stats=tuple(self.step_stats))
+        """The events, step stats and journal entries recorded since the last `drain_records` (copies)."""
+        return Records(
+            events=tuple(self.events), step_stats=tuple(self.step_stats), journal=tuple(self.journal.entries)
+        )
 
     def drain_records(self) -> Records:
-        """The events and step stats recorded since the last drain, handed over: the scheduler keeps
-        none of them (a server running for days drains them to bound its memory)."""
+        """The events, step stats and journal recorded since the last drain, handed over: the scheduler
+        keeps none of them (a server running for days drains them to bound its memory)."""
         out = self.records()
         self.events.clear()
         self.step_stats.clear()
+        self.journal.drain()
         return out
 
     def flush_cache(self) -> CacheFlush:
         """Empty the radix cache: every page no live request locks goes, on the device (back to the
         pool) and on the host tier (dropped, not written back). Requests keep what they hold."""
+        self.journal.append({"op": "flush"})
         pages, host_pages = self.tree.flush()
         self.pool.free(pages)
         return CacheFlush(device_pages=len(pages), host_pages=host_pages)
 
     def fail_waiting(self, req: Req, message: str) -> None:
         """End a waiting request with FinishReason.ERROR (its grammar failed to compile)."""
+        self.journal.append({"op": "fail_waiting", "rid": req.rid, "message": message})
         req.error = message
         self.end(req, 0, ReqStatus.FINISHED, FinishReason.ERROR)
         self.finished_early(req)
@@ -289,7 +307,12 @@ class Scheduler:
         if self.in_flight.built is not None:
             raise RuntimeError("get_next_batch called before the previous batch was launched (or process_batch_result)")
         self.step_count += 1
+        self.why = why = StepWhy(self.step_count)
+        opened = self._open_gates()
+        evicted = self.tree.evicted_pages
         batch, n_retracted, hits = batch_builder.build(self)
+        why.evicted = self.tree.evicted_pages - evicted
+        self.journal.build(self.step_count, batch, why, opened)
         if batch is None:
             gated = any(not r.ready for r in self.waiting)  # waiting for a grammar or a prefill: not stuck
             self.stalled = self.stalled + 1 if self.has_work() and not self.in_flight.launched and not gated else 0
@@ -319,6 +342,7 @@ class Scheduler:
             raise RuntimeError("launch: not the batch returned by the last get_next_batch")
         flight.built = None
         flight.launched.append(batch)
+        self.journal.append({"op": "launch", "t": time.monotonic()})
         max_ctx, futures = self.max_context_len, []
         verify = batch.mode is ForwardMode.VERIFY
         for req, p, e, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampled):
@@ -354,6 +378,12 @@ class Scheduler:
             raise RuntimeError("resolve: not the oldest launched batch")
         if len(next_token_ids) != len(batch.reqs):
             raise ValueError(f"expected {len(batch.reqs)} tokens, got {len(next_token_ids)}")
+        out = next_token_ids
+        more = out.more_tokens if isinstance(out, StepOutput) else None
+        tokens = out.tokens if isinstance(out, StepOutput) else out
+        entry = self.journal.resolve(
+            [int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more]
+        )
         finished, self._finished_early = self._finished_early, []
         try:
             self._apply(batch, next_token_ids, finished)
@@ -363,6 +393,8 @@ class Scheduler:
             raise
         flight.launched.pop(0)
         self.pool.free(batch.free_after)  # pages its copies read from (forks.py): free once it has run
+        if not self.has_work():
+            entry["idle"] = True
         return finished
 
     def _apply(self, batch: Batch, out: Sequence[int] | StepOutput, finished: list[Req]) -> None:
@@ -449,6 +481,7 @@ class Scheduler:
         with FinishReason.ERROR and gives back its KV as of the resolved steps. With overlap
         the caller lets the worker finish what it runs first (its results are dropped).
         Returns the failed requests, also reported by `take_finished()`."""
+        self.journal.append({"op": "fail", "message": message})
         batches = self.in_flight.take_all()
         # their host-tier loads may not have run: the caller runs them again (a copy, so harmless if they had)
         self.unrun_loads += [load for b in batches for load in b.loads]
@@ -467,6 +500,38 @@ class Scheduler:
                     failed.append(req)
         self._finished_early = failed
         return list(failed)
+
+    def _open_gates(self) -> list[str]:
+        """Open the gates that are done (a compiled grammar) now, once per build; their request ids."""
+        if not self._closed_gates:
+            return []
+        opened, closed = [], []
+        for r in self._closed_gates:
+            if r.place is not Place.WAITING:
+                continue  # ended (a failed grammar, an abort)
+            gate = r.gate
+            if gate.done() and gate.exception() is None:
+                r.gate_open = True
+                opened.append(r.rid)
+            else:
+                closed.append(r)
+        self._closed_gates = closed
+        return opened
+
+    def _checked_stop(self, req: Req) -> bool:
+        """The engine's stop checker, its verdicts journalled (a replay has no text to check)."""
+        assert self._stop_checker is not None, "no stop checker"
+        try:
+            hit = self._stop_checker(req)
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            self.journal.append(
+                {"op": "stop", "rid": req.rid, "n": len(req.output_ids), "raised": True, "message": text}
+            )
+            raise
+        if hit:
+            self.journal.append({"op": "stop", "rid": req.rid, "n": len(req.output_ids)})
+        return bool(hit)
 
     # -- request state: every status change and queue move is made here (batch_builder.py, retraction.py
     # and preemption.py call these through the Queues protocol) --------------------------------------

@@ -1,5 +1,5 @@
 """What the scheduler tells the outside about itself: `SchedulerSnapshot` (gauges and counters, read
-after a step for /metrics, progress lines and benchmarks), `Records` (its events and step stats) and
+after a step for /metrics, progress lines and benchmarks), `Records` (its events, step stats and journal) and
 `CacheFlush` (what `Scheduler.flush_cache` freed). Frozen values: a reader never holds the
 scheduler's own lists. Pure Python."""
 
@@ -35,6 +35,7 @@ class SchedulerSnapshot:
 class Records:
     events: tuple[Event, ...]  # one per request state change, in order
     step_stats: tuple[StepStats, ...]  # one per built batch, in order
+    journal: tuple[dict, ...] = ()  # inputs and decisions, in call order (journal.py)
 
 
 @dataclass(frozen=True, kw_only=True)

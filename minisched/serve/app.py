@@ -4,7 +4,7 @@ the error bodies and the API key).
     app = create_app(engine, model_name="smollm2", api_key=None, max_queued_requests=512, limits=ServerLimits())
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming with `stream: true`),
-GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics; SGLang's native routes (POST
+GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /debug/requests/{id} (debug.py); SGLang's native routes (POST
 /generate, /server_info, /model_info, /get_load, /flush_cache, /health_generate: sglang_api.py).
 Every response echoes the request's id in X-Request-Id (request_id.py). The engine thread
 (`EngineLoop`) is started by the app's lifespan and stopped (what is left aborted) at its end.
@@ -22,6 +22,7 @@ scrapers; they show load, never request content -- bind to loopback or firewall 
 from __future__ import annotations
 
 import asyncio
+import functools
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from minisched.serve import protocol as p
 from minisched.serve.chat import chat as chat_route
 from minisched.serve.completions import completions as completions_route
+from minisched.serve.debug import request_stories
 from minisched.serve.engine_loop import EngineLoop
 from minisched.serve.errors import BearerAuth, install_error_handlers
 from minisched.serve.limits import ServerLimits
@@ -115,6 +117,24 @@ def create_app(
         return await chat_route(state, body, request)
 
     install_sglang_routes(app, state, loop)  # /generate, /server_info, /get_load, /flush_cache, ...
+
+    @app.get("/debug/requests/{rid}")
+    async def debug_request(rid: str):
+        """Why a recent request waited and how it ran (debug.py), from every engine replica."""
+        call_id = state.call_id_of(rid)
+        futures = loop.call_all(functools.partial(request_stories, call_id))
+        found = []
+        for fut in futures:
+            try:
+                found += await asyncio.wrap_future(fut)
+            except RuntimeError:  # a replica that is down holds nothing
+                continue
+        if not found:
+            raise p.APIError(
+                404, f"no recent request {rid!r} (the server keeps the last few thousand steps)", code="not_found"
+            )
+        return {"id": rid, "call_id": call_id, "requests": found}
+
     return app
 
 

@@ -93,6 +93,9 @@ class EngineLoop:
         self._send(("call", fn, fut))
         return fut
 
+    def call_all(self, fn: Callable[[Any], Any]) -> list[concurrent.futures.Future]:
+        return [self.call(fn)]
+
     def stop(self) -> None:
         self.inbox.put(("stop",))
 

@@ -77,11 +77,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=500)
 
 
-PROTECTED = ("/v1", "/generate", "/flush_cache")  # what needs the API key (path prefixes)
+PROTECTED = ("/v1", "/generate", "/flush_cache", "/debug")  # what needs the API key (path prefixes)
 
 
 class BearerAuth:
-    """Pure ASGI middleware: every /v1 route, /generate and /flush_cache need `Authorization:
+    """Pure ASGI middleware: every /v1 route, /generate, /flush_cache and /debug need `Authorization:
     Bearer <api_key>` (checked before the body is read, so a keyless client learns nothing else)."""
 
     def __init__(self, app, api_key: str):

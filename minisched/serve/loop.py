@@ -47,6 +47,9 @@ class ServingLoop(Protocol):
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future: ...
 
+    def call_all(self, fn: Callable[[Any], Any]) -> list[concurrent.futures.Future]:
+        """`fn(engine)` on every serving engine's thread (fn picklable: replicas run in processes)."""
+
     def stop(self) -> None: ...
 
     def join(self, timeout: Optional[float] = None) -> None: ...

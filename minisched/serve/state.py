@@ -13,6 +13,7 @@ until its first token (or its end); one that already streams does not. Each admi
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -40,6 +41,7 @@ OPENAI_FINISH = {
 }
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 log = logging.getLogger("minisched.serve")
+RECENT_IDS = 4096  # client request ids remembered for /debug/requests/{id}
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class ServerState:
         self.draining = False
         self._e2e_sum, self._e2e_count = 0.0, 0
         self._ids = itertools.count()
+        self._call_ids: collections.OrderedDict[str, str] = collections.OrderedDict()  # client id -> call id
         self._prefix = uuid.uuid4().hex[:12]
 
     # -- admission ------------------------------------------------------------------------------
@@ -225,6 +228,11 @@ class ServerState:
             "/".join(str(len(p.prompt_ids)) for p in prompts[:8]) + ("/..." if len(prompts) > 8 else ""),
             extra={"request_id": request_id.current() or call_id},
         )
+        client_id = request_id.current()
+        if client_id and client_id != call_id:  # GET /debug/requests/{id} takes the client's id too
+            self._call_ids[client_id] = call_id
+            while len(self._call_ids) > RECENT_IDS:
+                self._call_ids.popitem(last=False)
         queue: asyncio.Queue = asyncio.Queue()
         handles = []
         for p, prepared in enumerate(prompts):
@@ -239,6 +247,10 @@ class ServerState:
             self.engine_loop.submit([h.rid for h in mine], prepared.prompt_ids, prepared.sampling, sinks)
             handles += mine
         return Call(handles, queue)
+
+    def call_id_of(self, rid: str) -> str:
+        """The call id of a recent request named by the client's id, else `rid` itself."""
+        return self._call_ids.get(rid, rid)
 
     def retry_after(self) -> int:
         """Seconds until the queue has likely moved on: one mean e2e latency, at least 1 s."""

@@ -3,11 +3,14 @@ what is checked), tests/sched/test_scheduler_overlap.py drives it in overlap mod
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from helpers.fake_runner import FakeRunner, OracleDrafter, check_lifecycles, greedy_reference, poison_freed, run
 from minisched.sched.host_tier import HostTier
+from minisched.sched.replay import replay
 from minisched.sched.req import FinishReason, ReqStatus
 from minisched.sched.sampling_params import InvalidRequest, SamplingParams
 from minisched.sched.scheduler import Scheduler, SchedulerConfig
@@ -195,7 +198,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def check_drained(self):
         """Every request ended with the fake model's greedy output and no placeholder left; the pool and tree are
-        empty."""
+        empty; the journal (through JSON) replays identically."""
+        journal = json.loads(json.dumps(list(self.sched.records().journal)))
+        result = replay(journal)
+        assert result.identical, f"replay differs: {result.divergence}"
+        assert result.steps == self.sched.step_count
         assert set(self.ended) == set(self.added), "a request was lost"
         for rid, (prompt, sp) in self.added.items():
             r = self.ended[rid]
