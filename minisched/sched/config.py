@@ -46,6 +46,12 @@ from minisched.base.flags import flag
 from minisched.base.values import is_int
 from minisched.sched.policy import POLICIES
 
+ADMISSION_BUDGETS = ("minisched", "sglang")
+CHUNK_RULES = ("minisched", "sglang")
+IN_BATCH_PREFIX_RULES = ("defer", "sglang")
+RETRACTION_RULES = ("minisched", "sglang")
+POLICY_SORTS = ("minisched", "sglang")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -72,7 +78,67 @@ class SchedulerConfig:
     retract_decode_steps: int = 20
     in_batch_prefix_defer_tokens: int | None = 32
     lpm_fallback_len: int = 128
-    aging_rounds: int = 32
+    aging_rounds: int | None = flag(
+        32, "cache-aware policies: a request overtaken this many rounds goes first (0: no aging)", none_as=0
+    )
+    admission_budget: str = flag(
+        "minisched",
+        "prefill admission budget: minisched's, or SGLang's (admitted requests reserve their max_new_tokens in full, "
+        "the whole remaining prompt plus a page per request is checked with <, pages allocated after selection)",
+        choices=ADMISSION_BUDGETS,
+    )
+    max_prefill_tokens_with_chunking: bool = flag(
+        True,
+        "check max_prefill_tokens per request also when chunking is on",
+        name="--no-max-prefill-tokens-with-chunking",
+        negate=True,
+    )
+    chunk_rule: str = flag(
+        "minisched",
+        "chunked prefill: minisched's, or SGLang's (a new chunk floored to a page, refused if empty; the carried "
+        "request always makes progress and other requests are still offered beside it)",
+        choices=CHUNK_RULES,
+    )
+    in_batch_prefix_rule: str = flag(
+        "defer",
+        "requests sharing an uncached prefix with one being admitted: deferred one round (any policy), or, as "
+        "SGLang, sorted to the end of an LPM queue when their cached prefix is <= the threshold",
+        choices=IN_BATCH_PREFIX_RULES,
+    )
+    retraction_rule: str = flag(
+        "minisched",
+        "retraction: minisched's (full pages cached, only the next step made room for), or SGLang's (at least one "
+        "victim, KV freed without caching, retract_decode_steps tokens evicted per remaining request)",
+        choices=RETRACTION_RULES,
+    )
+    retracted_to_tail: bool = flag(
+        False, "retracted requests go to the end of the waiting queue (SGLang) instead of its head"
+    )
+    pause_admission_when_full: bool = flag(
+        False,
+        "after the KV budget or the request slots ran out, admit nothing until a running request leaves (SGLang's batch_is_full)",
+    )
+    policy_sort: str = flag(
+        "minisched",
+        "waiting-queue sort: minisched's (a fresh order each round), or SGLang's (the sort is kept in the queue, so "
+        "ties keep the last order; cache-aware policies match whole sequences)",
+        choices=POLICY_SORTS,
+    )
+    dfs_weight_fallback: bool = flag(
+        True,
+        "dfs-weight also falls back to FCFS above lpm_fallback_len waiting requests",
+        name="--no-dfs-weight-fallback",
+        negate=True,
+    )
+    dfs_ties_reversed: bool = flag(
+        True,
+        "dfs-weight: equally heavy subtrees newest first (SGLang: insertion order)",
+        name="--no-dfs-ties-reversed",
+        negate=True,
+    )
+    conservative_eviction: bool = flag(
+        False, "evict as SGLang's allocator does: for every decode row (and, paged, every extend row) a whole new page"
+    )
     max_stalled_steps: int = 32
     priority_scheduling: bool = flag(
         False,
@@ -117,7 +183,6 @@ class SchedulerConfig:
             "clip_max_new_tokens_estimation",
             "retract_decode_steps",
             "lpm_fallback_len",
-            "aging_rounds",
             "max_stalled_steps",
             "num_draft_tokens",
             "spec_max_batch_size",
@@ -131,7 +196,12 @@ class SchedulerConfig:
             self.max_context_len is None or (is_int(self.max_context_len) and self.max_context_len >= 2),
             "max_context_len must be >= 2",
         )
-        for name in ("chunk_size", "max_prefill_rounds_between_decodes", "in_batch_prefix_defer_tokens"):
+        for name in (
+            "chunk_size",
+            "max_prefill_rounds_between_decodes",
+            "in_batch_prefix_defer_tokens",
+            "aging_rounds",
+        ):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")
         need(isinstance(self.priority_scheduling, bool), "priority_scheduling must be a bool")
@@ -141,6 +211,23 @@ class SchedulerConfig:
         v = self.priority_aging_steps
         need(v is None or (is_int(v) and v >= 1), "priority_aging_steps must be None or an int >= 1")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name, allowed in (
+            ("admission_budget", ADMISSION_BUDGETS),
+            ("chunk_rule", CHUNK_RULES),
+            ("in_batch_prefix_rule", IN_BATCH_PREFIX_RULES),
+            ("retraction_rule", RETRACTION_RULES),
+            ("policy_sort", POLICY_SORTS),
+        ):
+            need(getattr(self, name) in allowed, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in (
+            "max_prefill_tokens_with_chunking",
+            "retracted_to_tail",
+            "pause_admission_when_full",
+            "dfs_weight_fallback",
+            "dfs_ties_reversed",
+            "conservative_eviction",
+        ):
+            need(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         need(
             0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,
             "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1",
@@ -150,5 +237,19 @@ class SchedulerConfig:
 # Named profiles (field -> value over the defaults). "sglang": SGLang 0.5.23's code where a switch exists.
 PRESETS: dict[str, dict] = {
     "default": {},
-    "sglang": {"max_prefill_rounds_between_decodes": None},  # prefill first whenever a prefill batch forms
+    "sglang": {
+        "max_prefill_rounds_between_decodes": None,  # prefill first whenever a prefill batch forms
+        "aging_rounds": None,
+        "admission_budget": "sglang",
+        "max_prefill_tokens_with_chunking": False,
+        "chunk_rule": "sglang",
+        "in_batch_prefix_rule": "sglang",
+        "retraction_rule": "sglang",
+        "retracted_to_tail": True,
+        "pause_admission_when_full": True,
+        "policy_sort": "sglang",
+        "dfs_weight_fallback": False,
+        "dfs_ties_reversed": False,
+        "conservative_eviction": True,
+    },
 }

@@ -390,6 +390,14 @@ class RadixCache:
                 self.dec_lock_ref(req.last_node)
         req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
 
+    def release_req(self, req: CachedReq, pool: PagePool) -> None:
+        """Like `cache_finished_req`, but nothing new goes into the tree (SGLang's retraction: the space is
+        needed at once): the pages the tree does not hold already are freed, the lock dropped."""
+        pool.free(req.page_ids[req.n_cached_pages :] if not self.disable else req.page_ids)
+        if req.last_node is not None and not self.disable:
+            self.dec_lock_ref(req.last_node)
+        req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
+
     def cache_unfinished_req(self, req: CachedReq, pool: PagePool, kv_len: int | None = None) -> None:
         """After a prefill chunk: share the request's full pages through the tree, and move
         its lock to the deepest node (its page table now starts with the tree's pages).
