@@ -51,6 +51,7 @@ CHUNK_RULES = ("minisched", "sglang")
 IN_BATCH_PREFIX_RULES = ("defer", "sglang")
 RETRACTION_RULES = ("minisched", "sglang")
 POLICY_SORTS = ("minisched", "sglang")
+LRU_RULES = ("minisched", "sglang")
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,11 @@ class SchedulerConfig:
         name="--no-dfs-ties-reversed",
         negate=True,
     )
+    lru_rule: str = flag(
+        "minisched",
+        "radix-cache LRU: a split node's tail keeps its time (minisched) or, as SGLang, counts as used too",
+        choices=LRU_RULES,
+    )
     conservative_eviction: bool = flag(
         False, "evict as SGLang's allocator does: for every decode row (and, paged, every extend row) a whole new page"
     )
@@ -217,6 +223,7 @@ class SchedulerConfig:
             ("in_batch_prefix_rule", IN_BATCH_PREFIX_RULES),
             ("retraction_rule", RETRACTION_RULES),
             ("policy_sort", POLICY_SORTS),
+            ("lru_rule", LRU_RULES),
         ):
             need(getattr(self, name) in allowed, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in (
@@ -251,5 +258,6 @@ PRESETS: dict[str, dict] = {
         "dfs_weight_fallback": False,
         "dfs_ties_reversed": False,
         "conservative_eviction": True,
+        "lru_rule": "sglang",
     },
 }

@@ -71,10 +71,15 @@ class PagePool(Protocol):
 
 
 class RadixCache:
-    def __init__(self, page_size: int, disable: bool = False, host: HostTier | None = None) -> None:
+    def __init__(
+        self, page_size: int, disable: bool = False, host: HostTier | None = None, touch_split_tail: bool = False
+    ) -> None:
         self.page_size = page_size
         self.disable = disable
         self.host = host
+        # SGLang stamps a node it walks into before splitting it, so the tail a match or insert splits off
+        # counts as used too (minisched: only the part on the key's path)
+        self.touch_split_tail = touch_split_tail
         self._clock = itertools.count(1)
         self.reset()
 
@@ -149,6 +154,8 @@ class RadixCache:
                 return
             m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
+                if self.touch_split_tail:
+                    child.last_access = t
                 child = self._split(child, m)
             child.last_access = t
             yield child
@@ -221,6 +228,8 @@ class RadixCache:
                 return dup
             m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
+                if self.touch_split_tail:
+                    child.last_access = t
                 child = self._split(child, m)
             child.last_access = t
             given = list(pages[pos // ps : (pos + m) // ps])

@@ -117,7 +117,12 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.pool = KVPool(config.num_pages, config.page_size)
         self.forks = ForkPages(self.pool, enabled=config.enable_radix_cache)
-        self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache, host=host_tier)
+        self.tree = RadixCache(
+            config.page_size,
+            disable=not config.enable_radix_cache,
+            host=host_tier,
+            touch_split_tail=config.lru_rule == "sglang",
+        )
         self.policy = SchedulePolicy(
             config.policy,
             self.tree,
