@@ -86,12 +86,14 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         mixed_decode_tokens=mixed,
         defer=defer,
         forks=sched.forks,
+        chunk_floor=cfg.chunk_rule == "sglang",
+        input_check_with_chunking=cfg.max_prefill_tokens_with_chunking,
     )
     carried = sched.take_carried()
     if carried is not None and not adder.add_chunked_req(carried):
         sched.carry(carried)  # its pages do not fit yet: decode first
         return None, 0, None
-    if adder.new_chunked_req is None and sched.waiting:
+    if (adder.new_chunked_req is None or cfg.chunk_rule == "sglang") and sched.waiting:
         # a request preempted while its row is in a launched batch waits for that batch to resolve
         busy = sched.in_flight.launched_rows() if sched.in_flight.launched and prio else ()
         ready = [r for r in sched.policy.order(sched.waiting) if r.ready and id(r) not in busy]
