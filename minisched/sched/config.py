@@ -29,9 +29,14 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
 - Speculative decoding (with a drafter, sched/spec.py): `num_draft_tokens` (4) drafts per request
   at most, adapted per request when `spec_adaptive`; no drafting with more than
   `spec_max_batch_size` (8) running requests.
-- Presets (`SchedulerConfig.preset(name)`, `PRESETS`): "default" is the above; "sglang" moves toward
-  SGLang 0.5.23's code as benchmarks/sched/diff_sglang.py measures it. So far: prefill
-  always first. Its admission, chunking and retraction rules still differ (the harness lists them).
+- Presets (`SchedulerConfig.preset(name)`, `PRESETS`, `--sched-profile`): "default" is the above;
+  "sglang" makes every decision SGLang 0.5.23's code makes, as benchmarks/sched/diff_sglang.py
+  measures it (0 differing steps on 4,000 traces): prefill always first, no aging, and the rule
+  options below set to SGLang's (docs/architecture.md, "Scheduler decisions beyond SGLang's").
+- The rule options (default: minisched's rule; each field's help says SGLang's): `admission_budget`,
+  `max_prefill_tokens_with_chunking`, `chunk_rule`, `in_batch_prefix_rule`, `retraction_rule`,
+  `retracted_to_tail`, `pause_admission_when_full`, `policy_sort`, `dfs_weight_fallback`,
+  `dfs_ties_reversed`, `conservative_eviction`, `lru_rule`.
 - `max_stalled_steps` (32): after this many consecutive steps with work but no batch
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
   FinishReason.ERROR so callers never spin.

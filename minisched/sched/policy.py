@@ -5,7 +5,9 @@
   plain FCFS when more than `lpm_fallback_len` (128) requests wait or the cache is off.
 - `dfs-weight`: depth-first over the radix tree, heavier subtrees (more waiting
   requests below) first, so requests sharing a prefix run together. Like LPM it
-  matches every waiting request, so it also falls back to FCFS beyond `lpm_fallback_len`.
+  matches every waiting request, so it also falls back to FCFS beyond `lpm_fallback_len`
+  (SGLang: only LPM does, `dfs_weight_fallback=False`); equally heavy subtrees go newest
+  first (SGLang: in insertion order, `dfs_ties_reversed=False`).
 - `lof`: longest output (max_new_tokens) first.
 
 Aging (the cache-aware policies, LPM and DFS-weight): a request that has been overtaken
@@ -13,7 +15,8 @@ Aging (the cache-aware policies, LPM and DFS-weight): a request that has been ov
 all others, oldest first. So a cache-cold request cannot be starved by a stream of
 cache-hot ones: it is overtaken at most `aging_rounds` times. Counting overtakes rather
 than elapsed steps keeps LPM intact while a full decode batch makes everyone wait.
-Sorts are stable, so ties keep queue order.
+Sorts are stable, so ties keep queue order. SGLang 0.5.23 (`order_sglang`) sorts the queue in
+place, so ties keep the last round's order, and has no aging.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Budgets (tokens), as in SGLang's schedule_policy.PrefillAdder:
 
-- input: `max_prefill_tokens` new tokens per batch; the first request may exceed it;
+- input: `max_prefill_tokens` new tokens per batch; the first request may exceed it (SGLang checks a
+  request against it only without chunking: `max_prefill_tokens_with_chunking=False`);
 - chunk: `chunk_size` new tokens per batch; a request whose remaining prompt does not
   fit runs its first (page-aligned) part and is carried to the next round
   (`new_chunked_req`), where `add_chunked_req` puts it first;
@@ -11,7 +12,9 @@ Budgets (tokens), as in SGLang's schedule_policy.PrefillAdder:
   of running and admitted requests; the clip (SGLang's CLIP_MAX_NEW_TOKENS) keeps one
   huge request from reserving the whole pool. When nothing runs and nothing is admitted
   yet, the first request is admitted as long as its pages fit at all, so a small pool
-  never deadlocks.
+  never deadlocks. SGLang 0.5.23's budget differs (`admission_budget="sglang"`, the
+  `*_sglang` methods): new requests reserve in full, the whole remaining prompt plus a page
+  is checked with `<`, no first-request exemption, pages allocated after selection.
 - mixed: `mixed_decode_tokens` decode rows ride along with this batch, so they come off
   the input and chunk budgets first (a mixed batch never exceeds `chunk_size`).
 

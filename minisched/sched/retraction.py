@@ -9,10 +9,11 @@ the waiting queue:
 - afterwards `new_token_ratio` is re-estimated from what the remaining requests have
   actually decoded (`reestimate_ratio`), instead of being reset to its initial value.
 
-SGLang also keeps retracting until the rest have room for `retract_decode_steps` more
-tokens each. Measured with the fake runner (benchmarks/RESULTS.md, "Scheduler") that
-retracted more requests and recomputed more tokens for no fewer steps, so only the next
-step is made room for.
+SGLang 0.5.23 (`retraction_rule="sglang"`, `retract_sglang`) differs: it retracts at least one
+request even when evicting would do, frees the victim's KV without caching it, evicts the radix
+cache for `retract_decode_steps` tokens per remaining request after each victim, breaks ties
+by the latest in batch order and divides the new ratio by `sum(max_new_tokens) + 1` (the
+limits as asked, not clipped); `retracted_to_tail` puts the victims at the end of the queue.
 
 `make_room_for_decode` and `fail_stalled` act on the scheduler's queues through its public
 methods (queues.py); the rest are pure functions over requests and the pool.
@@ -38,7 +39,8 @@ def pick_victim(running: Sequence[Req], now: int = 0, aging_steps: int | None = 
 
 
 def reestimate_ratio(running: Sequence[Req], steps: int) -> float:
-    """SGLang: min(1, (decoded + steps * batch) / sum(max_new_tokens)) over the requests that stay."""
+    """min(1, (decoded + steps * batch) / sum(max_new_tokens)) over the requests that stay (SGLang divides by
+    the sum of the asked limits + 1: `retract_sglang`)."""
     total = sum(r.max_new_tokens for r in running)
     if total <= 0:
         return 1.0
