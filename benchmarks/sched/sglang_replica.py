@@ -84,6 +84,18 @@ class CPUBatch(ScheduleBatch):
             keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished() and r not in exclude]
         self.reqs = [self.reqs[i] for i in keep_indices]
 
+    def sync_rows(self) -> None:
+        """The per-row tensors `prepare_for_decode` reads (`alloc_for_decode` sizes its allocation by
+        `seq_lens`), rebuilt from `reqs`: SGLang's `filter_batch` / `merge_batch` keep them in step, the
+        `reqs`-only filter and merge here do not."""
+        lens = [r.kv.kv_committed_len for r in self.reqs]
+        assert lens == [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in self.reqs], "decode rows out of step"
+        self.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
+        self.seq_lens = self.seq_lens_cpu.clone()
+        self.orig_seq_lens = self.seq_lens.to(torch.int32)
+        self.req_pool_indices_cpu = torch.tensor([r.kv.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        self.req_pool_indices = self.req_pool_indices_cpu.clone()
+
 
 class SGLangReplica:
     def __init__(
@@ -162,14 +174,19 @@ class SGLangReplica:
         if last is not None and last.forward_mode.is_extend():
             if last.chunked_req is not None:
                 excl.append(last.chunked_req)
+            last_bs = len(last.reqs)
             last.filter_batch(reqs_to_exclude=excl)
+            if len(last.reqs) < last_bs:
+                self.running.batch_is_full = False
             if not last.is_empty():
                 if self.running.is_empty():
                     self.running = last
                 else:
-                    self.running.reqs = self.running.reqs + last.reqs
-                self.running.batch_is_full = False
+                    self.running.reqs = self.running.reqs + last.reqs  # merge_batch keeps batch_is_full
+        running_bs = len(self.running.reqs)
         self.running.filter_batch()
+        if len(self.running.reqs) < running_bs:
+            self.running.batch_is_full = False
         batch = self._prefill()
         if batch is None and not self.running.is_empty():
             batch = self._decode(retracted)
@@ -256,6 +273,7 @@ class SGLangReplica:
 
     def _decode(self, retracted: list[str]) -> ScheduleBatch | None:
         batch = self.running
+        initial_bs = len(batch.reqs)
         if not batch.check_decode_mem():
             reqs, ratio, aborted = batch.retract_decode()
             self.ratio.current = ratio
@@ -267,8 +285,11 @@ class SGLangReplica:
                 self.reqs.pop(req.rid, None)
         else:
             self.ratio.decay_step()
+        if len(batch.reqs) < initial_bs:
+            batch.batch_is_full = False
         if batch.is_empty():
             return None
+        batch.sync_rows()
         batch.prepare_for_decode()
         return batch
 

@@ -42,10 +42,19 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     """The engine and scheduling options, one per flagged field of EngineConfig and SchedulerConfig
     (base/flags.py): names, help, choices and defaults are the fields'."""
     from minisched.engine.config import EngineConfig
+    from minisched.sched.config import PRESETS
 
     config = EngineConfig()
     add_flags(p.add_argument_group("engine"), config)
-    add_flags(p.add_argument_group("scheduling"), config.scheduler)
+    group = p.add_argument_group("scheduling")
+    group.add_argument(
+        "--sched-profile",
+        default="default",
+        choices=list(PRESETS),
+        help="a scheduler profile (SchedulerConfig.preset): 'sglang' makes SGLang 0.5.23's decisions; "
+        "scheduling flags given with a value other than their default override it",
+    )
+    add_flags(group, config.scheduler)
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,12 +78,29 @@ def check_output_path(path: str | None, what: str) -> None:
 def engine_config(args):
     """The one EngineConfig of a command, from its engine options (CLIError on a bad value)."""
     from minisched.engine.config import EngineConfig
-    from minisched.sched.config import SchedulerConfig
+    from minisched.sched.config import PRESETS, SchedulerConfig
 
+    sched = flag_values(args, SchedulerConfig)
+    profile = getattr(args, "sched_profile", "default")
+    if profile != "default":  # the profile's values, except where a flag was set to something else
+        defaults = flag_values(parser_defaults(args), SchedulerConfig)
+        sched = {
+            **sched,
+            **{k: v for k, v in PRESETS[profile].items() if sched.get(k, defaults.get(k)) == defaults.get(k)},
+        }
     try:
-        return EngineConfig().with_options(**flag_values(args, EngineConfig), **flag_values(args, SchedulerConfig))
+        return EngineConfig().with_options(**flag_values(args, EngineConfig), **sched)
     except ValueError as exc:
         raise CLIError(name_flags(str(exc))) from exc
+
+
+def parser_defaults(args):
+    """The namespace the engine options would give with no flag set (their defaults)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    engine_args(p)
+    return argparse.Namespace(**{**vars(args), **vars(p.parse_args([]))})
 
 
 def name_flags(message: str) -> str:

@@ -26,8 +26,8 @@ from minisched.sched.decisions import Reason, not_ready, sharer, stop_reason, us
 from minisched.sched.deferral import InBatchPrefixes
 from minisched.sched.prefill_adder import PrefillAdder
 from minisched.sched.queues import Queues
-from minisched.sched.req import Req
-from minisched.sched.retraction import make_room_for_decode
+from minisched.sched.req import Place, Req
+from minisched.sched.retraction import evict_for, make_room_for_decode
 
 
 def build(sched: Queues) -> tuple[Batch | None, int, int]:
@@ -59,6 +59,8 @@ def build(sched: Queues) -> tuple[Batch | None, int, int]:
 def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None]:
     """(the prefill batch or None, prefix tokens its admitted requests reuse)."""
     cfg, why = sched.config, sched.why
+    if cfg.admission_budget == "sglang":
+        return prefill_batch_sglang(sched)
     if sched.chunked_req is None and not sched.waiting:
         return None, 0, None
     prio = cfg.priority_scheduling
@@ -90,6 +92,8 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         mixed_decode_tokens=mixed,
         defer=defer,
         forks=sched.forks,
+        chunk_floor=cfg.chunk_rule == "sglang",
+        input_check_with_chunking=cfg.max_prefill_tokens_with_chunking,
     )
     carried = sched.take_carried()
     if carried is not None and not adder.add_chunked_req(carried):
@@ -97,7 +101,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         why.stop(carried, Reason.KV_PAGES, users(Reason.KV_PAGES, adder, sched.running))
         sched.carry(carried)  # its pages do not fit yet: decode first
         return None, 0, None
-    if adder.new_chunked_req is None and sched.waiting:
+    if (adder.new_chunked_req is None or cfg.chunk_rule == "sglang") and sched.waiting:
         # a request preempted while its row is in a launched batch waits for that batch to resolve
         busy = sched.in_flight.launched_rows() if sched.in_flight.launched and prio else ()
         ready = []
@@ -146,15 +150,80 @@ def note_waiting(sched: Queues, adder: PrefillAdder, ready: list[Req]) -> None:
     """Why the offered requests that were not admitted wait: deferred ones, and the one the batch stopped
     at (refused by a budget, or the next in line after a truncated admission spent the chunk)."""
     why = sched.why
-    for r in adder.deferred:
+    for r in adder.prefix_deferred:
         why.skip(r, Reason.PREFIX_DEFER, sharer(r, adder.can_run))
     stopped, result = adder.blocked, adder.blocked_result
     if stopped is None and adder.new_chunked_req is not None:
-        taken = {id(r) for r in adder.can_run} | {id(r) for r in adder.deferred}
+        taken = {id(r) for r in adder.can_run} | {id(r) for r in adder.prefix_deferred}
         stopped = next((r for r in ready if id(r) not in taken), None)
     if stopped is not None:
         reason = stop_reason(adder, result)
         why.stop(stopped, reason, users(reason, adder, sched.running))
+
+
+def prefill_batch_sglang(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None]:
+    """SGLang 0.5.23's get_new_batch_prefill (admission_budget="sglang"; no priorities, host tier or fork copies):
+    with `pause_admission_when_full`, nothing is admitted after the KV budget or the slots ran out until a
+    running request leaves; the carried chunk always runs; waiting requests in policy order (kept as the
+    queue's order with policy_sort="sglang") through `PrefillAdder.add_waiting_sglang`; pages allocated
+    once the batch is chosen."""
+    cfg = sched.config
+    pause = cfg.pause_admission_when_full
+    last = sched.last_batch
+    if last is not None and last.mode is ForwardMode.PREFILL and any(r.place is not Place.RUNNING for r in last.reqs):
+        sched.batch_is_full = False  # a row of the last prefill did not join the running batch (chunked, finished)
+    running_before = bool(sched.running)
+    if not running_before:
+        sched.batch_is_full = False
+    carried = sched.chunked_req
+    if carried is None and (not sched.waiting or (pause and sched.batch_is_full)):
+        return None, 0, None
+    if carried is None and len(sched.running) >= cfg.max_running_requests:
+        sched.batch_is_full = pause
+        return None, 0, None
+    ordered = sched.policy.order(sched.waiting)
+    if cfg.policy_sort == "sglang":
+        sched.reorder_waiting(ordered)
+        ordered = list(sched.waiting)
+    adder = PrefillAdder(
+        pool=sched.pool,
+        tree=sched.tree,
+        new_token_ratio=sched.new_token_ratio,
+        rem_input_tokens=cfg.max_prefill_tokens,
+        rem_chunk_tokens=cfg.chunk_size,
+        max_new_reqs=cfg.max_running_requests - len(sched.running),
+        running=sched.running,
+        clip_estimate=cfg.clip_max_new_tokens_estimation,
+        forks=sched.forks,
+        sglang=True,
+        chunk_floor=True,
+        input_check_with_chunking=cfg.max_prefill_tokens_with_chunking,
+        conservative_eviction=cfg.conservative_eviction,
+    )
+    carried = sched.take_carried()
+    if carried is not None:
+        adder.add_chunked_req_sglang(carried)
+    if sched.waiting and (cfg.chunk_rule == "sglang" or adder.new_chunked_req is None):
+        admitted = adder.add_waiting_sglang([r for r in ordered if r.ready])
+        if admitted:
+            sched.admit(admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs")
+    if pause and adder.full is not None:
+        sched.batch_is_full = adder.full and running_before  # (an empty running batch starts afresh next step)
+    sched.carry(adder.new_chunked_req)
+    if not adder.can_run:
+        adder.finish()
+        return None, adder.cache_hit_tokens, None
+    adder.allocate_deferred()
+    for r, p, e in zip(adder.can_run, adder.prefix_lens, adder.extend_lens):
+        sched.why.admit(r, p, e, r is adder.new_chunked_req)
+    batch = Batch(
+        mode=ForwardMode.PREFILL,
+        reqs=adder.can_run,
+        prefix_lens=adder.prefix_lens,
+        extend_lens=adder.extend_lens,
+        page_size=cfg.page_size,
+    )
+    return batch, adder.cache_hit_tokens, adder
 
 
 def mix(sched: Queues, batch: Batch) -> Batch:
@@ -182,6 +251,8 @@ def decode_batch(sched: Queues, n_retracted: int) -> Batch:
     if not n_retracted:  # (after a retraction make_room_for_decode re-estimated it)
         decay = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
         sched.new_token_ratio = max(cfg.min_new_token_ratio, sched.new_token_ratio - decay)
+    if cfg.conservative_eviction:  # SGLang's decode allocation evicts as if every row needed a new page
+        evict_for(sched, len(sched.running) * cfg.page_size)
     if not sched.pool.alloc_for_decode(sched.running):
         raise RuntimeError("decode pages do not fit after retraction")  # make_room_for_decode ensures they do
     reqs = list(sched.running)

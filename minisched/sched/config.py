@@ -29,9 +29,14 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
 - Speculative decoding (with a drafter, sched/spec.py): `num_draft_tokens` (4) drafts per request
   at most, adapted per request when `spec_adaptive`; no drafting with more than
   `spec_max_batch_size` (8) running requests.
-- Presets (`SchedulerConfig.preset(name)`, `PRESETS`): "default" is the above; "sglang" moves toward
-  SGLang 0.5.23's code as benchmarks/sched/diff_sglang.py measures it. So far: prefill
-  always first. Its admission, chunking and retraction rules still differ (the harness lists them).
+- Presets (`SchedulerConfig.preset(name)`, `PRESETS`, `--sched-profile`): "default" is the above;
+  "sglang" makes every decision SGLang 0.5.23's code makes, as benchmarks/sched/diff_sglang.py
+  measures it (0 differing steps on 4,000 traces): prefill always first, no aging, and the rule
+  options below set to SGLang's (docs/architecture.md, "Scheduler decisions beyond SGLang's").
+- The rule options (default: minisched's rule; each field's help says SGLang's): `admission_budget`,
+  `max_prefill_tokens_with_chunking`, `chunk_rule`, `in_batch_prefix_rule`, `retraction_rule`,
+  `retracted_to_tail`, `pause_admission_when_full`, `policy_sort`, `dfs_weight_fallback`,
+  `dfs_ties_reversed`, `conservative_eviction`, `lru_rule`.
 - `max_stalled_steps` (32): after this many consecutive steps with work but no batch
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
   FinishReason.ERROR so callers never spin.
@@ -45,6 +50,13 @@ from typing import Any
 from minisched.base.flags import flag
 from minisched.base.values import is_int
 from minisched.sched.policy import POLICIES
+
+ADMISSION_BUDGETS = ("minisched", "sglang")
+CHUNK_RULES = ("minisched", "sglang")
+IN_BATCH_PREFIX_RULES = ("defer", "sglang")
+RETRACTION_RULES = ("minisched", "sglang")
+POLICY_SORTS = ("minisched", "sglang")
+LRU_RULES = ("minisched", "sglang")
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,72 @@ class SchedulerConfig:
     retract_decode_steps: int = 20
     in_batch_prefix_defer_tokens: int | None = 32
     lpm_fallback_len: int = 128
-    aging_rounds: int = 32
+    aging_rounds: int | None = flag(
+        32, "cache-aware policies: a request overtaken this many rounds goes first (0: no aging)", none_as=0
+    )
+    admission_budget: str = flag(
+        "minisched",
+        "prefill admission budget: minisched's, or SGLang's (admitted requests reserve their max_new_tokens in full, "
+        "the whole remaining prompt plus a page per request is checked with <, pages allocated after selection)",
+        choices=ADMISSION_BUDGETS,
+    )
+    max_prefill_tokens_with_chunking: bool = flag(
+        True,
+        "check max_prefill_tokens per request also when chunking is on",
+        name="--no-max-prefill-tokens-with-chunking",
+        negate=True,
+    )
+    chunk_rule: str = flag(
+        "minisched",
+        "chunked prefill: minisched's, or SGLang's (a new chunk floored to a page, refused if empty; the carried "
+        "request always makes progress and other requests are still offered beside it)",
+        choices=CHUNK_RULES,
+    )
+    in_batch_prefix_rule: str = flag(
+        "defer",
+        "requests sharing an uncached prefix with one being admitted: deferred one round (any policy), or, as "
+        "SGLang, sorted to the end of an LPM queue when their cached prefix is <= the threshold",
+        choices=IN_BATCH_PREFIX_RULES,
+    )
+    retraction_rule: str = flag(
+        "minisched",
+        "retraction: minisched's (full pages cached, only the next step made room for), or SGLang's (at least one "
+        "victim, KV freed without caching, retract_decode_steps tokens evicted per remaining request)",
+        choices=RETRACTION_RULES,
+    )
+    retracted_to_tail: bool = flag(
+        False, "retracted requests go to the end of the waiting queue (SGLang) instead of its head"
+    )
+    pause_admission_when_full: bool = flag(
+        False,
+        "after the KV budget or the request slots ran out, admit nothing until a running request leaves (SGLang's batch_is_full)",
+    )
+    policy_sort: str = flag(
+        "minisched",
+        "waiting-queue sort: minisched's (a fresh order each round), or SGLang's (the sort is kept in the queue, so "
+        "ties keep the last order; cache-aware policies match whole sequences)",
+        choices=POLICY_SORTS,
+    )
+    dfs_weight_fallback: bool = flag(
+        True,
+        "dfs-weight also falls back to FCFS above lpm_fallback_len waiting requests",
+        name="--no-dfs-weight-fallback",
+        negate=True,
+    )
+    dfs_ties_reversed: bool = flag(
+        True,
+        "dfs-weight: equally heavy subtrees newest first (SGLang: insertion order)",
+        name="--no-dfs-ties-reversed",
+        negate=True,
+    )
+    lru_rule: str = flag(
+        "minisched",
+        "radix-cache LRU: a split node's tail keeps its time (minisched) or, as SGLang, counts as used too",
+        choices=LRU_RULES,
+    )
+    conservative_eviction: bool = flag(
+        False, "evict as SGLang's allocator does: for every decode row (and, paged, every extend row) a whole new page"
+    )
     max_stalled_steps: int = 32
     priority_scheduling: bool = flag(
         False,
@@ -117,7 +194,6 @@ class SchedulerConfig:
             "clip_max_new_tokens_estimation",
             "retract_decode_steps",
             "lpm_fallback_len",
-            "aging_rounds",
             "max_stalled_steps",
             "num_draft_tokens",
             "spec_max_batch_size",
@@ -131,7 +207,12 @@ class SchedulerConfig:
             self.max_context_len is None or (is_int(self.max_context_len) and self.max_context_len >= 2),
             "max_context_len must be >= 2",
         )
-        for name in ("chunk_size", "max_prefill_rounds_between_decodes", "in_batch_prefix_defer_tokens"):
+        for name in (
+            "chunk_size",
+            "max_prefill_rounds_between_decodes",
+            "in_batch_prefix_defer_tokens",
+            "aging_rounds",
+        ):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")
         need(isinstance(self.priority_scheduling, bool), "priority_scheduling must be a bool")
@@ -141,6 +222,24 @@ class SchedulerConfig:
         v = self.priority_aging_steps
         need(v is None or (is_int(v) and v >= 1), "priority_aging_steps must be None or an int >= 1")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name, allowed in (
+            ("admission_budget", ADMISSION_BUDGETS),
+            ("chunk_rule", CHUNK_RULES),
+            ("in_batch_prefix_rule", IN_BATCH_PREFIX_RULES),
+            ("retraction_rule", RETRACTION_RULES),
+            ("policy_sort", POLICY_SORTS),
+            ("lru_rule", LRU_RULES),
+        ):
+            need(getattr(self, name) in allowed, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in (
+            "max_prefill_tokens_with_chunking",
+            "retracted_to_tail",
+            "pause_admission_when_full",
+            "dfs_weight_fallback",
+            "dfs_ties_reversed",
+            "conservative_eviction",
+        ):
+            need(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         need(
             0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,
             "need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1",
@@ -150,5 +249,20 @@ class SchedulerConfig:
 # Named profiles (field -> value over the defaults). "sglang": SGLang 0.5.23's code where a switch exists.
 PRESETS: dict[str, dict] = {
     "default": {},
-    "sglang": {"max_prefill_rounds_between_decodes": None},  # prefill first whenever a prefill batch forms
+    "sglang": {
+        "max_prefill_rounds_between_decodes": None,  # prefill first whenever a prefill batch forms
+        "aging_rounds": None,
+        "admission_budget": "sglang",
+        "max_prefill_tokens_with_chunking": False,
+        "chunk_rule": "sglang",
+        "in_batch_prefix_rule": "sglang",
+        "retraction_rule": "sglang",
+        "retracted_to_tail": True,
+        "pause_admission_when_full": True,
+        "policy_sort": "sglang",
+        "dfs_weight_fallback": False,
+        "dfs_ties_reversed": False,
+        "conservative_eviction": True,
+        "lru_rule": "sglang",
+    },
 }

@@ -7,9 +7,11 @@ batch. So the first one is admitted and the others wait one round, then hit the 
 
 `InBatchPrefixes` is a throw-away radix tree (page-aligned, no real pages) of the keys
 admitted to the batch being built. A request is deferred when a key in it covers at least
-`threshold` more tokens than the request's cached prefix: SGLang checks only requests with
-(almost) no cached prefix; measuring the uncached overlap also catches a long shared
-continuation of a short cached one. Pure Python.
+`threshold` more tokens than the request's cached prefix; measuring the uncached overlap also
+catches a long shared continuation of a short cached one. SGLang 0.5.23 does not skip: for the
+cache-aware policies only, a request with at most `threshold` cached tokens that shares at least
+`threshold` with an earlier such waiting request is sorted to the end of an LPM queue
+(`in_batch_prefix_rule="sglang"`, policy.py). Pure Python.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@
   plain FCFS when more than `lpm_fallback_len` (128) requests wait or the cache is off.
 - `dfs-weight`: depth-first over the radix tree, heavier subtrees (more waiting
   requests below) first, so requests sharing a prefix run together. Like LPM it
-  matches every waiting request, so it also falls back to FCFS beyond `lpm_fallback_len`.
+  matches every waiting request, so it also falls back to FCFS beyond `lpm_fallback_len`
+  (SGLang: only LPM does, `dfs_weight_fallback=False`); equally heavy subtrees go newest
+  first (SGLang: in insertion order, `dfs_ties_reversed=False`).
 - `lof`: longest output (max_new_tokens) first.
 
 Aging (the cache-aware policies, LPM and DFS-weight): a request that has been overtaken
@@ -13,7 +15,8 @@ Aging (the cache-aware policies, LPM and DFS-weight): a request that has been ov
 all others, oldest first. So a cache-cold request cannot be starved by a stream of
 cache-hot ones: it is overtaken at most `aging_rounds` times. Counting overtakes rather
 than elapsed steps keeps LPM intact while a full decode batch makes everyone wait.
-Sorts are stable, so ties keep queue order.
+Sorts are stable, so ties keep queue order. SGLang 0.5.23 (`order_sglang`) sorts the queue in
+place, so ties keep the last round's order, and has no aging.
 """
 
 from __future__ import annotations
@@ -48,19 +51,62 @@ class SchedulePolicy:
     name: str
     tree: RadixCache
     lpm_fallback_len: int = 128
-    aging_rounds: int = 32
+    aging_rounds: int | None = 32  # None: no aging
+    dfs_weight_fallback: bool = True  # dfs-weight falls back to FCFS like LPM (SGLang: only LPM)
+    dfs_ties_reversed: bool = True  # equally heavy subtrees: newest child first (SGLang: insertion order)
+    sglang_sort: bool = False  # SGLang's calc_priority (see `order_sglang`)
+    deprioritize_tokens: int | None = None  # SGLang's in-batch prefix rule (with sglang_sort); None: off
+    _refreshes: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise ValueError(f"unknown policy {self.name!r}; choose one of {POLICIES}")
 
     def active(self, n_waiting: int) -> str:
-        if self.name in ("lpm", "dfs-weight") and (self.tree.disable or n_waiting > self.lpm_fallback_len):
+        fallback = ("lpm", "dfs-weight") if self.dfs_weight_fallback else ("lpm",)
+        if self.name in ("lpm", "dfs-weight") and self.tree.disable:
+            return "fcfs"
+        if self.name in fallback and n_waiting > self.lpm_fallback_len:
             return "fcfs"
         return self.name
 
+    def order_sglang(self, waiting: list[Req]) -> list[Req]:
+        """SGLang 0.5.23's calc_priority: the caller keeps the returned order as the queue's. The cache-aware
+        policies match each request's whole sequence (LPM ranks by the match clipped to seq_len - 1, DFS goes
+        by the node the match ends at); with `deprioritize_tokens`, a request whose cached prefix is at most
+        that long and that shares at least that many tokens with an earlier such request goes to the end of
+        an LPM queue. FCFS and LOF touch the waiting prefixes' LRU times every 32nd round, head last."""
+        name = self.active(len(waiting))
+        if name in ("fcfs", "lof"):
+            ordered = waiting if name == "fcfs" else sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
+            refresh = self._refreshes % 32 == 0
+            self._refreshes += 1
+            if refresh and not self.tree.disable:
+                for r in reversed(ordered[:128]):
+                    self.tree.match_prefix(r.fill_ids if r.output_ids else r.prompt_ids)
+            return ordered
+        ps, limit = self.tree.page_size, self.deprioritize_tokens
+        seen = RadixCache(1) if limit is not None else None
+        matched: dict[int, int] = {}
+        nodes: dict[int, TreeNode] = {}
+        late: set[int] = set()
+        for r in waiting:
+            key = r.fill_ids if r.output_ids else r.prompt_ids
+            pages, node = self.tree.match_prefix(key)
+            matched[id(r)], nodes[id(r)] = min(len(pages) * ps, r.seq_len - 1), node
+            if seen is not None and limit is not None and len(pages) * ps <= limit:
+                if len(seen.match_prefix(key)[0]) >= limit:
+                    late.add(id(r))
+                else:
+                    seen.insert(key, [0] * len(key))
+        if name == "lpm":
+            return sorted(waiting, key=lambda r: float("inf") if id(r) in late else -matched[id(r)])
+        return self._dfs_weight(waiting, nodes)
+
     def order(self, waiting: list[Req]) -> list[Req]:
         """Return the waiting requests in admission order (does not modify `waiting`)."""
+        if self.sglang_sort:
+            return self.order_sglang(waiting)
         name = self.active(len(waiting))
         if name == "fcfs":
             return waiting
@@ -71,7 +117,7 @@ class SchedulePolicy:
             ordered = sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
         else:
             ordered = self._dfs_weight(waiting)
-        if name == "lof":
+        if name == "lof" or self.aging_rounds is None:
             return ordered
         aged = [r for r in waiting if r.overtaken >= self.aging_rounds]
         if not aged:
@@ -83,11 +129,12 @@ class SchedulePolicy:
     def _match(self, r: Req) -> tuple[list[int], TreeNode]:
         return self.tree.match_prefix(r.fill_ids if r.output_ids else r.prompt_ids, r.seq_len - 1)
 
-    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+    def _dfs_weight(self, waiting: list[Req], matched: dict[int, TreeNode] | None = None) -> list[Req]:
+        """`matched`: id(request) -> the node its match ended at (default: match each now)."""
         at_node: dict[int, list[Req]] = {}
         nodes: dict[int, TreeNode] = {}
         for r in waiting:
-            _, node = self._match(r)
+            node = self._match(r)[1] if matched is None else matched[id(r)]
             at_node.setdefault(id(node), []).append(r)
             nodes[id(node)] = node
         weight: dict[int, int] = {}
@@ -105,6 +152,10 @@ class SchedulePolicy:
                 continue
             stack.append((node, True))
             kids = [c for c in node.children.values() if id(c) in weight]
-            kids.sort(key=lambda c: weight[id(c)])  # the heaviest is pushed last, popped first
+            if self.dfs_ties_reversed:
+                kids.sort(key=lambda c: weight[id(c)])  # the heaviest is pushed last, popped first
+            else:  # heaviest first, ties in the children's insertion order
+                kids.sort(key=lambda c: -weight[id(c)])
+                kids.reverse()
             stack.extend((c, False) for c in kids)
         return out

@@ -2,7 +2,8 @@
 
 Budgets (tokens), as in SGLang's schedule_policy.PrefillAdder:
 
-- input: `max_prefill_tokens` new tokens per batch; the first request may exceed it;
+- input: `max_prefill_tokens` new tokens per batch; the first request may exceed it (SGLang checks a
+  request against it only without chunking: `max_prefill_tokens_with_chunking=False`);
 - chunk: `chunk_size` new tokens per batch; a request whose remaining prompt does not
   fit runs its first (page-aligned) part and is carried to the next round
   (`new_chunked_req`), where `add_chunked_req` puts it first;
@@ -11,7 +12,9 @@ Budgets (tokens), as in SGLang's schedule_policy.PrefillAdder:
   of running and admitted requests; the clip (SGLang's CLIP_MAX_NEW_TOKENS) keeps one
   huge request from reserving the whole pool. When nothing runs and nothing is admitted
   yet, the first request is admitted as long as its pages fit at all, so a small pool
-  never deadlocks.
+  never deadlocks. SGLang 0.5.23's budget differs (`admission_budget="sglang"`, the
+  `*_sglang` methods): new requests reserve in full, the whole remaining prompt plus a page
+  is checked with `<`, no first-request exemption, pages allocated after selection.
 - mixed: `mixed_decode_tokens` decode rows ride along with this batch, so they come off
   the input and chunk budgets first (a mixed batch never exceeds `chunk_size`).
 
@@ -69,7 +72,15 @@ class PrefillAdder:
     source_nodes: list[TreeNode] = field(default_factory=list)
     blocked: Req | None = None  # the request that stopped the last add_waiting without being admitted
     blocked_result: AddResult | None = None  # and why
-    deferred: list[Req] = field(default_factory=list)  # skipped for the in-batch prefix, in order
+    prefix_deferred: list[Req] = field(default_factory=list)  # skipped for the in-batch prefix, in order
+    # admission_budget="sglang" (SGLang 0.5.23's PrefillAdder; see `add_one_req_sglang`)
+    sglang: bool = False
+    chunk_floor: bool = False  # chunk_rule="sglang": a new chunk is floored to a page, refused if that is 0
+    input_check_with_chunking: bool = True  # max_prefill_tokens_with_chunking
+    conservative_eviction: bool = False  # paged: evict for a new page per row before allocating
+    current_offset: int = 0  # sglang: tokens charged to this batch's allocation (extend pages + a page per row)
+    deferred: list = field(default_factory=list)  # sglang: (request, tokens) allocated by `allocate_deferred`
+    full: bool | None = None  # sglang: set when slots or KV ran out (the scheduler's batch_is_full), else None
 
     def __post_init__(self) -> None:
         clip = self.clip_estimate
@@ -153,12 +164,120 @@ class PrefillAdder:
         return self.pool.alloc_for_extend(req, n_tokens)
 
     def chunk_len(self, extend: int) -> tuple[int, bool]:
-        """New tokens to run this round and whether the request is truncated."""
+        """New tokens to run this round and whether the request is truncated (0 tokens: refused, chunk_floor)."""
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             return extend, False
         ps = self.pool.page_size
         n = self.rem_chunk_tokens - self.rem_chunk_tokens % ps
-        return (n if n > 0 else self.rem_chunk_tokens), True
+        return (n if n > 0 or self.chunk_floor else self.rem_chunk_tokens), True
+
+    # -- admission_budget="sglang" ----------------------------------------------
+    def _available_tokens(self) -> int:
+        return (self.pool.num_free + self.tree.evictable_pages + self._kept()) * self.pool.page_size
+
+    def budget_state(self) -> AddResult:
+        """SGLang's budget_state: NO_TOKEN once the KV budget is spent, OTHER once the input or chunk budget is."""
+        avail = self._available_tokens()
+        if avail - self.reserved <= 0 or avail - self.current_offset <= 0:
+            return AddResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddResult.OTHER
+        return AddResult.CONTINUE
+
+    def _charge(self, req: Req, prefix: int, n: int, truncated: bool) -> None:
+        """Admit with SGLang's charges: the page-ceiled extend plus a page of overhead, and (unless truncated)
+        min(max_new_tokens, clip) future tokens in full; pages come later (`allocate_deferred`)."""
+        ps = self.pool.page_size
+        ceiled = cdiv(n, ps) * ps
+        self.reserved += ceiled + ps + (0 if truncated else min(req.max_new_tokens, self.clip_estimate))
+        self.current_offset += ceiled + ps
+        self.rem_input_tokens -= ceiled
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= ceiled
+        self.can_run.append(req)
+        self.prefix_lens.append(prefix)
+        self.extend_lens.append(n)
+        if truncated:
+            self.new_chunked_req = req
+        self.deferred.append((req, n))
+
+    def add_chunked_req_sglang(self, req: Req) -> None:
+        """SGLang's add_chunked_req: the carried request always runs, as much as min(chunk budget, KV budget)
+        allows (the whole chunk budget when the KV budget is spent), not floored to a page."""
+        chunk = self.rem_chunk_tokens
+        assert chunk is not None, "a carried chunked request without chunking"
+        rem = min(chunk, int(self._available_tokens() - self.reserved))
+        rem = rem if rem > 0 else chunk
+        extend = req.seq_len - req.kv_len
+        self._charge(req, req.kv_len, min(extend, rem), extend > rem)
+
+    def add_one_req_sglang(self, req: Req) -> AddResult:
+        """SGLang 0.5.23's add_one_req: the whole remaining prompt plus min(remaining max_new_tokens, clip) plus a
+        page must be < the KV budget (its prefix locked); without chunking (or with `input_check_with_chunking`)
+        a request after the first must be < the input budget; a prompt over the chunk budget runs the budget
+        floored to a page (refused if 0). Returns the budget state after admitting."""
+        ps, tree = self.pool.page_size, self.tree
+        key = req.fill_ids if req.output_ids else req.prompt_ids
+        pages, node = tree.match_prefix(key, req.seq_len - 1)
+        prefix = len(pages) * ps
+        extend = req.seq_len - prefix
+        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), self.clip_estimate)
+        tree.inc_lock_ref(node)  # the prefix is not evictable while the budget is checked (and after)
+        ceiled = cdiv(extend, ps) * ps
+        if not extend + max_new + ps < self._available_tokens() - self.reserved:
+            tree.dec_lock_ref(node)
+            return AddResult.NO_TOKEN
+        if (self.rem_chunk_tokens is None or self.input_check_with_chunking) and self.can_run:
+            if ceiled >= self.rem_input_tokens:
+                tree.dec_lock_ref(node)
+                return AddResult.OTHER
+        n, truncated = extend, False
+        if self.rem_chunk_tokens is not None and ceiled > self.rem_chunk_tokens:
+            n, truncated = self.rem_chunk_tokens // ps * ps, True
+            if n <= 0:
+                tree.dec_lock_ref(node)
+                return AddResult.OTHER
+        req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = list(pages), len(pages), node, prefix
+        req.cache_hit_tokens = min(prefix, req.prompt_len)
+        req.host_hit_tokens = 0
+        self.cache_hit_tokens += prefix
+        self._charge(req, prefix, n, truncated)
+        return self.budget_state()
+
+    def add_waiting_sglang(self, ordered: list[Req]) -> list[Req]:
+        """The waiting loop of SGLang's get_new_batch_prefill: stop when the input or chunk budget is spent,
+        when the request slots are (`full`), or at the first request not admitted (`full` if out of KV
+        while something is admitted or running)."""
+        admitted = []
+        for req in ordered:
+            if self.budget_state() is AddResult.OTHER:
+                break
+            if len(self.can_run) >= self.max_new_reqs:
+                self.full = True
+                break
+            result = self.add_one_req_sglang(req)
+            if self.can_run and self.can_run[-1] is req:
+                admitted.append(req)
+            if result is not AddResult.CONTINUE:
+                if result is AddResult.NO_TOKEN:
+                    self.full = bool(self.can_run) or bool(self.running)
+                break
+        return admitted
+
+    def allocate_deferred(self) -> None:
+        """The pages of the requests `_charge` admitted, all at once after selection (SGLang's alloc_for_extend:
+        evict for the batch's extend tokens -- paged and conservative: plus a page per row -- then allocate)."""
+        pool, ps = self.pool, self.pool.page_size
+        need = sum(n for _, n in self.deferred)
+        if ps > 1 and self.conservative_eviction:
+            need += len(self.deferred) * ps
+        short = need - pool.num_free * ps
+        if short > 0:
+            pool.free(self.tree.evict(cdiv(short, ps)))
+        for req, n in self.deferred:
+            if not self._alloc(req, n):
+                raise RuntimeError(f"{req.rid}: prefill pages do not fit after admission")
+        self.deferred.clear()
 
     def _admit(self, req: Req, prefix: int, n: int, truncated: bool) -> None:
         self.can_run.append(req)
@@ -194,7 +313,7 @@ class PrefillAdder:
             if self.can_run and self.can_run[-1] is req:
                 admitted.append(req)
             elif result is AddResult.DEFERRED:
-                self.deferred.append(req)
+                self.prefix_deferred.append(req)
             else:
                 self.blocked, self.blocked_result = req, result
             if result is not AddResult.CONTINUE and result is not AddResult.DEFERRED:
@@ -230,7 +349,11 @@ class PrefillAdder:
             self._drop_source(source)
             return AddResult.DEFERRED
         n, truncated = self.chunk_len(req.seq_len - prefix)
-        if self.can_run and n > self.rem_input_tokens:
+        if n <= 0 or (
+            self.can_run
+            and n > self.rem_input_tokens
+            and (self.rem_chunk_tokens is None or self.input_check_with_chunking)
+        ):
             self._drop_source(source)
             return AddResult.OTHER
         tree.inc_lock_ref(node)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from minisched.sched.batch import Batch
 from minisched.sched.config import SchedulerConfig
 from minisched.sched.decisions import StepWhy
 from minisched.sched.forks import ForkPages
@@ -39,6 +40,10 @@ class Queues(Protocol):
     step_count: int
     speculator: Speculator | None
     why: StepWhy  # the decisions of the batch being built (decisions.py)
+    batch_is_full: bool
+    last_batch: Batch | None
+
+    def reorder_waiting(self, ordered: list[Req]) -> None: ...
 
     def admit(self, admitted: list[Req], aging: bool) -> None: ...
 
@@ -48,6 +53,8 @@ class Queues(Protocol):
 
     def end(self, req: Req, kv_len: int, status: ReqStatus, reason: FinishReason) -> None: ...
 
-    def retract(self, req: Req, note: str = "", at: int = 0) -> None: ...
+    def retract(self, req: Req, note: str = "", at: int | None = 0, cache: bool = True) -> None: ...
+
+    def reorder_running(self, ordered: list[Req]) -> None: ...
 
     def finished_early(self, req: Req) -> None: ...

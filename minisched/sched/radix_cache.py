@@ -61,6 +61,9 @@ class CachedReq(Protocol):
     last_node: TreeNode | None
 
     @property
+    def prompt_len(self) -> int: ...
+
+    @property
     def fill_ids(self) -> list[int]: ...
 
 
@@ -71,10 +74,17 @@ class PagePool(Protocol):
 
 
 class RadixCache:
-    def __init__(self, page_size: int, disable: bool = False, host: HostTier | None = None) -> None:
+    def __init__(
+        self, page_size: int, disable: bool = False, host: HostTier | None = None, touch_split_tail: bool = False
+    ) -> None:
         self.page_size = page_size
         self.disable = disable
         self.host = host
+        # SGLang stamps a node it walks into before splitting it, so the tail a match or insert splits off
+        # counts as used too (minisched: only the part on the key's path)
+        self.touch_split_tail = touch_split_tail
+        # and a request's cached sequence is split at its prompt's end, so eviction drops the decoded tail first
+        self.split_at_prompt = touch_split_tail
         self._clock = itertools.count(1)
         self.reset()
 
@@ -150,6 +160,8 @@ class RadixCache:
                 return
             m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
+                if self.touch_split_tail:
+                    child.last_access = t
                 child = self._split(child, m)
             child.last_access = t
             yield child
@@ -222,6 +234,8 @@ class RadixCache:
                 return dup
             m = self._match_len(child.key, key, pos, n)
             if m < len(child.key):
+                if self.touch_split_tail:
+                    child.last_access = t
                 child = self._split(child, m)
             child.last_access = t
             given = list(pages[pos // ps : (pos + m) // ps])
@@ -387,9 +401,26 @@ class RadixCache:
         else:
             n_full = req.kv_len // self.page_size
             pool.free(self.insert(req.fill_ids[: n_full * self.page_size], req.page_ids[:n_full]))
+            self._split_at_prompt(req, n_full)
             pool.free(req.page_ids[n_full:])
             if req.last_node is not None:
                 self.dec_lock_ref(req.last_node)
+        req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
+
+    def _split_at_prompt(self, req: CachedReq, n_full: int) -> None:
+        """`split_at_prompt`: walk the request's prompt pages again (SGLang inserts them a second time: the
+        walk's split and LRU stamps are all it changes), so the node holding prompt and decoded tokens is cut
+        at the prompt's last full page."""
+        k = req.prompt_len // self.page_size
+        if self.split_at_prompt and 0 < k < n_full:
+            self.match_prefix(req.fill_ids[: k * self.page_size])
+
+    def release_req(self, req: CachedReq, pool: PagePool) -> None:
+        """Like `cache_finished_req`, but nothing new goes into the tree (SGLang's retraction: the space is
+        needed at once): the pages the tree does not hold already are freed, the lock dropped."""
+        pool.free(req.page_ids[req.n_cached_pages :] if not self.disable else req.page_ids)
+        if req.last_node is not None and not self.disable:
+            self.dec_lock_ref(req.last_node)
         req.page_ids, req.n_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
 
     def cache_unfinished_req(self, req: CachedReq, pool: PagePool, kv_len: int | None = None) -> None:
@@ -403,6 +434,7 @@ class RadixCache:
             return
         key = req.fill_ids[: n_full * ps]
         pool.free(self.insert(key, req.page_ids[:n_full]))
+        self._split_at_prompt(req, n_full)
         pages, node = self.match_prefix(key)
         req.page_ids[:n_full] = pages
         self.inc_lock_ref(node)

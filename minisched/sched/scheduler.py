@@ -123,8 +123,24 @@ class Scheduler:
         self.why = StepWhy(0)  # the decisions of the batch being built (decisions.py)
         self.pool = KVPool(config.num_pages, config.page_size)
         self.forks = ForkPages(self.pool, enabled=config.enable_radix_cache)
-        self.tree = RadixCache(config.page_size, disable=not config.enable_radix_cache, host=host_tier)
-        self.policy = SchedulePolicy(config.policy, self.tree, config.lpm_fallback_len, config.aging_rounds)
+        self.tree = RadixCache(
+            config.page_size,
+            disable=not config.enable_radix_cache,
+            host=host_tier,
+            touch_split_tail=config.lru_rule == "sglang",
+        )
+        self.policy = SchedulePolicy(
+            config.policy,
+            self.tree,
+            config.lpm_fallback_len,
+            config.aging_rounds,
+            dfs_weight_fallback=config.dfs_weight_fallback,
+            dfs_ties_reversed=config.dfs_ties_reversed,
+            sglang_sort=config.policy_sort == "sglang",
+            deprioritize_tokens=config.in_batch_prefix_defer_tokens
+            if config.in_batch_prefix_rule == "sglang"
+            else None,
+        )
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -136,6 +152,9 @@ class Scheduler:
         self.step_count = 0
         self.prefill_rounds = 0  # prefill-only rounds since the last decode
         self.stalled = 0  # consecutive steps with work but no batch
+        # pause_admission_when_full (SGLang's batch_is_full): no prefill is tried until a running request leaves
+        self.batch_is_full = False
+        self.last_batch: Batch | None = None  # the batch built by the previous get_next_batch
         self.num_retracted = 0  # requests retracted for decode room so far (the step stats' sum)
         self.num_preempted = 0  # requests retracted for a more urgent one so far (preemption.py)
         self._finished_early: list[Req] = []  # ended outside resolve, not reported yet
@@ -313,6 +332,7 @@ class Scheduler:
         batch, n_retracted, hits = batch_builder.build(self)
         why.evicted = self.tree.evicted_pages - evicted
         self.journal.build(self.step_count, batch, why, opened)
+        self.last_batch = batch
         if batch is None:
             gated = any(not r.ready for r in self.waiting)  # waiting for a grammar or a prefill: not stuck
             self.stalled = self.stalled + 1 if self.has_work() and not self.in_flight.launched and not gated else 0
@@ -542,6 +562,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif place is Place.RUNNING:
             self.running.remove(req)
+            self.batch_is_full = False  # a request left the running batch: admission may resume
         elif place is Place.CHUNKED:
             self.chunked_req = None
         elif place is Place.LIMBO:
@@ -574,6 +595,18 @@ class Scheduler:
                 req.first_scheduled_time = now
             self._set_status(req, ReqStatus.PREFILLING)
 
+    def reorder_running(self, ordered: list[Req]) -> None:
+        """Keep `ordered` (the running requests, each once) as the running batch's order."""
+        if len(ordered) != len(self.running):
+            raise RuntimeError("reorder_running: not a permutation of the running requests")
+        self.running[:] = ordered
+
+    def reorder_waiting(self, ordered: list[Req]) -> None:
+        """Keep `ordered` (the waiting requests, each once) as the waiting queue's order (SGLang sorts in place)."""
+        if len(ordered) != len(self.waiting):
+            raise RuntimeError("reorder_waiting: not a permutation of the waiting queue")
+        self.waiting[:] = ordered
+
     def take_carried(self) -> Req | None:
         """The carried chunked request, out of its place (this round's batch offers it first), or None."""
         req = self.chunked_req
@@ -603,14 +636,17 @@ class Scheduler:
         self._set_status(req, status, reason.value)
         del self.reqs[req.rid]
 
-    def retract(self, req: Req, note: str = "", at: int = 0) -> None:
-        """Back to the waiting queue, at index `at` (the head by default): its full pages stay cached, the
-        rest are freed. A request of a launched batch (preemption) keeps only its committed K/V; its
-        token is dropped."""
+    def retract(self, req: Req, note: str = "", at: int | None = 0, cache: bool = True) -> None:
+        """Back to the waiting queue, at index `at` (the head by default; None: the end): its full pages stay
+        cached (`cache=False`: only those the tree held already), the rest are freed. A request of a launched
+        batch (preemption) keeps only its committed K/V; its token is dropped."""
         self.unlink(req)
         req.kv_len = self.in_flight.committed_len(req)
         req.pending_ids.clear()
-        self.tree.cache_finished_req(req, self.pool)
+        if cache:
+            self.tree.cache_finished_req(req, self.pool)
+        else:
+            self.tree.release_req(req, self.pool)
         req.num_retractions += 1
         self.num_preempted += note == "preempted"  # preemption.py's note; memory retractions are counted per step
         self._set_status(req, ReqStatus.RETRACTED, note)

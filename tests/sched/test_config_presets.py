@@ -14,9 +14,44 @@ def test_sglang_preset_runs_prefill_first_and_takes_fields():
     assert cfg.max_prefill_rounds_between_decodes is None
     assert (cfg.page_size, cfg.policy) == (1, "lpm")
     assert SchedulerConfig().max_prefill_rounds_between_decodes == 1  # the default keeps alternating rounds
+    # every field the preset sets is a real option whose default differs from it
+    default = SchedulerConfig()
+    for name, value in PRESETS["sglang"].items():
+        assert getattr(cfg, name) == value != getattr(default, name), name
+
+
+def test_rule_options_reject_unknown_values():
+    for name in (
+        "admission_budget",
+        "chunk_rule",
+        "in_batch_prefix_rule",
+        "retraction_rule",
+        "policy_sort",
+        "lru_rule",
+    ):
+        with pytest.raises(ValueError, match=name):
+            SchedulerConfig(**{name: "nope"})
+    with pytest.raises(ValueError, match="retracted_to_tail"):
+        SchedulerConfig(retracted_to_tail=1)
 
 
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         SchedulerConfig.preset("nope")
     assert set(PRESETS) == {"default", "sglang"}
+
+
+def test_cli_sched_profile_sets_the_preset_and_flags_override_it():
+    import argparse
+
+    from minisched.cli.common import engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    engine_args(p)
+    cfg = engine_config(p.parse_args(["--sched-profile", "sglang", "--page-size", "1"])).scheduler
+    assert cfg == SchedulerConfig.preset("sglang", page_size=1, num_pages=None, max_context_len=None)
+    cfg = engine_config(p.parse_args(["--sched-profile", "sglang", "--retraction-rule", "minisched"])).scheduler
+    assert (cfg.retraction_rule, cfg.admission_budget) == ("sglang", "sglang")  # a flag at its default: the profile's
+    cfg = engine_config(p.parse_args(["--sched-profile", "sglang", "--chunk-size", "64"])).scheduler
+    assert (cfg.chunk_size, cfg.retracted_to_tail) == (64, True)
+    assert engine_config(p.parse_args([])).scheduler == SchedulerConfig(num_pages=None, max_context_len=None)
