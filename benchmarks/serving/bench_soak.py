@@ -432,7 +432,7 @@ def summarize(run: Run, args, pages: dict, load: list) -> dict:
     by = lambda rs: {o: sum(r.outcome == o for r in rs) for o in sorted({r.outcome for r in rs})}
     windows = []
     t = 0.0
-    while t < run.end:
+    while t < run.end - 1:  # no sliver of a window past the end
         w = [r for r in recs if t <= r.start < t + args.window]
         ttft = [
             r.first - r.start for r in w if r.stream and r.first is not None and r.outcome in ("ok", "disconnected")
