@@ -37,6 +37,9 @@ def test_two_minutes_of_mixed_traffic_with_a_kill_and_a_stop(tmp_path):
         pytest.skip(f"SmolLM2 not available: {exc}")
     out = tmp_path / "soak.json"
     argv = "--duration 120 --window 30 --warmup 25 --fault-every 45 --faults kill,stop --min-faults 2 --clients 3"
+    # the server's RSS reference is taken at 25 s, still in its warm-up (+4 % by the end of two minutes, where the
+    # 25-minute run stays within +0.3 % after its 60 s warm-up: RESULTS.md): 10 % here
+    argv += " --max-rss-growth 0.10"
     argv += f" --settle 15 --rss-every 2 --recovery-timeout 120 --request-timeout 60 --json {out} --log {tmp_path / 'server.log'}"
     rc = bench_soak().main(argv.split())
     s = json.loads(out.read_text())
@@ -49,7 +52,7 @@ def test_two_minutes_of_mixed_traffic_with_a_kill_and_a_stop(tmp_path):
     assert s["served"] >= 5 and s["bad_json"] == 0 and s["other_4xx"] == 0
     assert s["windows"][-1]["requests"] > s["windows"][-1]["failed"], s["windows"]
     assert s["idle"]["idle"] and s["idle"]["pages_held_by_requests"] == 0, s["idle"]
-    assert s["rss_server"]["growth"] <= 0.05, s["rss_server"]
+    assert s["rss_server"]["growth"] <= 0.10, s["rss_server"]
     # the engine restarts twice in two minutes: its growth is measured when an incarnation lived long enough
     assert s["rss_engine"] is None or s["rss_engine"]["growth"] <= 0.05, s["rss_engine"]
     assert not s["leftover_procs"]
