@@ -63,7 +63,12 @@ def test_choices_come_from_the_owners():
 
 @pytest.mark.parametrize(
     "argv, flag",
-    [("--chunk-size -3", "--chunk-size"), ("--max-running-requests 0", "--max-running-requests"), ("--tp 0", "--tp"), ("--grammar-compile-timeout 0", "--grammar-compile-timeout")],
+    [
+        ("--chunk-size -3", "--chunk-size"),
+        ("--max-running-requests 0", "--max-running-requests"),
+        ("--tp 0", "--tp"),
+        ("--grammar-compile-timeout 0", "--grammar-compile-timeout"),
+    ],
 )
 def test_errors_name_the_flag(argv, flag):
     with pytest.raises(CLIError, match=flag):
