@@ -16,7 +16,7 @@ FLAGS = """--model --device --dtype --backend --page-size --num-pages --mem-frac
 --quantize --pack-weights --no-pack-weights --host-kv-pages --host-kv-write-through --priority-scheduling
 --priority-preemption-threshold --priority-aging-steps --speculative --draft-model --num-draft-tokens
 --spec-max-batch-size --spec-adaptive --no-spec-adaptive --ngram-min-match --ngram-max-match --overlap
---no-overlap --cuda-graph --no-cuda-graph""".split()
+--no-overlap --cuda-graph --no-cuda-graph --grammar-compile-timeout""".split()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def test_values_reach_the_config():
     args = parser().parse_args(
         "--chunk-size 0 --no-radix-cache --mixed-chunk --priority-preemption-threshold -1 --priority-aging-steps 0 "
         "--threads 3 --no-spec-adaptive --overlap --no-pack-weights --policy lpm --dtype bfloat16 "
-        "--max-running-requests 7 --max-prefill-tokens 256 --speculative ngram".split()
+        "--max-running-requests 7 --max-prefill-tokens 256 --speculative ngram --grammar-compile-timeout 2.5".split()
     )
     cfg = engine_config(args)
     s = cfg.scheduler
@@ -47,7 +47,7 @@ def test_values_reach_the_config():
     assert (s.priority_preemption_threshold, s.priority_aging_steps, s.spec_adaptive) == (None, None, False)
     assert (s.policy, s.max_running_requests, s.max_prefill_tokens) == ("lpm", 7, 256)
     assert (cfg.num_threads, cfg.overlap, cfg.pack_weights, cfg.dtype) == (3, True, False, "bfloat16")
-    assert cfg.speculative == "ngram"
+    assert cfg.speculative == "ngram" and cfg.grammar_compile_timeout == 2.5
 
 
 def test_choices_come_from_the_owners():
@@ -63,7 +63,12 @@ def test_choices_come_from_the_owners():
 
 @pytest.mark.parametrize(
     "argv, flag",
-    [("--chunk-size -3", "--chunk-size"), ("--max-running-requests 0", "--max-running-requests"), ("--tp 0", "--tp")],
+    [
+        ("--chunk-size -3", "--chunk-size"),
+        ("--max-running-requests 0", "--max-running-requests"),
+        ("--tp 0", "--tp"),
+        ("--grammar-compile-timeout 0", "--grammar-compile-timeout"),
+    ],
 )
 def test_errors_name_the_flag(argv, flag):
     with pytest.raises(CLIError, match=flag):

@@ -126,6 +126,11 @@ class EngineConfig:
     )
     ngram_min_match: int = flag(2, "speculative: shortest n-gram suffix to look up")
     ngram_max_match: int = flag(4, "speculative: longest n-gram suffix to look up")
+    grammar_compile_timeout: float = flag(  # engine/structured.py: past it the compile process is killed
+        10.0,
+        "seconds one grammar (json_schema, regex, ebnf) may compile; past it its request is a 400 naming "
+        "this option and its compile process is replaced",
+    )
     scheduler: SchedulerConfig = field(default_factory=default_scheduler)
 
     def __post_init__(self) -> None:
@@ -193,6 +198,10 @@ class EngineConfig:
         )
         if self.speculative == "draft" and self.tp != 1:
             raise ValueError("a draft model with tensor parallelism is not supported (speculative='ngram' is)")
+        need(
+            is_real(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0,
+            f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout!r}",
+        )
         need(isinstance(self.scheduler, SchedulerConfig), "scheduler must be a SchedulerConfig")
         if self.quantize != "none" and self.tp != 1:
             raise ValueError("quantize with tensor parallelism is not supported (the ranks shard fp32 weights)")

@@ -86,7 +86,9 @@ class Engine:
         # while one runs, outputs identical. Default: on for CUDA, off for CPU (benchmarks/RESULTS.md).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._overlap = OverlapLoop(self.scheduler, self.runner) if self.overlap else None
-        self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.cfg.vocab_size, self.tokenizer.eos_token_id, timeout=config.grammar_compile_timeout
+        )
         self._ids = itertools.count()
         # n > 1: each choice's shared-prefill request, and the choices still live per prefill, so
         # that aborting a prompt's last choice aborts its prefill too (else it runs on for nobody)

@@ -2,7 +2,7 @@
 
 - `GrammarCompiler.submit(grammar)` compiles a request's `Grammar` (JSON schema -- compact,
   without free whitespace --, any JSON, regex, EBNF) against the model's vocabulary in a compile
-  process (grammar_worker.py; killed past `COMPILE_TIMEOUT`) and returns a future. The request
+  process (grammar_worker.py; killed past `timeout`, the engine's `grammar_compile_timeout`) and returns a future. The request
   waits in the scheduler's queue with that future as its gate (`Req.gate`): it holds no
   admission slot and no page until the grammar is ready (SGLang's grammar queue); a grammar that
   fails to compile ends it with an error (the HTTP side already rejected what does not parse).
@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import logging
@@ -47,7 +48,8 @@ def _xgrammar():
     return xgrammar
 
 
-COMPILE_TIMEOUT = 10.0  # seconds: a grammar that does not compile within it ends its request (a 400)
+TIMEOUT_OPTION = "--grammar-compile-timeout"  # EngineConfig.grammar_compile_timeout, named in the error
+COMPILE_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds (/metrics histogram)
 COMPILE_WORKERS = 2  # compile processes: one slow grammar leaves the other free for the rest
 GRAMMAR_FAILED = "the grammar failed to compile"  # the start of such a request's error (serve: a 400)
 _WORKER = Path(__file__).with_name("grammar_worker.py")
@@ -75,7 +77,7 @@ class _Worker:
             raise RuntimeError("the grammar compile worker has no stdout pipe")
         ready, _, _ = select.select([out], [], [], timeout)
         if not ready:
-            raise GrammarTimeout(f"it did not compile within {timeout:g} s")
+            raise GrammarTimeout(f"it did not compile within {timeout:g} s (the engine's {TIMEOUT_OPTION})")
         got = grammar_worker.read_frame(out)
         if got is None:
             raise RuntimeError(f"the compile worker died (exit status {self.proc.wait()})")
@@ -99,7 +101,7 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_id: Optional[int],
         *,
-        timeout: float = COMPILE_TIMEOUT,
+        timeout: float = 10.0,  # EngineConfig.grammar_compile_timeout's default
         workers: int = COMPILE_WORKERS,
         cache_size: int = 64,
     ):
@@ -114,6 +116,8 @@ class GrammarCompiler:
         self.compiled = 0  # grammars compiled (cache hits not counted)
         self.timeouts = 0
         self.compile_seconds = 0.0
+        # compiles that returned (compiled or refused by xgrammar) per COMPILE_TIME_BUCKETS bound, the last past them all
+        self.compile_time_counts = [0] * (len(COMPILE_TIME_BUCKETS) + 1)
 
     def _tokenizer_info(self):
         with self._lock:
@@ -148,8 +152,10 @@ class GrammarCompiler:
             self._top_up()  # its successor starts now, not when the next grammar comes
             raise
         self._idle.put(worker)
+        took = time.monotonic() - t0
         with self._lock:
-            self.compile_seconds += time.monotonic() - t0
+            self.compile_seconds += took
+            self.compile_time_counts[bisect.bisect_left(COMPILE_TIME_BUCKETS, took)] += 1
         if status == "error":
             raise RuntimeError(payload)
         compiled = _xgrammar().CompiledGrammar.deserialize_json(payload, info)

@@ -57,7 +57,7 @@ class EngineLoop:
         self.static_batch = static_batch
         self.keep_history = keep_history
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.stats = Stats(pages_total=engine.sched_config.num_pages, pages_free=engine.sched_config.num_pages)
+        self.stats = Stats()
         self.invariant_errors: list[str] = []
         self._live: dict[str, tuple[Any, Sink, int]] = {}  # rid -> (Req, sink, tokens published)
         self._held: collections.deque = collections.deque()  # static batching: (rids, ids, sampling, sinks)
@@ -67,6 +67,7 @@ class EngineLoop:
         self._stopped = False  # set by the engine thread as it ends
         self._step_started: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name="minisched-engine", daemon=True)
+        self._update_stats(step=False)  # /metrics from the start: the pool's and the host tier's sizes
 
     # -- any thread -----------------------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -308,6 +309,7 @@ class EngineLoop:
             grammar_compiles=grammars.compiled,
             grammar_compile_timeouts=grammars.timeouts,
             grammar_compile_seconds=grammars.compile_seconds,
+            grammar_compile_time_counts=tuple(grammars.compile_time_counts),
         )
 
 

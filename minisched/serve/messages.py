@@ -67,3 +67,4 @@ class Stats:
     grammar_compiles: int = 0  # grammars compiled (cache hits not counted)
     grammar_compile_timeouts: int = 0
     grammar_compile_seconds: float = 0.0
+    grammar_compile_time_counts: tuple[int, ...] = ()  # per engine/structured.py's COMPILE_TIME_BUCKETS bound

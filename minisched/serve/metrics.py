@@ -5,7 +5,8 @@ Two sources, neither of which touches the engine from the HTTP side:
 - the engine loop's `Stats` snapshot (replaced after every step), read at scrape time by a
   custom collector: running / waiting requests, KV pages used / cached / evictable / free,
   retractions (memory) and preemptions (priority), speculative drafted / accepted tokens, the
-  host tier's loads / write-backs / drops, grammar compiles, timeouts and seconds, engine steps;
+  host tier's loads / write-backs / drops, grammar compiles, timeouts and seconds, a histogram of
+  compile times, engine steps;
 - the HTTP side's own observations at each request's end: TTFT, TPOT (time per output token
   after the first), e2e latency (histograms, seconds, measured from the request's arrival at
   the server), prompt / cached / generated tokens, requests by finish reason, 429s.
@@ -18,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from minisched.engine.structured import COMPILE_TIME_BUCKETS
 from minisched.serve.messages import Stats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -74,10 +76,27 @@ class _EngineCollector:
             ("minisched_grammar_compile_seconds", "seconds spent compiling grammars", s.grammar_compile_seconds),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield _histogram(
+            "minisched_grammar_compilation_time_seconds",  # SGLang's sglang:grammar_compilation_time_seconds
+            "seconds each grammar compile took (compiled or refused; timeouts are counted apart)",
+            COMPILE_TIME_BUCKETS,
+            s.grammar_compile_time_counts,
+            s.grammar_compile_seconds,
+        )
         yield CounterMetricFamily("minisched_engine_steps", "engine steps", value=s.steps)
         yield CounterMetricFamily(
             "minisched_engine_loop_errors", "failed steps and loop errors survived", value=s.step_errors
         )
+
+
+def _histogram(name: str, doc: str, bounds, counts, total: float) -> HistogramMetricFamily:
+    """A histogram from per-bucket counts (the last one past every bound) kept by the engine."""
+    counts = list(counts) or [0] * (len(bounds) + 1)
+    cumulative, running = [], 0
+    for le, c in zip([*map(str, bounds), "+Inf"], counts):
+        running += c
+        cumulative.append((le, running))
+    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
 
 
 class ServerMetrics:

@@ -350,7 +350,9 @@ class EnginePool:
         live = [s.client.stats for s in self.slots if s.client is not None and s.client.alive]
         if not live:
             return Stats()
-        total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(Stats) if f.name != "time"}
+        total = {
+            f.name: _sum([getattr(s, f.name) for s in live]) for f in dataclasses.fields(Stats) if f.name != "time"
+        }
         return Stats(**total)
 
     def collectors(self) -> list:
@@ -380,6 +382,14 @@ class EnginePool:
         if s.why or (not r.alive and r.error):
             out["error"] = s.why or r.error
         return out
+
+
+def _sum(values: list) -> Any:
+    """Replicas' values of one Stats field summed: numbers, or tuples of counts element by element."""
+    if values and isinstance(values[0], tuple):
+        width = max(map(len, values))
+        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+    return sum(values)
 
 
 class ReplicaCollector:

@@ -228,8 +228,7 @@ def test_a_json_body_of_many_prompts_is_answered_quickly_when_refused(small_serv
 def test_a_slow_grammar_is_a_400_and_does_not_stall_the_others():
     """xgrammar compiles this 56 kB schema for half a minute or more: bounded by the compile timeout
     (its worker process killed), while a trivial grammar beside it compiles on the other worker."""
-    engine = Engine("dummy:tiny", num_pages=128)
-    engine.grammars.timeout = 3.0
+    engine = Engine("dummy:tiny", num_pages=128, grammar_compile_timeout=3.0)
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
     slow = completion(response_format={"type": "json_schema", "json_schema": {"schema": schema}}, max_tokens=4)
     quick = completion(regex="(cat|dog)", max_tokens=4, temperature=0)
@@ -257,9 +256,29 @@ def test_a_slow_grammar_is_a_400_and_does_not_stall_the_others():
         assert quick_s < 2.5, quick_s  # not behind the slow one
         t.join(60)
         err = error_of(out["slow"], 400)
-        assert "did not compile within 3 s" in err["message"], err
+        assert "did not compile within 3 s (the engine's --grammar-compile-timeout)" in err["message"], err
         assert out["slow_s"] < 3.0 + 5.0
         again = completion(regex="(ant|bee)", max_tokens=4, temperature=0)  # compiled again, by the workers left
         r = httpx.post(live.url + "/v1/completions", json=again, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("ant", "bee")
     print(f"\nquick grammar beside a slow one: {quick_s:.2f} s; slow one refused after {out['slow_s']:.2f} s")
+
+
+def test_a_tiny_compile_timeout_is_a_400_naming_the_option_and_the_compiler_serves_on():
+    """`grammar_compile_timeout` (the engine's --grammar-compile-timeout): a grammar past it is a 400
+    that names the option, counted in /metrics; the next grammar compiles at once."""
+    engine = Engine("dummy:tiny", num_pages=128, grammar_compile_timeout=0.5)
+    assert engine.grammars.timeout == 0.5
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}  # ~30 s
+    slow = completion(response_format={"type": "json_schema", "json_schema": {"schema": schema}}, max_tokens=4)
+    with running_server(engine) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        warm = c.post("/v1/completions", json=completion(regex="(cat|dog)", max_tokens=4, temperature=0))
+        assert warm.status_code == 200, warm.text  # the workers are up: the timeout bounds the compile only
+        t0 = time.monotonic()
+        err = error_of(c.post("/v1/completions", json=slow), 400)
+        assert "--grammar-compile-timeout" in err["message"] and "0.5 s" in err["message"], err
+        assert time.monotonic() - t0 < 0.5 + 5.0
+        r = c.post("/v1/completions", json=completion(regex="(cow|pig)", max_tokens=4, temperature=0))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("cow", "pig"), r.text
+        text = c.get("/metrics").text
+        assert "minisched_grammar_compile_timeouts_total 1.0" in text, text
