@@ -204,7 +204,14 @@ def prefill_batch_sglang(sched: Queues) -> tuple[Batch | None, int, PrefillAdder
     if carried is not None:
         adder.add_chunked_req_sglang(carried)
     if sched.waiting and (cfg.chunk_rule == "sglang" or adder.new_chunked_req is None):
-        admitted = adder.add_waiting_sglang([r for r in ordered if r.ready])
+        ready = []
+        for r in ordered:
+            if r.ready:
+                ready.append(r)
+            else:
+                sched.why.skip(r, not_ready(r))
+        admitted = adder.add_waiting_sglang(ready)
+        note_waiting(sched, adder, ready)
         if admitted:
             sched.admit(admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs")
     if pause and adder.full is not None:

@@ -249,15 +249,20 @@ class PrefillAdder:
         when the request slots are (`full`), or at the first request not admitted (`full` if out of KV
         while something is admitted or running)."""
         admitted = []
+        self.blocked = self.blocked_result = None
         for req in ordered:
             if self.budget_state() is AddResult.OTHER:
+                self.blocked, self.blocked_result = req, AddResult.OTHER
                 break
             if len(self.can_run) >= self.max_new_reqs:
                 self.full = True
+                self.blocked, self.blocked_result = req, AddResult.OTHER
                 break
             result = self.add_one_req_sglang(req)
             if self.can_run and self.can_run[-1] is req:
                 admitted.append(req)
+            elif result is not AddResult.CONTINUE:
+                self.blocked, self.blocked_result = req, result
             if result is not AddResult.CONTINUE:
                 if result is AddResult.NO_TOKEN:
                     self.full = bool(self.can_run) or bool(self.running)

@@ -124,3 +124,22 @@ def test_a_journal_without_its_beginning_is_refused():
         replay(journal[5:])
     with pytest.raises(JournalError, match="unknown op"):
         replay([journal[0], {"op": "teleport"}])
+
+
+def test_the_sglang_profile_replays_identically_and_records_its_decisions():
+    cfg = SchedulerConfig.preset("sglang", page_size=4, num_pages=24, max_context_len=256, chunk_size=16)
+    runner = FakeRunner(cfg.num_pages, cfg.page_size, VOCAB)
+    sched = Scheduler(cfg)
+    shared = [(i * 7) % VOCAB for i in range(24)]
+    for step in range(300):
+        if step < 30 and step % 2 == 0:
+            i = step // 2
+            sp = SamplingParams(max_new_tokens=20 + (i * 7) % 40, stop_token_ids=(3,))
+            sched.add_request(f"r{i}", shared[: 8 + i % 16] + [i, i + 1, i + 2] * (1 + i % 5), sp)
+        sched.step(runner)
+    run(sched, runner)
+    journal = json.loads(json.dumps(list(sched.records().journal)))
+    whys = [e.get("why", {}) for e in journal if e["op"] == "build"]
+    assert any(w.get("admitted") for w in whys) and any(w.get("stopped") for w in whys)
+    result = replay(journal)
+    assert result.identical, result.divergence
