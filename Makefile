@@ -78,7 +78,7 @@ router-env: $(ROUTER_OK)
 
 test: $(EXT)
 	-@$(MAKE) --no-print-directory router-env || echo "sglang-router not installed: tests/serve/test_fleet.py will skip"
-	MINISCHED_SGLANG_ROUTER=$(ROUTER_VENV)/bin/python $(PYTEST) tests
+	MINISCHED_SGLANG_ROUTER=$(ROUTER_VENV)/bin/python $(PYTEST) --durations=30 tests
 
 test-fast: $(EXT)
 	$(PYTEST) tests -m "not slow"
