@@ -19,6 +19,9 @@ Pure Python.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import Any
+
 from minisched.base.values import cdiv
 from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
@@ -56,6 +59,24 @@ def build(sched: Queues) -> tuple[Batch | None, int, int]:
     return batch, n_retracted, hits
 
 
+def new_adder(sched: Queues, **rules: Any) -> PrefillAdder:
+    """This round's PrefillAdder over the scheduler's pool, cache and budgets; `rules`: the path's own fields."""
+    cfg = sched.config
+    return PrefillAdder(
+        pool=sched.pool,
+        tree=sched.tree,
+        new_token_ratio=sched.new_token_ratio,
+        rem_input_tokens=cfg.max_prefill_tokens,
+        rem_chunk_tokens=cfg.chunk_size,
+        max_new_reqs=cfg.max_running_requests - len(sched.running),
+        running=sched.running,
+        clip_estimate=cfg.clip_max_new_tokens_estimation,
+        forks=sched.forks,
+        input_check_with_chunking=cfg.max_prefill_tokens_with_chunking,
+        **rules,
+    )
+
+
 def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None]:
     """(the prefill batch or None, prefix tokens its admitted requests reuse)."""
     cfg, why = sched.config, sched.why
@@ -80,21 +101,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
     if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
         defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
     mixed = len(sched.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
-    adder = PrefillAdder(
-        pool=sched.pool,
-        tree=sched.tree,
-        new_token_ratio=sched.new_token_ratio,
-        rem_input_tokens=cfg.max_prefill_tokens,
-        rem_chunk_tokens=cfg.chunk_size,
-        max_new_reqs=cfg.max_running_requests - len(sched.running),
-        running=sched.running,
-        clip_estimate=cfg.clip_max_new_tokens_estimation,
-        mixed_decode_tokens=mixed,
-        defer=defer,
-        forks=sched.forks,
-        chunk_floor=cfg.chunk_rule == "sglang",
-        input_check_with_chunking=cfg.max_prefill_tokens_with_chunking,
-    )
+    adder = new_adder(sched, mixed_decode_tokens=mixed, defer=defer, chunk_floor=cfg.chunk_rule == "sglang")
     carried = sched.take_carried()
     if carried is not None and not adder.add_chunked_req(carried):
         why.no_prefill = Reason.CARRIED_FIRST.value
@@ -104,14 +111,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
     if (adder.new_chunked_req is None or cfg.chunk_rule == "sglang") and sched.waiting:
         # a request preempted while its row is in a launched batch waits for that batch to resolve
         busy = sched.in_flight.launched_rows() if sched.in_flight.launched and prio else ()
-        ready = []
-        for r in sched.policy.order(sched.waiting):
-            if not r.ready:
-                why.skip(r, not_ready(r))
-            elif id(r) in busy:
-                why.skip(r, Reason.BUSY)
-            else:
-                ready.append(r)
+        ready = ready_requests(sched, sched.policy.order(sched.waiting), busy)
         if prio:
             ready = preemption.order(ready, sched.step_count, cfg.priority_aging_steps)
         admitted = adder.add_waiting(ready)
@@ -144,6 +144,20 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         free_after=adder.free_after,
     )
     return batch, adder.cache_hit_tokens, adder
+
+
+def ready_requests(sched: Queues, ordered: list[Req], busy: Collection[int] = ()) -> list[Req]:
+    """The requests that may be offered, in order; the others are noted with why they wait (`busy`: ids of
+    preempted requests whose rows are still in a launched batch)."""
+    ready = []
+    for r in ordered:
+        if not r.ready:
+            sched.why.skip(r, not_ready(r))
+        elif id(r) in busy:
+            sched.why.skip(r, Reason.BUSY)
+        else:
+            ready.append(r)
+    return ready
 
 
 def note_waiting(sched: Queues, adder: PrefillAdder, ready: list[Req]) -> None:
@@ -185,31 +199,17 @@ def prefill_batch_sglang(sched: Queues) -> tuple[Batch | None, int, PrefillAdder
     if cfg.policy_sort == "sglang":
         sched.reorder_waiting(ordered)
         ordered = list(sched.waiting)
-    adder = PrefillAdder(
-        pool=sched.pool,
-        tree=sched.tree,
-        new_token_ratio=sched.new_token_ratio,
-        rem_input_tokens=cfg.max_prefill_tokens,
-        rem_chunk_tokens=cfg.chunk_size,
-        max_new_reqs=cfg.max_running_requests - len(sched.running),
-        running=sched.running,
-        clip_estimate=cfg.clip_max_new_tokens_estimation,
-        forks=sched.forks,
+    adder = new_adder(
+        sched,
         sglang=True,
         chunk_floor=True,
-        input_check_with_chunking=cfg.max_prefill_tokens_with_chunking,
         conservative_eviction=cfg.conservative_eviction,
     )
     carried = sched.take_carried()
     if carried is not None:
         adder.add_chunked_req_sglang(carried)
     if sched.waiting and (cfg.chunk_rule == "sglang" or adder.new_chunked_req is None):
-        ready = []
-        for r in ordered:
-            if r.ready:
-                ready.append(r)
-            else:
-                sched.why.skip(r, not_ready(r))
+        ready = ready_requests(sched, ordered)
         admitted = adder.add_waiting_sglang(ready)
         note_waiting(sched, adder, ready)
         if admitted:
