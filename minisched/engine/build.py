@@ -158,7 +158,7 @@ def _build(
         graphs.capture()
     host_tier, mover = None, None  # the host KV tier under the radix cache (engine/kv_tier.py)
     if config.host_kv_pages:
-        mover = HostKVMover(kv_cache, backend)
+        mover = HostKVMover(kv_cache, backend, config.host_kv_pages)
         host_tier = HostTier(config.host_kv_pages, mover, write_through=config.host_kv_write_through)
     runner = ModelRunner(
         model,

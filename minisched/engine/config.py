@@ -109,7 +109,7 @@ class EngineConfig:
     host_kv_pages: int = flag(  # engine/kv_tier.py
         0,
         "a host-memory KV tier of this many pages under the radix cache: evicted prefixes go there and "
-        "come back on a match instead of being recomputed (0: off)",
+        "come back on a match instead of being recomputed; allocated whole at start (0: off)",
     )
     host_kv_write_through: bool = flag(
         False, "copy each new cached prefix to the host tier at once (default: on eviction, write-back)"

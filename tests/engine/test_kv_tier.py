@@ -49,6 +49,10 @@ def test_greedy_same_with_the_tier_on_and_off(tiny, overlap, page_size, num_page
             st = engine.host_tier.stats
             assert st.write_backs > 0 and st.loads > 0, "the pool was meant to be too small for the chats"
             assert computed[host] < computed[0]
+            mover = engine.runner.kv_mover
+            assert len(mover.free_slots) == host - engine.host_tier.used  # the slots follow the accounting
+            engine.scheduler.flush_cache()
+            assert engine.host_tier.used == 0 and sorted(mover.free_slots) == list(range(host))
 
 
 def test_a_failed_step_after_a_load_back_leaves_the_cache_right(tiny, monkeypatch):
@@ -83,3 +87,34 @@ def test_the_tier_needs_the_plain_runner():
         EngineConfig(host_kv_pages=10, tp=2)
     with pytest.raises(ValueError, match="host_kv_pages"):
         EngineConfig(host_kv_pages=-1)
+
+
+def test_the_host_pool_is_allocated_whole_and_its_slots_round_trip():
+    """The pool is resident from the start (zero-filled, not grown as the tier fills: a server's RSS does
+    not creep by the tier's size); a copy lands in free slots and comes back bit-exact into other pages;
+    split and free give the slots back; more pages than slots is a clear error."""
+    import torch
+
+    from minisched.engine.kv_tier import HostKVMover
+
+    torch.manual_seed(0)
+    kv = torch.randn(2, 2, 10, 4, 3, 8)  # [L, 2, pages, page_size, Hkv, D]
+    mover = HostKVMover(kv, "native", 6)
+    assert mover.pool.shape == (2, 2, 6, 4, 3, 8) and mover.pool.is_contiguous()
+    assert torch.count_nonzero(mover.pool) == 0
+    want = kv[:, :, [7, 2, 5]].clone()
+    handle = mover.to_host([7, 2, 5])
+    assert len(handle) == 3 and len(mover.free_slots) == 3
+    kv[:, :, [7, 2, 5]] = float("nan")  # the device pages are reused
+    first, rest = mover.split(handle, 1)
+    mover.to_device(first, [0])
+    mover.to_device(rest, [8, 9])
+    assert torch.equal(kv[:, :, [0, 8, 9]], want)
+    mover.free(first)
+    mover.free(rest)
+    assert sorted(mover.free_slots) == list(range(6))
+    mover.to_host([1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match="host KV pool: 3 pages do not fit"):
+        mover.to_host([5, 6, 7])
+    with pytest.raises(ValueError, match="capacity_pages >= 1"):
+        HostKVMover(kv, "native", 0)
