@@ -271,6 +271,7 @@ class ModelRunner:
         self.forward_time += took
         if tuner is not None:
             tuner.after_step(job.num_tokens, took)
+        out.seconds = took  # the speculator's step-cost model (sched/spec_cost.py) learns from it
         return out
 
     def _run_forward(self, job: ForwardJob) -> torch.Tensor:

@@ -28,7 +28,9 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   many steps since its arrival, so none starves (None: no aging). sched/preemption.py.
 - Speculative decoding (with a drafter, sched/spec.py): `num_draft_tokens` (4) drafts per request
   at most, adapted per request when `spec_adaptive`; no drafting with more than
-  `spec_max_batch_size` (8) running requests.
+  `spec_max_batch_size` (8) running requests; with `spec_cost_model` (True) a step keeps only the drafts
+  a step-cost model fitted on the machine's own steps expects to pay for (sched/spec_cost.py: on a CPU
+  a verify row past the weight-bandwidth bound costs more than free chat's drafts give back).
 - Presets (`SchedulerConfig.preset(name)`, `PRESETS`, `--sched-profile`): "default" is the above;
   "sglang" makes every decision SGLang 0.5.23's code makes, as benchmarks/sched/diff_sglang.py
   measures it (0 differing steps on 4,000 traces): prefill always first, no aging, and the rule
@@ -173,6 +175,12 @@ class SchedulerConfig:
     spec_adaptive: bool = flag(
         True, "speculative: adapt each request's draft length to what it accepts, pausing it when nothing is"
     )
+    spec_cost_model: bool = flag(
+        True,
+        "speculative: draft only the tokens a step-cost model fitted on this machine's steps expects to pay",
+        name="--no-spec-cost-model",
+        negate=True,
+    )
 
     @classmethod
     def preset(cls, name: str, **fields: Any) -> SchedulerConfig:
@@ -217,6 +225,7 @@ class SchedulerConfig:
             need(v is None or (is_int(v) and v >= 1), f"{name} must be None or an int >= 1")
         need(isinstance(self.priority_scheduling, bool), "priority_scheduling must be a bool")
         need(isinstance(self.spec_adaptive, bool), "spec_adaptive must be a bool")
+        need(isinstance(self.spec_cost_model, bool), "spec_cost_model must be a bool")
         v = self.priority_preemption_threshold
         need(v is None or (is_int(v) and v >= 0), "priority_preemption_threshold must be None or an int >= 0")
         v = self.priority_aging_steps

@@ -9,16 +9,18 @@ One JSON-ready dict per entry, `op` first:
     build       step, opened (the gated requests whose grammar was found compiled at its start), the
                 batch (mode, rids, prefix, extend, drafts; or none) and its reasons (why: decisions.StepWhy), t
     launch      t
-    resolve     tokens (one per row), more (a verify step's accepted tokens per row, or absent), idle (no
-                work was left after it: the time to the next build was not the step's), t
+    resolve     tokens (one per row), more (a verify step's accepted tokens per row, or absent), secs (the
+                measured forward of a decode or verify step, when the runner timed it: an input of the
+                speculator's cost model, spec_cost.py), idle (no work was left after it: the time to the
+                next build was not the step's), t
     stop        rid, n: the stop checker ended it after n output tokens (raised: it raised, message)
     fail        message: a step failed (fail_in_flight)
     fail_waiting rid, message: a waiting request failed (its grammar did not compile)
     flush       the radix cache was emptied
 
-The inputs (add, abort, launch, resolve with its tokens, stop, fail, fail_waiting, flush, and which
-gated requests were ready at each build) determine every decision: the scheduler's rules use no
-clock and no randomness (the radix cache's LRU runs on a logical clock). So `replay.py` re-drives a
+The inputs (add, abort, launch, resolve with its tokens and timing, stop, fail, fail_waiting, flush, and which
+gated requests were ready at each build) determine every decision: the scheduler's rules read no
+clock (a step's measured seconds reach it as an input) and no randomness (the radix cache's LRU runs on a logical clock). So `replay.py` re-drives a
 fresh Scheduler from a journal and checks that every entry it writes equals the recorded one. Times
 (`t`, time.monotonic()) are for the what-if model and the explanations, never compared.
 
@@ -107,11 +109,13 @@ class Journal:
             entry["why"] = why_d
         self.append(entry)
 
-    def resolve(self, tokens: list[int], more: list[list[int]] | None) -> dict:
+    def resolve(self, tokens: list[int], more: list[list[int]] | None, seconds: float | None = None) -> dict:
         """The entry, which the scheduler marks `idle` if no work is left after it."""
         entry: dict[str, Any] = {"op": "resolve", "tokens": tokens, "t": time.monotonic()}
         if more is not None:
             entry["more"] = more
+        if seconds is not None:
+            entry["secs"] = seconds
         self.append(entry)
         return entry
 

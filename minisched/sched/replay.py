@@ -191,8 +191,12 @@ def replay(entries: Sequence[dict], overrides: dict | None = None) -> ReplayResu
             elif op == "resolve":
                 if not launched:
                     return _diverged(sched, i, e, None, everyone)
-                more = e.get("more")
-                out = StepOutput(tokens=list(e["tokens"]), more_tokens=more) if more is not None else list(e["tokens"])
+                more, secs = e.get("more"), e.get("secs")
+                out = (
+                    StepOutput(tokens=list(e["tokens"]), more_tokens=more, seconds=secs)
+                    if more is not None or secs is not None
+                    else list(e["tokens"])
+                )
                 sched.resolve(launched.popleft(), out)
             elif op == "fail":
                 sched.fail_in_flight(e.get("message", ""))

@@ -162,7 +162,13 @@ class Scheduler:
         self.speculator = (  # speculative decoding (spec.py): drafts verified in VERIFY batches
             None
             if drafter is None
-            else Speculator(drafter, config.num_draft_tokens, config.spec_max_batch_size, config.spec_adaptive)
+            else Speculator(
+                drafter,
+                config.num_draft_tokens,
+                config.spec_max_batch_size,
+                config.spec_adaptive,
+                cost_model=config.spec_cost_model,
+            )
         )
         self._num_arrivals = 0
         self._closed_gates: list[Req] = []  # waiting requests whose gate has not opened yet
@@ -401,9 +407,12 @@ class Scheduler:
         out = next_token_ids
         more = out.more_tokens if isinstance(out, StepOutput) else None
         tokens = out.tokens if isinstance(out, StepOutput) else out
+        seconds = out.seconds if isinstance(out, StepOutput) and batch.num_decode == batch.batch_size else None
         entry = self.journal.resolve(
-            [int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more]
+            [int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more], seconds
         )
+        if seconds is not None and self.speculator is not None:  # a decode or verify step's cost (spec_cost.py)
+            self.speculator.observe_step(batch.num_tokens, seconds)
         finished, self._finished_early = self._finished_early, []
         try:
             self._apply(batch, next_token_ids, finished)

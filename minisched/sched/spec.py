@@ -25,6 +25,9 @@ accepted run are read from the target's logits at its positions (`StepOutput.mor
   that accepted `a` of `d` drafts the next draft length is `a + 1` (all accepted: one more, up to
   `num_draft_tokens`); two verifies in a row that accept nothing turn the request's drafting off
   for 8 steps, doubling up to 256 while it keeps failing. Drafts that do not fit the pool are cut.
+- Does it pay (`worth`, spec_cost.py)? The proposed drafts are cut to what a step-cost model fitted
+  on the machine's own decode and verify steps expects to pay for, from each request's running
+  acceptance estimate: at one stream on a CPU extra rows are almost free, at eight they are not.
 - Pages: a verify row needs pages for `kv_len + 1 + k_b` tokens (whole pages, from the free list,
   evicting the radix cache if needed; never a retraction), allocated before drafting (a draft
   model writes its K/V there; pages a shorter draft does not need go back at once). After the
@@ -48,11 +51,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from minisched.sched.req import Req
+from minisched.sched.spec_cost import StepCost, choose
 
 SPECULATIVE = ("ngram", "draft")  # prompt lookup here; a draft model: engine/draft.py
 MISSES_TO_PAUSE = 2  # verifies in a row that accept nothing before a request stops drafting for a while
 PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 256
-PROBE_EVERY = 32  # overlap: a plain decode is drained this often to let drafting try again
+PROBE_EVERY = 32  # overlap: a plain decode is drained this often to let drafting try again; the cost model
+# keeps every draft of such a step, so acceptance and the verify rows' cost keep being measured
+EWMA = 0.25  # how fast an acceptance estimate forgets older verifies
+PRIOR_ACCEPTANCE = 0.5  # before any verify: a draft token kept half the time
 
 
 class Drafter(Protocol):
@@ -108,6 +115,7 @@ class SpecStats:
     draft_tokens: int = 0  # proposed and verified
     accepted_tokens: int = 0  # drafts the target agreed with
     emitted_tokens: int = 0  # tokens verify steps produced (accepted + one per drafted row)
+    declined_tokens: int = 0  # proposed drafts the cost model dropped (spec_cost.py)
 
 
 @dataclass
@@ -117,6 +125,8 @@ class _State:
     pause: int = 0  # steps left without drafting
     backoff: int = PAUSE_STEPS
     hot: bool = True  # the last verify accepted something (or none ran yet)
+    kept: float = 0.0  # decayed sums of drafts kept and of drafts tested (kept + the first rejected, if any):
+    tested: float = 0.0  # their ratio estimates a draft token's chance to be kept, given those before it were
 
 
 def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
@@ -129,12 +139,21 @@ def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, num_draft_tokens: int, max_batch_size: int, adaptive: bool = True) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        num_draft_tokens: int,
+        max_batch_size: int,
+        adaptive: bool = True,
+        cost_model: bool = False,
+    ) -> None:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.max_batch_size = max_batch_size
         self.adaptive = adaptive
         self.stats = SpecStats()
+        self.cost = StepCost() if cost_model else None  # spec_cost.py: do a step's drafts pay?
+        self.kept, self.tested = PRIOR_ACCEPTANCE, 1.0  # all rows' (as _State's): a new request's first guess
         self._state: weakref.WeakKeyDictionary[Req, _State] = weakref.WeakKeyDictionary()
 
     def _get(self, req: Req) -> _State:
@@ -177,9 +196,12 @@ class Speculator:
         s.draft_tokens += drafted
         s.accepted_tokens += accepted
         s.emitted_tokens += accepted + 1
+        st = self._get(req)
+        tested = accepted + (accepted < drafted)  # drafts after the first rejected one were never tested
+        st.kept, st.tested = (1 - EWMA) * st.kept + accepted, (1 - EWMA) * st.tested + tested
+        self.kept, self.tested = (1 - EWMA) * self.kept + accepted, (1 - EWMA) * self.tested + tested
         if not self.adaptive:
             return
-        st = self._get(req)
         st.hot = accepted > 0
         if accepted == 0:
             st.misses += 1
@@ -190,10 +212,40 @@ class Speculator:
         st.misses, st.backoff = 0, PAUSE_STEPS
         st.k = min(self.num_draft_tokens, st.k + 1 if accepted == drafted else accepted + 1)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode or verify step of `tokens` query tokens took `seconds` (the runner's measured forward)."""
+        if self.cost is not None:
+            self.cost.observe(tokens, seconds)
+
+    def _acceptance(self, req: Req) -> float:
+        st = self._get(req)
+        return st.kept / st.tested if st.tested > 0 else self.kept / self.tested
+
+    def worth(self, running: Sequence[Req], drafts: list[list[int]], step: int) -> list[list[int]]:
+        """The drafts cut to what the cost model expects to pay (spec_cost.choose); unchanged without a
+        cost model and every PROBE_EVERY-th step (so that acceptance and the verify rows' cost keep being
+        measured). Before the model is fitted every other step drafts nothing: a plain step beside the
+        verify steps gives the fit the spread of sizes it needs for a slope."""
+        if self.cost is None or step % PROBE_EVERY == 0:
+            return drafts
+        keep = choose(self.cost, [len(d) for d in drafts], [self._acceptance(r) for r in running])
+        if keep is None:
+            return drafts if step % 2 == 0 else [[] for _ in drafts]
+        self.stats.declined_tokens += sum(len(d) - k for d, k in zip(drafts, keep))
+        return [d[:k] for d, k in zip(drafts, keep)]
+
     def wants_drain(self, running: Sequence[Req], step: int) -> bool:
         """Overlap: is it worth resolving the launched plain decode first, so that this step can draft?"""
         if not running or len(running) > self.max_batch_size:
             return False
         if step % PROBE_EVERY == 0:
             return True
-        return any(r.sampling.can_draft and (st := self._get(r)).hot and st.pause == 0 for r in running)
+        hot = [r.sampling.can_draft and (st := self._get(r)).hot and st.pause == 0 for r in running]
+        if not any(hot):
+            return False
+        if self.cost is None:
+            return True
+        # drafts of the hot rows' current lengths: if even those would not pay, keep the overlap instead
+        ks = [self._get(r).k if h else 0 for r, h in zip(running, hot)]
+        keep = choose(self.cost, ks, [self._acceptance(r) for r in running])
+        return keep is None or any(keep)

@@ -22,6 +22,7 @@ class StepOutput:
     prompt_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None  # per row: this chunk's prompt tokens'
     more_tokens: Optional[list[list[int]]] = None  # VERIFY: per row, the accepted tokens after `tokens[b]`
     more_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None  # VERIFY: theirs, if asked
+    seconds: Optional[float] = None  # the measured forward (the speculator's step-cost model, spec_cost.py)
 
     def __len__(self) -> int:
         return len(self.tokens)

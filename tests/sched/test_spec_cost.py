@@ -1,0 +1,167 @@
+"""Does drafting pay? The speculator's step-cost model (minisched/sched/spec_cost.py) and its use.
+
+The model alone: the fit recovers a linear cost, ignores bogus timings, stays unfitted until the step
+sizes determine a slope; `choose` keeps the draft tokens worth their rows (a row's drafts a prefix) and
+none when they do not pay. Through the scheduler, on a synthetic clock (a fake runner whose steps take
+a + b * tokens seconds): where extra rows are nearly free the cost model drafts as much as always
+drafting does; where they are dear it declines (but for its probe steps) and beats always drafting,
+level with not drafting at all; the timings are journal inputs, so a run replays identically, and
+without them the replay diverges where the fitted model kept drafts the unfitted one cuts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from helpers.fake_runner import FakeRunner, OracleDrafter, greedy_reference, run
+from minisched.sched.batch import Batch, ForwardMode
+from minisched.sched.replay import replay
+from minisched.sched.sampling_params import SamplingParams
+from minisched.sched.scheduler import Scheduler, SchedulerConfig
+from minisched.sched.spec_cost import StepCost, choose, expected_tokens
+from minisched.sched.step_output import StepOutput
+
+VOCAB = 50
+
+
+def fitted(a: float, b: float, sizes=(8, 12, 20, 40, 9, 30)) -> StepCost:
+    cost = StepCost()
+    for t in sizes:
+        cost.observe(t, a + b * t)
+    return cost
+
+
+def test_the_fit_recovers_a_linear_cost_and_follows_a_change():
+    cost = fitted(0.02, 0.003)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.02, rel=1e-6) and b == pytest.approx(0.003, rel=1e-6)
+    for _ in range(300):  # the machine got busier: recent steps dominate
+        for t in (8, 24):
+            cost.observe(t, 0.05 + 0.01 * t)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.05, rel=0.02) and b == pytest.approx(0.01, rel=0.02)
+
+
+def test_unfitted_until_the_sizes_determine_a_slope_and_bogus_timings_are_ignored():
+    cost = StepCost()
+    for _ in range(50):
+        cost.observe(8, 0.1)  # one size only: the slope is unknown
+    assert cost.coefficients() is None
+    assert choose(cost, [4, 4], [0.9, 0.9]) is None
+    for bad in (0.0, -1.0, math.nan):
+        cost.observe(30, bad)
+    assert cost.coefficients() is None
+    cost.observe(30, 0.3)
+    assert cost.coefficients() is not None
+
+
+def test_choose_keeps_drafts_worth_their_rows_as_prefixes():
+    flat = fitted(0.1, 1e-5)  # memory-bound: extra rows nearly free
+    assert choose(flat, [4, 3, 0], [0.5, 0.2, 0.9]) == [4, 3, 0]
+    steep = fitted(0.01, 0.01)  # every token costs as much as a whole step's overhead
+    assert choose(steep, [4, 4], [0.3, 0.3]) == [0, 0]
+    # in between: the likely drafts pay, the unlikely ones do not; a row keeps a prefix of its drafts
+    mid = fitted(0.1, 0.01)
+    got = choose(mid, [4, 4], [0.95, 0.1])
+    assert got[0] >= 1 and got[1] == 0
+    # the choice maximises expected tokens per second over every split of the draft lengths
+    a, b = mid.coefficients()
+
+    def rate(ks, acc):
+        return sum(expected_tokens(p, k) for p, k in zip(acc, ks)) / (a + b * (len(ks) + sum(ks)))
+
+    rng = random.Random(0)
+    for _ in range(200):
+        ks = [rng.randint(0, 5) for _ in range(rng.randint(1, 6))]
+        acc = [rng.random() for _ in ks]
+        got = choose(mid, ks, acc)
+        assert all(0 <= g <= k for g, k in zip(got, ks))
+        best = max(rate(c, acc) for c in _all_splits(ks))
+        assert rate(got, acc) == pytest.approx(best, rel=1e-9)
+
+
+def _all_splits(ks):
+    if not ks:
+        yield []
+        return
+    for first in range(ks[0] + 1):
+        for rest in _all_splits(ks[1:]):
+            yield [first] + rest
+
+
+class TimedRunner(FakeRunner):
+    """The fake model, each step taking `a + b * tokens` seconds of a virtual clock (reported as the
+    runner's measured forward, as engine/runner.py does)."""
+
+    def __init__(self, cfg: SchedulerConfig, a: float, b: float) -> None:
+        super().__init__(cfg.num_pages, cfg.page_size, VOCAB)
+        self.a, self.b, self.clock = a, b, 0.0
+
+    def forward(self, batch: Batch):
+        out = super().forward(batch)
+        secs = self.a + self.b * batch.num_tokens
+        self.clock += secs
+        tokens = out.tokens if isinstance(out, StepOutput) else list(out)
+        more = out.more_tokens if isinstance(out, StepOutput) else None
+        return StepOutput(tokens, more_tokens=more, seconds=secs)
+
+
+def timed_run(a: float, b: float, mode: str):
+    """8 requests decoding 60 tokens each; drafts from an oracle wrong every 3rd position (about half
+    kept). mode: "off" (no drafter), "always" (drafting, no cost model), "cost" (the default)."""
+    cfg = SchedulerConfig(
+        page_size=4,
+        num_pages=1024,
+        max_context_len=512,
+        num_draft_tokens=4,
+        spec_adaptive=False,  # only the cost model decides
+        spec_cost_model=mode == "cost",
+    )
+    sched = Scheduler(cfg, drafter=None if mode == "off" else OracleDrafter(VOCAB, wrong_every=3))
+    runner = TimedRunner(cfg, a, b)
+    rng = random.Random(1)
+    prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(20)] for i in range(8)}
+    for rid, p in prompts.items():
+        sched.add_request(rid, p, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    done = run(sched, runner)
+    for rid, p in prompts.items():  # whatever was drafted, the output is the model's own
+        assert done[rid].output_ids == greedy_reference(p, 60, VOCAB, (), 512)
+    return sched, runner
+
+
+@pytest.mark.parametrize(
+    "a, b, pays",
+    [(1.0, 0.001, True), (1.0, 0.5, False)],
+    ids=["rows-nearly-free", "rows-dear"],
+)
+def test_the_cost_model_drafts_where_it_pays_and_declines_where_it_does_not(a, b, pays):
+    _, off = timed_run(a, b, "off")
+    always_sched, always = timed_run(a, b, "always")
+    cost_sched, cost = timed_run(a, b, "cost")
+    assert always_sched.speculator.stats.verify_steps > 0
+    stats = cost_sched.speculator.stats
+    if pays:
+        assert always.clock < 0.75 * off.clock  # drafting pays here...
+        assert cost.clock <= 1.05 * always.clock  # ...and the cost model keeps (nearly) all of the gain
+    else:
+        assert always.clock > 1.2 * off.clock  # drafting loses here...
+        assert cost.clock < always.clock and cost.clock <= 1.1 * off.clock  # ...and the cost model declines it
+        assert stats.declined_tokens > stats.draft_tokens
+
+
+@pytest.mark.parametrize("a, b", [(1.0, 0.001), (1.0, 0.5)], ids=["rows-nearly-free", "rows-dear"])
+def test_the_timings_are_journal_inputs_so_the_run_replays(a, b):
+    sched, _ = timed_run(a, b, "cost")
+    journal = json.loads(json.dumps(list(sched.records().journal)))
+    assert any("secs" in e for e in journal if e["op"] == "resolve")
+    modes = [e.get("mode") for e in journal if e["op"] == "build"]
+    assert ForwardMode.VERIFY.value in modes and ForwardMode.DECODE.value in modes
+    result = replay(journal)
+    assert result.identical, result
+    if b < 0.01:  # without the timings the model never fits: the replay cuts drafts the run kept, and says so
+        stripped = [{k: v for k, v in e.items() if k != "secs"} for e in journal]
+        assert not replay(stripped).identical
