@@ -129,6 +129,12 @@ class _State:
     tested: float = 0.0  # their ratio estimates a draft token's chance to be kept, given those before it were
 
 
+def _seeded(req: Req) -> bool:
+    """A seeded sampled request: the cost model never changes its drafts (they shape its random stream,
+    and a seeded request's output must not depend on the machine's timings)."""
+    return req.sampling.seed is not None and req.sampling.temperature > 0
+
+
 def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
     """The accepted run: the target's tokens up to and including the first that differs from its draft
     (`targets[i]` is what the target produces after drafts[:i]; len(targets) == len(drafts) + 1)."""
@@ -154,6 +160,9 @@ class Speculator:
         self.stats = SpecStats()
         self.cost = StepCost() if cost_model else None  # spec_cost.py: do a step's drafts pay?
         self.kept, self.tested = PRIOR_ACCEPTANCE, 1.0  # all rows' (as _State's): a new request's first guess
+        self._last_verify = 0  # the last step that verified drafts (the cost model probes after PROBE_EVERY)
+        self._explore = False  # unfitted cost model: drafting on every other call
+        self._probe_every, self._probed = PROBE_EVERY, False  # doubles while probes change nothing
         self._state: weakref.WeakKeyDictionary[Req, _State] = weakref.WeakKeyDictionary()
 
     def _get(self, req: Req) -> _State:
@@ -223,22 +232,30 @@ class Speculator:
 
     def worth(self, running: Sequence[Req], drafts: list[list[int]], step: int) -> list[list[int]]:
         """The drafts cut to what the cost model expects to pay (spec_cost.choose); unchanged without a
-        cost model and every PROBE_EVERY-th step (so that acceptance and the verify rows' cost keep being
-        measured). Before the model is fitted every other step drafts nothing: a plain step beside the
-        verify steps gives the fit the spread of sizes it needs for a slope."""
-        if self.cost is None or step % PROBE_EVERY == 0:
+        cost model and when no step has verified drafts for PROBE_EVERY steps (so that acceptance and the
+        verify rows' cost keep being measured; twice as long after each probe that changed nothing). Before the model is fitted every other call drafts
+        nothing: a plain step beside the verify steps gives the fit the spread of sizes it needs."""
+        if self.cost is None or step - self._last_verify >= self._probe_every:
+            self._last_verify, self._probed = step, True
             return drafts
-        keep = choose(self.cost, [len(d) for d in drafts], [self._acceptance(r) for r in running])
+        fixed = [_seeded(r) for r in running]
+        keep = choose(self.cost, [len(d) for d in drafts], [self._acceptance(r) for r in running], fixed)
         if keep is None:
-            return drafts if step % 2 == 0 else [[] for _ in drafts]
+            self._explore = not self._explore
+            keep = [len(d) if self._explore or f else 0 for d, f in zip(drafts, fixed)]
         self.stats.declined_tokens += sum(len(d) - k for d, k in zip(drafts, keep))
+        if any(keep):
+            self._last_verify, self._probe_every = step, PROBE_EVERY
+        elif self._probed:  # the probe did not change the verdict: probe half as often (up to 8x)
+            self._probe_every = min(8 * PROBE_EVERY, 2 * self._probe_every)
+        self._probed = False
         return [d[:k] for d, k in zip(drafts, keep)]
 
     def wants_drain(self, running: Sequence[Req], step: int) -> bool:
         """Overlap: is it worth resolving the launched plain decode first, so that this step can draft?"""
         if not running or len(running) > self.max_batch_size:
             return False
-        if step % PROBE_EVERY == 0:
+        if step % PROBE_EVERY == 0 or (self.cost is not None and step - self._last_verify >= self._probe_every):
             return True
         hot = [r.sampling.can_draft and (st := self._get(r)).hot and st.pause == 0 for r in running]
         if not any(hot):
@@ -247,5 +264,5 @@ class Speculator:
             return True
         # drafts of the hot rows' current lengths: if even those would not pay, keep the overlap instead
         ks = [self._get(r).k if h else 0 for r, h in zip(running, hot)]
-        keep = choose(self.cost, ks, [self._acceptance(r) for r in running])
+        keep = choose(self.cost, ks, [self._acceptance(r) for r in running], [_seeded(r) for r in running])
         return keep is None or any(keep)

@@ -74,25 +74,32 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return 1.0 + sum(acceptance**j for j in range(1, k + 1))
 
 
-def choose(cost: StepCost, ks: Sequence[int], acceptance: Sequence[float]) -> list[int] | None:
+def choose(
+    cost: StepCost, ks: Sequence[int], acceptance: Sequence[float], fixed: Sequence[bool] | None = None
+) -> list[int] | None:
     """Each row's draft length (at most ks[i]) that maximises expected tokens per second, or None when
-    the model is not fitted yet (the caller keeps its lengths). All zeros: plain decoding pays best."""
+    the model is not fitted yet (the caller keeps its lengths). All zeros: plain decoding pays best.
+    `fixed` rows keep ks[i] whatever it costs (a seeded sampled row: its random stream, and so its
+    output, must not depend on the machine's timings)."""
     ab = cost.coefficients()
     if ab is None:
         return None
     a, b = ab
     rows = len(ks)
+    fixed = fixed or [False] * rows
+    base_value = float(rows) + sum(expected_tokens(acceptance[i], k) - 1 for i, k in enumerate(ks) if fixed[i])
+    base_tokens = rows + sum(k for i, k in enumerate(ks) if fixed[i])
     items = sorted(
-        ((acceptance[i] ** j, i) for i, k in enumerate(ks) for j in range(1, k + 1)),
+        ((acceptance[i] ** j, i) for i, k in enumerate(ks) if not fixed[i] for j in range(1, k + 1)),
         key=lambda vi: -vi[0],
     )
-    best_m, best_rate, value = 0, rows / (a + b * rows), 0.0
+    best_m, best_rate, value = 0, base_value / (a + b * base_tokens), base_value
     for m, (v, _) in enumerate(items, start=1):
         value += v
-        rate = (rows + value) / (a + b * (rows + m))
+        rate = value / (a + b * (base_tokens + m))
         if rate > best_rate:
             best_m, best_rate = m, rate
-    out = [0] * rows
+    out = [k if f else 0 for k, f in zip(ks, fixed)]
     for _, i in items[:best_m]:
         out[i] += 1
     return out

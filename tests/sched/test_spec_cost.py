@@ -149,7 +149,9 @@ def test_the_cost_model_drafts_where_it_pays_and_declines_where_it_does_not(a, b
         assert cost.clock <= 1.05 * always.clock  # ...and the cost model keeps (nearly) all of the gain
     else:
         assert always.clock > 1.2 * off.clock  # drafting loses here...
-        assert cost.clock < always.clock and cost.clock <= 1.1 * off.clock  # ...and the cost model declines it
+        # ...and the cost model declines it: what is left is measuring (two verify steps while it is
+        # unfitted, one probe after 32 steps without drafts), each 4x a plain step on this clock
+        assert stats.verify_steps <= 3 and cost.clock < 0.5 * always.clock and cost.clock <= 1.15 * off.clock
         assert stats.declined_tokens > stats.draft_tokens
 
 
