@@ -24,7 +24,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="ID",
         help="this request's story (repeatable): its id, its call's id, or (serve --record) the client's X-Request-Id",
     )
-    p.add_argument("--slowest", type=int, default=None, metavar="K", help="the K requests with the worst TTFT")
+    p.add_argument(
+        "--slowest",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the K requests with the worst TTFT (then those without one: a serve --record file's earlier arrivals)",
+    )
     p.add_argument("--name", default=None, help="the run of the file to read (default: the first)")
     return p
 

@@ -4,7 +4,7 @@ minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KE
                 [--max-queued-requests 512] [--served-model-name NAME] [--grace-period 30]
                 [--max-request-body-bytes 33554432] [--max-choices-per-request 256] [--max-grammar-bytes 65536] ...
                 [--dp N] [--router cache-aware|round-robin] [--engine-heartbeat-timeout 10] ...
-                [--record PATH] [--record-max-bytes 16777216] [--record-keep 8]
+                [--record PATH] [--record-max-bytes 16777216] [--record-keep 8] [--record-interval 10]
 
 The engine runs in a process of its own (N with --dp N), supervised: a dead or hung one is
 restarted (minisched/serve/pool.py). `--engine-in-process` keeps the engine on a thread of the
@@ -29,6 +29,7 @@ from minisched.cli.common import CLIError, check_output_path, engine_args, engin
 # observe/record_series.py's RecordOptions holds these defaults (not imported here: `minisched` starts fast)
 RECORD_MAX_BYTES = 16 * 2**20
 RECORD_KEEP = 8
+RECORD_INTERVAL = 10.0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -130,6 +131,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     rec.add_argument(
         "--record-keep", type=int, default=RECORD_KEEP, help="record files kept per replica, the oldest deleted"
+    )
+    rec.add_argument(
+        "--record-interval",
+        type=float,
+        default=RECORD_INTERVAL,
+        help="seconds between writes of what is new (the files lag the engine by about this much)",
     )
     engine_args(s)
     return s
@@ -234,7 +241,9 @@ def _record_options(args):
     from minisched.observe.record_series import RecordOptions
 
     try:
-        return RecordOptions(args.record, max_bytes=args.record_max_bytes, keep=args.record_keep)
+        return RecordOptions(
+            args.record, max_bytes=args.record_max_bytes, keep=args.record_keep, interval=args.record_interval
+        )
     except ValueError as exc:
         raise CLIError("--" + str(exc).replace("_", "-")) from exc
 

@@ -27,7 +27,7 @@ def named(record: RunRecord, wanted: str, known: list[str]) -> list[str]:
 
 
 def stories(record: RunRecord, rids: list[str] | None = None, slowest: int | None = None) -> list[str]:
-    """The stories of `rids` (all by default; the `slowest` worst TTFTs if given), in arrival order."""
+    """The stories of `rids` (all by default; the `slowest` worst TTFTs if given, then requests without one)."""
     if not record.journal:
         raise ValueError(f"run {record.name!r} has no journal (recorded before decisions were journalled)")
     by_rid, times = _lives(record)
@@ -35,6 +35,8 @@ def stories(record: RunRecord, rids: list[str] | None = None, slowest: int | Non
     if slowest is not None:
         ranked = sorted((m for m in record.requests if m.get("ttft") is not None), key=lambda m: -m["ttft"])
         rids = [m["rid"] for m in ranked[:slowest]]
+        # a `serve --record` segment's requests that arrived before it have no TTFT there: they come next
+        rids += [rid for rid in by_rid if rid not in rids][: slowest - len(rids)]
     chosen: list[str] = []
     for wanted in list(by_rid) if rids is None else rids:
         found = named(record, wanted, list(by_rid)) if rids is not None else [wanted]

@@ -9,7 +9,7 @@ Bounds: a segment ends when the next step's records would take the file past `ma
 alone is larger gets a file of its own); then the replica keeps its `keep` newest files, over all its
 series (an earlier server's too), and deletes the older ones.
 
-Writing: the engine loop (serve/engine_loop.py) hands over what is new every RECORD_INTERVAL seconds and
+Writing: the engine loop (serve/engine_loop.py) hands over what is new every `interval` seconds and
 before each drain of the scheduler's records, and goes on; this module's thread turns the records into
 JSON lines and rewrites the current segment (a temporary file, then a rename: a reader never sees half a
 file, and an engine that is killed leaves its last write). Memory: the current segment's lines, and its
@@ -48,6 +48,7 @@ from minisched.sched.snapshot import Records
 log = logging.getLogger("minisched.serve")
 DEFAULT_MAX_BYTES = 16 * 2**20  # one segment file, at most (16 MiB: ~10k requests' decisions)
 DEFAULT_KEEP = 8  # files kept per replica
+DEFAULT_INTERVAL = 10.0  # seconds between writes: the files lag the engine by about this much
 MIN_MAX_BYTES = 64 * 2**10
 HEAD_BYTES = 1024  # a file's head (name, summary, its place in the series) and its punctuation, at most
 REQUEST_BYTES = 512  # one request's metrics line, at most, besides its id
@@ -62,6 +63,7 @@ class RecordOptions:
     path: str
     max_bytes: int = DEFAULT_MAX_BYTES
     keep: int = DEFAULT_KEEP
+    interval: float = DEFAULT_INTERVAL
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -70,6 +72,8 @@ class RecordOptions:
             raise ValueError(f"record_max_bytes must be >= {MIN_MAX_BYTES}, got {self.max_bytes}")
         if self.keep < 1:
             raise ValueError(f"record_keep must be >= 1, got {self.keep}")
+        if not self.interval > 0:
+            raise ValueError(f"record_interval must be > 0, got {self.interval}")
 
     @property
     def base(self) -> tuple[Path, str, str]:
@@ -139,10 +143,14 @@ class SeriesRecorder:
     object's own thread's."""
 
     def __init__(self, options: RecordOptions, replica: int = 0) -> None:
-        self.options, self.replica = options, replica
+        self.options, self.replica, self.interval = options, replica, options.interval
         self.t0 = time.monotonic()  # the series' clock: every time in its files is relative to it
         self.started = time.time()
         self.series = series_name(self.started, os.getpid())
+        while options.segment_path(replica, self.series, 0).exists():  # two in one process, one millisecond
+            time.sleep(0.001)
+            self.started = time.time()
+            self.series = series_name(self.started, os.getpid())
         self.segment = Segment(0, options.segment_path(replica, self.series, 0))
         self.files_written = 0
         self.errors = 0

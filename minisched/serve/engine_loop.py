@@ -27,7 +27,7 @@ wait here until the engine is idle, then up to N of them start together.
 Records: the scheduler keeps its events, step stats and journal until they are drained, every
 HISTORY_LIMIT steps (GET /debug/requests/{id} reads what is kept). With a `recorder` (recorder.py,
 `minisched serve --record`) the loop also hands it what is new since its last hand-over -- every
-RECORD_INTERVAL seconds and before each drain, between steps -- and the recorder writes it on its own
+`recorder.interval` seconds and before each drain, between steps -- and the recorder writes it on its own
 thread; `calls` tells it the client's id of each call it adds.
 """
 
@@ -51,7 +51,7 @@ from minisched.sched.snapshot import Records
 from minisched.serve.cache_admin import flush_engine_cache
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Sink, Stats, Update
-from minisched.serve.recorder import RECORD_INTERVAL, Recorder
+from minisched.serve.recorder import Recorder
 
 log = logging.getLogger("minisched.serve")
 HISTORY_LIMIT = 4096  # steps of scheduler events / step stats kept (the server runs for days; the lists would grow)
@@ -314,9 +314,9 @@ class EngineLoop:
         publish(out)
 
     def _record(self, now: bool = False) -> None:
-        """Hand the recorder the records new since its last hand-over (every RECORD_INTERVAL seconds;
+        """Hand the recorder the records new since its last hand-over (every `recorder.interval` seconds;
         `now`: at once). A copy of references, on the engine thread; the recorder writes them elsewhere."""
-        if self.recorder is None or (not now and time.monotonic() - self._recorded_at < RECORD_INTERVAL):
+        if self.recorder is None or (not now and time.monotonic() - self._recorded_at < self.recorder.interval):
             return
         self._recorded_at = time.monotonic()
         recs, t = self.engine.scheduler.records(), self._taken

@@ -2,7 +2,7 @@
 
 The engine loop (engine_loop.py) calls a `Recorder` on its own thread and never waits on it: `calls` after
 a call's requests were added (the client's X-Request-Id and the engine request ids), `write` with the
-records taken since the last write (every RECORD_INTERVAL seconds while there is something new, and before
+records taken since the last write (every `interval` seconds while there is something new, and before
 each drain of the scheduler's records), `close` when the loop stops. observe/record_series.py implements
 it (a rotating series of run files, written on a thread of its own); the CLI builds it, since this layer
 does not import observe.
@@ -14,10 +14,10 @@ from typing import Protocol
 
 from minisched.sched.snapshot import Records
 
-RECORD_INTERVAL = 10.0  # seconds between writes of what is new: the files lag the engine by at most this much
-
 
 class Recorder(Protocol):
+    interval: float  # seconds between hand-overs of what is new: the files lag the engine by about this much
+
     def calls(self, client_id: str, rids: list[str]) -> None:
         """The client's id names these engine requests (one call's choices)."""
 
