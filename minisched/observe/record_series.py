@@ -154,6 +154,8 @@ class SeriesRecorder:
         self.segment = Segment(0, options.segment_path(replica, self.series, 0))
         self.files_written = 0
         self.errors = 0
+        self.cpu_s = 0.0  # the writer thread's CPU time so far (what recording costs the process)
+        self.bytes_taken = 0  # JSON bytes of the records handed over so far
         self._scheduler: dict = {}  # the init entry's config (num_pages, page_size)
         self._head = HEAD_BYTES  # bytes of a file's head: HEAD_BYTES and the scheduler's config
         self._step = 0  # the last build's step: the step a journal entry belongs to
@@ -178,6 +180,7 @@ class SeriesRecorder:
     def _run(self) -> None:
         while True:
             msg = self._inbox.get()
+            started = time.thread_time()
             try:
                 if msg[0] == "calls":
                     _, client_id, rids = msg
@@ -194,6 +197,8 @@ class SeriesRecorder:
                 self.errors += 1
                 if self.errors == 1 or self.errors % 100 == 0:
                     log.error("serve --record: %s (%d error(s) so far)", f"{type(exc).__name__}: {exc}", self.errors)
+            finally:
+                self.cpu_s += time.thread_time() - started
 
     def _take(self, records: Records) -> None:
         """The records, a step at a time: a step that would take the file past its bound starts the next one."""
@@ -218,6 +223,7 @@ class SeriesRecorder:
 
     def _add_step(self, step: int, items: dict[str, list[dict]]) -> None:
         lines = {k: [dump(x) for x in v] for k, v in items.items()}
+        self.bytes_taken += sum(len(x) + 4 for v in lines.values() for x in v)
         new_rids = {e["rid"] for e in items["events"]} - self.segment.rids
         size = sum(len(x) + 4 for v in lines.values() for x in v) + sum(REQUEST_BYTES + len(r) for r in new_rids)
         if not self.segment.empty and self._head + self.segment.size + size > self.options.max_bytes:
