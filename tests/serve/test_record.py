@@ -1,6 +1,6 @@
 """`minisched serve --record` over HTTP (dummy:tiny in engine processes):
-- a real `minisched serve --dp 2 --record PATH` process: requests with X-Request-Id, SIGTERM; each replica
-  wrote a series of its own, which `minisched replay` finds identical and predicts under another policy,
+- a real `minisched serve --dp 2 --record PATH` process (and one with its engine in process): requests with
+  X-Request-Id, SIGTERM; each replica wrote a series of its own, which `minisched replay` finds identical and predicts under another policy,
   and `minisched explain FILE --request <client id>` tells that request's story;
 - a killed engine process is restarted with a series of its own: the earlier files are left as they were.
 Bounded: every wait has a deadline; 127.0.0.1 only."""
@@ -16,6 +16,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from helpers.record import cli
 from helpers.serve import pool_server
@@ -53,13 +54,22 @@ def complete(url: str, client_id: str, prompt: str, max_tokens: int = 6) -> dict
     return r.json()
 
 
-def test_serve_record_over_http_replays_and_explains_by_client_id(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # three Python processes importing torch: ~30 s on a busy 2-core machine (the restart test below
+        # covers an engine process's recorder in the fast tier)
+        pytest.param(["--dp", "2", "--router", "round-robin"], marks=pytest.mark.slow, id="dp2"),
+        pytest.param(["--engine-in-process"], id="in-process"),
+    ],
+)
+def test_serve_record_over_http_replays_and_explains_by_client_id(layout, tmp_path, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     base = tmp_path / "serve.json"
-    argv = ["serve", "--dp", "2", "--router", "round-robin", "--model", "dummy:tiny", "--served-model-name", "tiny"]
+    argv = ["serve", *layout, "--model", "dummy:tiny", "--served-model-name", "tiny"]
     argv += ["--num-pages", "64", "--page-size", "4", "--chunk-size", "16", "--port", str(port)]
     argv += ["--log-level", "warning", "--record", str(base), "--record-interval", "0.2"]
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *argv], start_new_session=True)
@@ -67,7 +77,7 @@ def test_serve_record_over_http_replays_and_explains_by_client_id(tmp_path, caps
         wait_for(lambda: proc.poll() is not None or _healthy(url), 120, "the server")
         assert proc.poll() is None, "the server did not start"
         ids = {}
-        for k in range(6):  # round-robin: three calls on each replica
+        for k in range(6):  # --dp 2, round-robin: three calls on each replica
             ids[f"client-{k}"] = complete(url, f"client-{k}", f"tell me about {k} " * (3 + k))["id"]
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -76,7 +86,7 @@ def test_serve_record_over_http_replays_and_explains_by_client_id(tmp_path, caps
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     options = RecordOptions(str(base))
-    for replica in (0, 1):
+    for replica in range(2 if "--dp" in layout else 1):
         files = options.replica_files(replica)
         assert files, f"replica {replica} wrote no record"
         runs = [load_runs(p)[0] for p in files]
