@@ -148,3 +148,21 @@ def test_bad_record_options_are_one_line_errors(argv, message, tmp_path, capsys)
     argv = [a.format(tmp=tmp_path) for a in argv]
     rc, _, err = cli(["serve", "--model", "dummy:tiny", *argv], capsys)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_records_a_drain_drops_reach_the_files_first(engine, tmp_path, monkeypatch, capsys):
+    """The engine loop drains the scheduler's records every HISTORY_LIMIT steps: with hand-overs only there
+    (and at the stop), the series still holds every step."""
+    import minisched.serve.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "HISTORY_LIMIT", 25)
+    options = RecordOptions(str(tmp_path / "serve.json"), max_bytes=MIN_MAX_BYTES, keep=100, interval=1000.0)
+    record(engine, options, 30)
+    files = options.replica_files(0)
+    rc, out, err = cli(["replay", *files], capsys)
+    assert rc == 0 and out.startswith("identical, "), out + err
+    runs = [load_runs(p)[0] for p in files]
+    first = runs[0].journal[0]
+    assert first["op"] == "init"
+    steps = sorted(e["step"] for r in runs for e in r.journal if e["op"] == "build")
+    assert steps == list(range(steps[0], steps[-1] + 1)) and int(out.split()[1]) == len(steps) > 25
