@@ -127,7 +127,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--record-max-bytes",
         type=int,
         default=RECORD_MAX_BYTES,
-        help="bytes of one record file; past them the next file starts (default 16 MiB)",
+        help="bytes of one record file (16 MiB); past them the next file starts",
     )
     rec.add_argument(
         "--record-keep", type=int, default=RECORD_KEEP, help="record files kept per replica, the oldest deleted"

@@ -147,7 +147,8 @@ class SeriesRecorder:
         self.t0 = time.monotonic()  # the series' clock: every time in its files is relative to it
         self.started = time.time()
         self.series = series_name(self.started, os.getpid())
-        while options.segment_path(replica, self.series, 0).exists():  # two in one process, one millisecond
+        # a second recorder of this process within the millisecond (after the first wrote) takes the next one
+        while options.segment_path(replica, self.series, 0).exists():
             time.sleep(0.001)
             self.started = time.time()
             self.series = series_name(self.started, os.getpid())
