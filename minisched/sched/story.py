@@ -87,7 +87,7 @@ def lives(
             if e.get("waiting", True):
                 waiting[born.rid] = born
             arrived = (
-                "arrived" if "step" not in e else "arrived (before this file: its earlier steps are in the one before)"
+                "arrived" if "step" not in e else "arrived (before this file: its earlier steps are in earlier files)"
             )
             born.items.append((born.arrival_step, "arrive", arrived))
         elif op == "build":
