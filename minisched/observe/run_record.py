@@ -68,7 +68,8 @@ _FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names (dataclas
 
 def plain(obj: Any, t0: float) -> dict:
     """A StepStats/Event dataclass (or a dict) as a JSON-ready dict, times relative to t0. Shallow: the
-    records are frozen and flat (dataclasses.asdict's deep copy cost a `serve --record` writer 10x)."""
+    records are frozen and flat (dataclasses.asdict's deep copy took 4x the CPU: benchmarks/RESULTS.md,
+    "Recording")."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = _FIELDS.get(type(obj))
         if names is None:
