@@ -1,6 +1,7 @@
 """`minisched explain RUN`: each request's story from a run file (`minisched bench --json`,
 `generate --record`, `serve --record`): why it waited, how it was admitted, chunked, retracted and
-decoded, with what each phase cost (minisched/observe/explain.py)."""
+decoded, with what each phase cost (minisched/observe/explain.py). Any one file of a `serve --record`
+series is explained on its own."""
 
 from __future__ import annotations
 
@@ -16,8 +17,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "explain", help="why each request of a recorded run waited and how it ran", formatter_class=Formatter
     )
     p.add_argument("run", help="run file (bench --json, generate --record, serve --record)")
-    p.add_argument("--request", action="append", default=None, metavar="ID", help="this request's story (repeatable)")
-    p.add_argument("--slowest", type=int, default=None, metavar="K", help="the K requests with the worst TTFT")
+    p.add_argument(
+        "--request",
+        action="append",
+        default=None,
+        metavar="ID",
+        help="this request's story (repeatable): its id, its call's id, or (serve --record) the client's X-Request-Id",
+    )
+    p.add_argument(
+        "--slowest",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the K requests with the worst TTFT (then those without one: a serve --record file's earlier arrivals)",
+    )
     p.add_argument("--name", default=None, help="the run of the file to read (default: the first)")
     return p
 

@@ -4,12 +4,15 @@ minisched serve [engine options] [--host 127.0.0.1] [--port 30000] [--api-key KE
                 [--max-queued-requests 512] [--served-model-name NAME] [--grace-period 30]
                 [--max-request-body-bytes 33554432] [--max-choices-per-request 256] [--max-grammar-bytes 65536] ...
                 [--dp N] [--router cache-aware|round-robin] [--engine-heartbeat-timeout 10] ...
+                [--record PATH] [--record-max-bytes 16777216] [--record-keep 8] [--record-interval 10]
 
 The engine runs in a process of its own (N with --dp N), supervised: a dead or hung one is
 restarted (minisched/serve/pool.py). `--engine-in-process` keeps the engine on a thread of the
 server process instead (the layout before; for comparison); `--tp N` does so too (the engine's
 rank 0 spawns and watches its ranks itself, or joins torchrun's: docs/fleet.md); a lost rank ends the
-server with that error (exit status 1).
+server with that error (exit status 1). `--record PATH` writes each engine process's scheduler records
+as a rotating series of run files that `minisched explain` and `minisched replay` read
+(minisched/observe/record_series.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ import sys
 import threading
 import time
 
-from minisched.cli.common import CLIError, engine_args, engine_config, make_engine
+from minisched.cli.common import CLIError, check_output_path, engine_args, engine_config, make_engine
+
+# observe/record_series.py's RecordOptions holds these defaults (not imported here: `minisched` starts fast)
+RECORD_MAX_BYTES = 16 * 2**20
+RECORD_KEEP = 8
+RECORD_INTERVAL = 10.0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -107,6 +115,29 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=5,
         help="restarts of an engine process within 10 minutes before it is given up (0: never restart)",
     )
+    rec = s.add_argument_group("recording (minisched explain / minisched replay read the files; docs/lifecycle.md)")
+    rec.add_argument(
+        "--record",
+        default=None,
+        metavar="PATH",
+        help="write each engine process's scheduler journal and events to PATH's series of run files: "
+        "runs/serve.json -> runs/serve.r<replica>.<start>.p<pid>.<segment>.json",
+    )
+    rec.add_argument(
+        "--record-max-bytes",
+        type=int,
+        default=RECORD_MAX_BYTES,
+        help="bytes of one record file (16 MiB); past them the next file starts",
+    )
+    rec.add_argument(
+        "--record-keep", type=int, default=RECORD_KEEP, help="record files kept per replica, the oldest deleted"
+    )
+    rec.add_argument(
+        "--record-interval",
+        type=float,
+        default=RECORD_INTERVAL,
+        help="seconds between writes of what is new (the files lag the engine by about this much)",
+    )
     engine_args(s)
     return s
 
@@ -124,6 +155,7 @@ def cmd_serve(args) -> int:
         raise CLIError("--dp with --tp is not supported yet: use one of them")
     if args.engine_in_process and args.dp > 1:
         raise CLIError("--engine-in-process runs one engine: not with --dp")
+    recording = _record_options(args)
     from minisched.serve import create_app, make_server
     from minisched.serve.limits import ServerLimits
     from minisched.serve.request_id import install_logging
@@ -138,16 +170,21 @@ def cmd_serve(args) -> int:
     install_logging(args.log_level)  # the request id on every line
     name = args.served_model_name or args.model or "smollm2"
     config = engine_config(args)
+    in_process = None
     if args.engine_in_process or config.tp > 1:
+        from minisched.observe.record_series import SeriesRecorder
+        from minisched.serve import EngineLoop
+
         engine, loop = make_engine(config), None
+        in_process = EngineLoop(engine, recorder=None if recording is None else SeriesRecorder(recording))
     else:
-        engine, loop = _start_pool(args, config)
+        engine, loop = _start_pool(args, config, recording)
     app = create_app(
         engine,
         model_name=name,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
-        engine_loop=loop,
+        engine_loop=loop or in_process,
         limits=limits,
     )
     print(
@@ -157,6 +194,8 @@ def cmd_serve(args) -> int:
         f"{', API key required' if args.api_key else ''})",
         flush=True,
     )
+    if recording is not None:
+        print(f"minisched serve: recording to {_series_pattern(recording)}", flush=True)
     server = make_server(app, args.host, args.port, args.grace_period, args.log_level)
     failure: list[str] = []
     if config.tp > 1:
@@ -194,7 +233,27 @@ def replica_config(config, index: int):
     return config.with_options(device=f"cuda:{base + index}")
 
 
-def _start_pool(args, config):
+def _record_options(args):
+    """--record's RecordOptions, or None; a path that cannot be written is a one-line error now, not later."""
+    if args.record is None:
+        return None
+    check_output_path(args.record, "--record")
+    from minisched.observe.record_series import RecordOptions
+
+    try:
+        return RecordOptions(
+            args.record, max_bytes=args.record_max_bytes, keep=args.record_keep, interval=args.record_interval
+        )
+    except ValueError as exc:
+        raise CLIError("--" + str(exc).replace("_", "-")) from exc
+
+
+def _series_pattern(options) -> str:
+    folder, stem, suffix = options.base
+    return str(folder / f"{stem}.r<replica>.<start>.p<pid>.<segment>{suffix}")
+
+
+def _start_pool(args, config, recording=None):
     """The engine processes (`--dp N`: N) behind this server (minisched/serve/pool.py); returns (EngineInfo, pool)."""
     from minisched.serve.pool import EnginePool, Supervision
     from minisched.serve.replica import ReplicaStartError
@@ -221,7 +280,16 @@ def _start_pool(args, config):
     factories = [functools.partial(make_engine, replica_config(config, i)) for i in range(args.dp)]
     print(f"minisched serve: starting {args.dp} engine process{'es' if args.dp > 1 else ''} ...", flush=True)
     try:
-        pool = EnginePool(factories, router, supervision=supervision).start()
+        pool = EnginePool(factories, router, supervision=supervision, recorder=_recorder(recording)).start()
     except ReplicaStartError as exc:
         raise CLIError(str(exc)) from exc
     return pool.info, pool
+
+
+def _recorder(options):
+    """What each engine process calls with its replica index to build its Recorder (picklable), or None."""
+    if options is None:
+        return None
+    from minisched.observe.record_series import SeriesRecorder
+
+    return functools.partial(SeriesRecorder, options)

@@ -27,7 +27,12 @@ File layout (`save_runs` / `load_runs`; a `--compare` bench writes two runs):
              "ttft": 0.05, "e2e_latency": 0.9}, ...],
         "journal": [                # the scheduler's inputs and decisions (minisched/sched/journal.py)
             {"op": "init", "config": {...}, "host": null, "drafter": false},
-            {"op": "add", "rid": "r0", "prompt": [1, 2, ...], "sampling": {...}, "t": 0.0}, ...]}]}
+            {"op": "add", "rid": "r0", "prompt": [1, 2, ...], "sampling": {...}, "t": 0.0}, ...],
+        "carried": [],              # `serve --record` segments after the first: the requests live at its start
+        "client_ids": {}}]}         # `serve --record`: each client's X-Request-Id -> the engine request ids
+
+`carried` and `client_ids` are written by `minisched serve --record` (observe/record_series.py says
+how a series of files covers one engine's life); a file without them reads as empty ones.
 
 A request's status values are `ReqStatus` values: waiting, prefilling, running, retracted,
 finished, aborted; `src` is null when the request arrives. `first_token`/`ttft` are null
@@ -58,9 +63,20 @@ FINAL_STATES = ("finished", "aborted")
 PREFILL_MODES = ("prefill", "mixed")
 
 
-def _plain(obj: Any, t0: float) -> dict:
-    """A StepStats/Event dataclass (or a dict) as a JSON-ready dict, times relative to t0."""
-    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else dict(obj)
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names (dataclasses.fields is slow per call)
+
+
+def plain(obj: Any, t0: float) -> dict:
+    """A StepStats/Event dataclass (or a dict) as a JSON-ready dict, times relative to t0. Shallow: the
+    records are frozen and flat (dataclasses.asdict's deep copy took 4x the CPU: benchmarks/RESULTS.md,
+    "Recording")."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _FIELDS.get(type(obj))
+        if names is None:
+            names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+        d = {k: getattr(obj, k) for k in names}
+    else:
+        d = dict(obj)
     for k, v in d.items():
         if isinstance(v, enum.Enum):
             d[k] = v.value
@@ -84,6 +100,10 @@ class RunRecord:
     # the scheduler's journal (minisched/sched/journal.py): inputs and decisions from its birth, `t` relative
     # to the run's start like every time here; `minisched explain` and `minisched replay` read it
     journal: list[dict] = field(default_factory=list)
+    # `serve --record` (record_series.py): the requests live when a segment started (compact add entries with
+    # their arrival step and whether they were waiting), and client X-Request-Id -> engine request ids
+    carried: list[dict] = field(default_factory=list)
+    client_ids: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def duration(self) -> float:
@@ -117,11 +137,11 @@ class RunRecord:
             dict(summary or {}),
             int(num_pages),
             int(page_size),
-            [_plain(e, t0) for e in events],
-            [_plain(s, t0) for s in step_stats],
+            [plain(e, t0) for e in events],
+            [plain(s, t0) for s in step_stats],
         )
         rec.requests = request_metrics(rec.events)
-        rec.journal = [_relative(e, t0) for e in journal]
+        rec.journal = [relative(e, t0) for e in journal]
         return rec
 
     @classmethod
@@ -162,6 +182,8 @@ class RunRecord:
             "step_stats": self.step_stats,
             "requests": self.requests,
             "journal": self.journal,
+            "carried": self.carried,
+            "client_ids": self.client_ids,
         }
 
     @classmethod
@@ -181,32 +203,47 @@ class RunRecord:
             [dict(s) for s in d["step_stats"]],
             requests,
             [dict(e) for e in d.get("journal", [])],
+            [dict(e) for e in d.get("carried", [])],
+            {str(k): [str(r) for r in v] for k, v in d.get("client_ids", {}).items()},
         )
 
 
-def _relative(entry: dict, t0: float) -> dict:
+def relative(entry: dict, t0: float) -> dict:
     """A journal entry with its time relative to t0."""
     if "t" not in entry:
         return dict(entry)
     return {**entry, "t": round(float(entry["t"]) - t0, 6)}
 
 
+HEAD = ("name", "config", "summary", "num_pages", "page_size", "client_ids")
+LISTS = ("events", "step_stats", "requests", "journal", "carried")
+
+
+def dump(obj: Any) -> str:
+    """One JSON value as the run files write it (enums as values, dataclasses as dicts)."""
+    return json.dumps(obj, default=_json_default)
+
+
+def run_text(head: dict[str, str], lists: dict[str, list[str]]) -> str:
+    """One run's JSON from its head values and list items, each already `dump`ed: one item per line
+    (greppable, diffable)."""
+    fields = ", ".join(f"{dump(k)}: {head[k]}" for k in HEAD)
+    body = ",\n ".join(f"{dump(k)}: [\n  " + ",\n  ".join(lists[k]) + "]" for k in LISTS)
+    return "{" + fields + ",\n " + body + "}"
+
+
+def file_text(runs: list[str]) -> str:
+    """A run file from its runs' `run_text`s."""
+    return f'{{"version": {FORMAT_VERSION}, "runs": [\n' + ",\n".join(runs) + "]}\n"
+
+
 def save_runs(path: str | Path, runs: list[RunRecord]) -> None:
     """Write runs to one JSON file: {"version": 1, "runs": [...]}."""
-
-    def dump(obj) -> str:
-        return json.dumps(obj, default=_json_default)
-
     parts = []
-    for run in runs:  # one event / step / request per line: greppable, diffable
+    for run in runs:
         d = run.to_dict()
-        head = ", ".join(f"{dump(k)}: {dump(d[k])}" for k in ("name", "config", "summary", "num_pages", "page_size"))
-        lists = ",\n ".join(
-            f"{dump(k)}: [\n  " + ",\n  ".join(dump(x) for x in d[k]) + "]"
-            for k in ("events", "step_stats", "requests", "journal")
-        )
-        parts.append("{" + head + ",\n " + lists + "}")
-    Path(path).write_text(f'{{"version": {FORMAT_VERSION}, "runs": [\n' + ",\n".join(parts) + "]}\n")
+        parts.append(run_text({k: dump(d[k]) for k in HEAD}, {k: [dump(x) for x in d[k]] for k in LISTS}))
+    Path(path).write_text(file_text(parts))
 
 
 def load_runs(path: str | Path) -> list[RunRecord]:

@@ -14,7 +14,9 @@ reasons by the steps each cost) and decode steps; `render` gives the text:
 A waiting request named in no decision of a build was offered after the request that build stopped
 at, so it waits behind that one for the same reason ("behind r7: its KV pages did not fit"). Times
 come from the builds' timestamps (a phase lasts from its first build to the build after its last).
-`endings` are (rid, step, status, note) of the requests' ends (the scheduler's events). Used by
+`endings` are (rid, step, status, note) of the requests' ends (the scheduler's events). A journal may
+start with the `carried` add entries of a `serve --record` segment (observe/record_series.py): requests
+that arrived before it, with their arrival `step`, `prompt_len` and whether they were `waiting`. Used by
 `minisched explain` (observe/explain.py) and the server's /debug/requests/{id}. Pure Python.
 """
 
@@ -77,11 +79,17 @@ def lives(
 
     for e in journal:
         op = e.get("op")
-        if op == "add":
-            born = Life(e["rid"], step, float(e.get("t", 0.0)), len(e.get("prompt", ())))
+        if op == "add":  # a carried request (a `serve --record` segment's start) names its step and state
+            prompt_len = int(e["prompt_len"]) if "prompt_len" in e else len(e.get("prompt", ()))
+            born = Life(e["rid"], int(e.get("step", step)), float(e.get("t", 0.0)), prompt_len)
             out.setdefault(born.rid, []).append(born)
-            live[born.rid] = waiting[born.rid] = born
-            born.items.append((step, "arrive", "arrived"))
+            live[born.rid] = born
+            if e.get("waiting", True):
+                waiting[born.rid] = born
+            arrived = (
+                "arrived" if "step" not in e else "arrived (before this file: its earlier steps are in earlier files)"
+            )
+            born.items.append((born.arrival_step, "arrive", arrived))
         elif op == "build":
             step = int(e["step"])
             times[step] = float(e.get("t", 0.0))

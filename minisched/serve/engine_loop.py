@@ -23,6 +23,12 @@ comes back from `engine.step()`, so the abort itself publishes its finish.
 
 `static_batch=N` (benchmarks only) runs the seed's static-batching baseline: new requests
 wait here until the engine is idle, then up to N of them start together.
+
+Records: the scheduler keeps its events, step stats and journal until they are drained, every
+HISTORY_LIMIT steps (GET /debug/requests/{id} reads what is kept). With a `recorder` (recorder.py,
+`minisched serve --record`) the loop also hands it what is new since its last hand-over -- every
+`recorder.interval` seconds and before each drain, between steps -- and the recorder writes it on its own
+thread; `calls` tells it the client's id of each call it adds.
 """
 
 from __future__ import annotations
@@ -35,14 +41,17 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from minisched.engine.structured import GRAMMAR_FAILED
 from minisched.sched.req import ReqStatus
 from minisched.sched.sampling_params import InvalidRequest, SamplingParams
+from minisched.sched.snapshot import Records
 from minisched.serve.cache_admin import flush_engine_cache
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Sink, Stats, Update
+from minisched.serve.recorder import Recorder
 
 log = logging.getLogger("minisched.serve")
 HISTORY_LIMIT = 4096  # steps of scheduler events / step stats kept (the server runs for days; the lists would grow)
@@ -50,9 +59,18 @@ HISTORY_LIMIT = 4096  # steps of scheduler events / step stats kept (the server 
 
 class EngineLoop:
     def __init__(
-        self, engine, *, check_invariants: bool = False, static_batch: Optional[int] = None, keep_history: bool = False
+        self,
+        engine,
+        *,
+        check_invariants: bool = False,
+        static_batch: Optional[int] = None,
+        keep_history: bool = False,
+        recorder: Optional[Recorder] = None,
     ):
         self.engine = engine
+        self.recorder = recorder
+        self._taken = Taken()  # how much of the records since the last drain the recorder has had
+        self._recorded_at = time.monotonic()
         self.check = check_invariants
         self.static_batch = static_batch
         self.keep_history = keep_history
@@ -77,8 +95,15 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, rids: list[str], prompt_ids: list[int], sampling: SamplingParams, sinks: list[Sink]) -> None:
-        self._send(("add", list(rids), prompt_ids, sampling, list(sinks)))
+    def submit(
+        self,
+        rids: list[str],
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        sinks: list[Sink],
+        client_id: Optional[str] = None,
+    ) -> None:
+        self._send(("add", list(rids), prompt_ids, sampling, list(sinks), client_id))
 
     def _send(self, msg: tuple) -> None:
         self.inbox.put(msg)
@@ -126,6 +151,7 @@ class EngineLoop:
                     return
                 self._admit_held()
                 if not engine.has_work():
+                    self._record()  # an idle server's last records reach the file too
                     continue
                 self._step()
             except Exception:  # a bug here must not kill the server: log it and go on
@@ -171,7 +197,14 @@ class EngineLoop:
             return True
         return False
 
-    def _add(self, rids: list[str], prompt_ids: list[int], sampling: SamplingParams, sinks: list[Sink]) -> None:
+    def _add(
+        self,
+        rids: list[str],
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        sinks: list[Sink],
+        client_id: Optional[str] = None,
+    ) -> None:
         try:
             reqs = self.engine.add_choices(prompt_ids, sampling, len(rids), rids=rids)
         except InvalidRequest as exc:
@@ -181,6 +214,8 @@ class EngineLoop:
         else:
             for rid, req, sink in zip(rids, reqs, sinks):
                 self._live[rid] = (req, sink, -1)  # -1: nothing published yet
+            if self.recorder is not None and client_id:
+                self.recorder.calls(client_id, list(rids))
 
     def _abort(self, rid: str) -> None:
         for i, held in enumerate(self._held):
@@ -206,6 +241,9 @@ class EngineLoop:
         for rid in list(self._live):
             self.engine.abort(rid)
         self._publish_progress()
+        if self.recorder is not None:
+            self._record(now=True)
+            self.recorder.close()
         self._stopped = True
         self._answer_leftovers()
 
@@ -275,12 +313,31 @@ class EngineLoop:
             del self._live[rid]
         publish(out)
 
+    def _record(self, now: bool = False) -> None:
+        """Hand the recorder the records new since its last hand-over (every `recorder.interval` seconds;
+        `now`: at once). A copy of references, on the engine thread; the recorder writes them elsewhere."""
+        if self.recorder is None or (not now and time.monotonic() - self._recorded_at < self.recorder.interval):
+            return
+        self._recorded_at = time.monotonic()
+        recs, t = self.engine.scheduler.records(), self._taken
+        new = Records(
+            events=recs.events[t.events :],
+            step_stats=recs.step_stats[t.step_stats :],
+            journal=recs.journal[t.journal :],
+        )
+        if new.events or new.step_stats or new.journal:
+            self._taken = Taken(len(recs.events), len(recs.step_stats), len(recs.journal))
+            self.recorder.write(new)
+
     def _update_stats(self, step: bool = True) -> None:
         """A new Stats snapshot (after a step, or after adds / aborts handled between steps)."""
         sched = self.engine.scheduler
         snap = sched.snapshot()
+        self._record()
         if not self.keep_history and snap.step - self._drained_at > HISTORY_LIMIT:
+            self._record(now=True)  # what the drain drops goes to the recorder first
             sched.drain_records()
+            self._taken = Taken()
             self.engine.step_times.clear()
             self._drained_at = snap.step
         host = snap.host
@@ -311,6 +368,15 @@ class EngineLoop:
             grammar_compile_seconds=grammars.compile_seconds,
             grammar_compile_time_counts=tuple(grammars.compile_time_counts),
         )
+
+
+@dataclass(frozen=True)
+class Taken:
+    """How many of the scheduler's records since its last drain the recorder has been handed."""
+
+    events: int = 0
+    step_stats: int = 0
+    journal: int = 0
 
 
 def _error_type(error: Optional[str]) -> str:

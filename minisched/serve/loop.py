@@ -40,8 +40,11 @@ class ServingLoop(Protocol):
 
     def is_alive(self) -> bool: ...
 
-    def submit(self, rids: list[str], prompt_ids: list[int], sampling: Any, sinks: list[Sink]) -> None:
-        """One prompt's len(rids) choices (OpenAI's `n`), each its own request id and sink."""
+    def submit(
+        self, rids: list[str], prompt_ids: list[int], sampling: Any, sinks: list[Sink], client_id: Optional[str] = None
+    ) -> None:
+        """One prompt's len(rids) choices (OpenAI's `n`), each its own request id and sink; `client_id`: the
+        client's X-Request-Id, for the records (`serve --record`)."""
 
     def abort(self, rid: str) -> None: ...
 

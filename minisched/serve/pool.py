@@ -21,7 +21,9 @@ Supervision (`Supervision`; a monitor thread, every MONITOR_INTERVAL):
 - `/health`: 200 "ok" while every replica serves, 200 "degraded" while some do, 503 while none
   does (restarting or given up); each replica's row says which.
 
-`factories[i]` builds replica i's Engine in its process (a picklable zero-argument callable).
+`factories[i]` builds replica i's Engine in its process (a picklable zero-argument callable);
+`recorder(i)`, if given, builds replica i's Recorder there (serve/recorder.py; `serve --record`): every
+process it starts -- the first and each restart -- records a series of its own.
 With `pin_cpus` and at least one core per replica, replica i is pinned to its own share of
 the cores, so the replicas' thread pools do not fight over them.
 """
@@ -107,11 +109,13 @@ class EnginePool:
         start_timeout: float = 600.0,
         check_invariants: bool = False,
         supervision: Supervision = Supervision(),
+        recorder: Optional[Callable[[int], Any]] = None,
     ):
         if len(factories) < 1:
             raise ValueError("an engine pool needs at least one replica")
         self.router_config, self.supervision = router, supervision
         self.start_timeout, self.check_invariants = start_timeout, check_invariants
+        self.recorder = recorder  # picklable: replica index -> its Recorder, built in the replica process
         cpus = split_cpus(len(factories)) if pin_cpus else [None] * len(factories)
         self.slots = [_Slot(i, f, cpus[i]) for i, f in enumerate(factories)]
         self.router: Optional[Router] = None
@@ -162,6 +166,7 @@ class EnginePool:
             on_death=self._replica_died,
             cpus=slot.cpus,
             check_invariants=self.check_invariants,
+            recorder=self.recorder,
         )
 
     def is_alive(self) -> bool:
@@ -183,9 +188,11 @@ class EnginePool:
                 s.client.join(max(0.1, deadline - time.monotonic()))
 
     # -- requests (from the event loop) ---------------------------------------------------------
-    def submit(self, rids: list[str], prompt_ids: list[int], sampling, sinks: list) -> None:
+    def submit(
+        self, rids: list[str], prompt_ids: list[int], sampling, sinks: list, client_id: Optional[str] = None
+    ) -> None:
         """A prompt's choices go to one replica together: they share its prefill there."""
-        self._route(Group(list(rids), prompt_ids, sampling, list(sinks)))
+        self._route(Group(list(rids), prompt_ids, sampling, list(sinks), client_id))
 
     def _route(self, group: Group) -> None:
         while True:

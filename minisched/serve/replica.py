@@ -75,6 +75,7 @@ class Group:
     prompt_ids: list[int]
     sampling: Any
     sinks: list
+    client_id: Optional[str] = None  # the client's X-Request-Id (for the records)
     retried: bool = False
     delivered: bool = False  # some choice got tokens or a finish: the client saw it, no retry then
 
@@ -121,7 +122,12 @@ def _remote_sink(rid: str, loop: _ForwardingLoop) -> Sink:
 
 
 def _replica_main(
-    index: int, factory: Callable[[], Any], conn, cpus: Optional[list[int]], check_invariants: bool
+    index: int,
+    factory: Callable[[], Any],
+    conn,
+    cpus: Optional[list[int]],
+    check_invariants: bool,
+    recorder: Optional[Callable[[int], Any]] = None,
 ) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # group-wide signals are the server's: it drains, then stops us
         signal.signal(sig, signal.SIG_IGN)
@@ -133,7 +139,12 @@ def _replica_main(
     except BaseException as exc:  # noqa: BLE001 -- reported to the server, which fails the start
         out.send(("failed", f"{type(exc).__name__}: {exc}".splitlines()[0]))
         return
-    loop = EngineLoop(engine, check_invariants=check_invariants).start()
+    try:  # this process's own series of record files (serve --record): a restart never continues an old one
+        rec = None if recorder is None else recorder(index)
+    except BaseException as exc:  # noqa: BLE001 -- reported to the server, which fails the start
+        out.send(("failed", f"recording: {type(exc).__name__}: {exc}".splitlines()[0]))
+        return
+    loop = EngineLoop(engine, check_invariants=check_invariants, recorder=rec).start()
     fwd = _ForwardingLoop(out)
     out.send(("ready", EngineInfo(engine.tokenizer, engine.cfg, engine.sched_config)))
     sent_stats, beat = None, 0.0
@@ -150,8 +161,8 @@ def _replica_main(
         if msg is not None:
             kind = msg[0]
             if kind == "add":
-                _, rids, prompt_ids, sampling = msg
-                loop.submit(rids, prompt_ids, sampling, [_remote_sink(rid, fwd) for rid in rids])
+                _, rids, prompt_ids, sampling, client_id = msg
+                loop.submit(rids, prompt_ids, sampling, [_remote_sink(rid, fwd) for rid in rids], client_id)
             elif kind == "abort":
                 loop.abort(msg[1])
             elif kind == "call":
@@ -189,13 +200,14 @@ class ReplicaClient:
         on_death: Optional[Callable[[int, bool, list[Group]], None]] = None,
         cpus: Optional[list[int]] = None,
         check_invariants: bool = False,
+        recorder: Optional[Callable[[int], Any]] = None,
     ):
         ctx = multiprocessing.get_context("spawn")
         self.index, self.on_death = index, on_death
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_replica_main,
-            args=(index, factory, child, cpus, check_invariants),
+            args=(index, factory, child, cpus, check_invariants, recorder),
             name=f"minisched-replica-{index}",
             daemon=True,
         )
@@ -236,7 +248,7 @@ class ReplicaClient:
                 return False
             for rid, sink in zip(group.rids, group.sinks):
                 self._live[rid] = (group, sink)
-        if self._send(("add", list(group.rids), group.prompt_ids, group.sampling)):
+        if self._send(("add", list(group.rids), group.prompt_ids, group.sampling, group.client_id)):
             return True
         with self._lock:  # the replica is going; unless its death already took the group, route it again
             return all(self._live.pop(rid, None) is None for rid in group.rids)

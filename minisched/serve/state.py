@@ -244,7 +244,7 @@ class ServerState:
                 self.live[h.rid] = h
             self.queued += n
             sinks: list[Sink] = list(mine)  # submit's list is of Sinks (a list is invariant)
-            self.engine_loop.submit([h.rid for h in mine], prepared.prompt_ids, prepared.sampling, sinks)
+            self.engine_loop.submit([h.rid for h in mine], prepared.prompt_ids, prepared.sampling, sinks, client_id)
             handles += mine
         return Call(handles, queue)
 

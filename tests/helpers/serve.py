@@ -73,7 +73,7 @@ def pool_whole(engine) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def pool_server(factories, *, router=None, supervision=None, start_timeout: float = 120.0):
+def pool_server(factories, *, router=None, supervision=None, start_timeout: float = 120.0, recorder=None):
     """An EnginePool (engine processes) behind a live server; yields (base URL, pool). At the end every
     replica process must be gone and none may have broken the scheduler's invariants."""
     from minisched.serve.pool import EnginePool, Supervision
@@ -85,6 +85,7 @@ def pool_server(factories, *, router=None, supervision=None, start_timeout: floa
         check_invariants=True,
         start_timeout=start_timeout,
         supervision=supervision or Supervision(),
+        recorder=recorder,
     ).start()
     server = None
     try:
