@@ -98,7 +98,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
             why.no_prefill = Reason.RUNNING_CAP.value
             return None, 0, None
     defer = None
-    if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
+    if cfg.in_batch_prefix_rule == "defer" and cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
         defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
     mixed = len(sched.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
     adder = new_adder(sched, mixed_decode_tokens=mixed, defer=defer, chunk_floor=cfg.chunk_rule == "sglang")

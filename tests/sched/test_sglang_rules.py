@@ -119,6 +119,33 @@ def test_sglang_in_batch_prefix_rule_sorts_shared_prefixes_last_for_lpm():
     assert [r[0] for r in rows] == ["a", "c"]
 
 
+def test_in_batch_prefix_rule_sglang_alone_turns_deferral_off():
+    """Regression: with minisched's admission path the option was ignored (deferral ran whatever the rule).
+    16 cold requests share 64 uncached tokens: deferred, the prefix is computed once; SGLang's rule does not
+    skip (FCFS: not even a reordering), so every request computes it."""
+    shared = list(range(1, 65))
+    for rule, want in (("defer", 64 + 16 * 4), ("sglang", 16 * 68)):
+        sched = make(page_size=16, num_pages=400, in_batch_prefix_rule=rule)
+        for i in range(16):
+            add(sched, f"r{i}", shared + [i + 1] * 4, max_new=2)
+        while sched.has_work():
+            step(sched)
+        assert sum(s.num_prefill_tokens for s in sched.step_stats) == want, rule
+
+
+def test_in_batch_prefix_rule_sglang_sorts_shared_prefixes_last_in_minischeds_lpm_sort():
+    tree = RadixCache(1)
+    shared = list(range(1, 41))
+
+    def req(rid, prompt):
+        return Req(rid=rid, prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=4))
+
+    waiting = [req("a", shared + [1]), req("b", shared + [2]), req("c", [9, 9, 9])]
+    assert ids(SchedulePolicy("lpm", tree, deprioritize_tokens=32).order(waiting)) == ["a", "c", "b"]
+    assert ids(SchedulePolicy("lpm", tree).order(waiting)) == ["a", "b", "c"]
+    assert ids(SchedulePolicy("fcfs", tree, deprioritize_tokens=32).order(waiting)) == ["a", "b", "c"]
+
+
 def test_sglang_policy_sort_is_kept_in_the_queue():
     tree = RadixCache(1)
     tree.insert([5, 5, 5, 5], [0, 1, 2, 3])
