@@ -14,20 +14,24 @@ file), and requests arrive at their seeded times on that clock. Per arm and work
 - TTFT p50 / p99 / max (virtual s; the max is the fairness figure: the worst-treated request), output
   throughput (tokens / virtual s, first arrival to last finish), the inter-token gap p99 (virtual s);
 - machine-free counts: steps, tokens computed (prefill + decode), recomputed tokens (prefill rows of
-  requests that were retracted before: work done twice), retractions.
+  requests that were retracted before: work done twice), retractions;
+- robustness, once per arm (`stalled`): requests the stall guard ends over 300 random tiny pools.
 
 Workloads (`WORKLOADS`; each names the rules it is there for): shared prefixes under LPM with a pool
 smaller than the prefixes, mixed lengths in bursts, memory pressure with retraction, long prompts that
 chunk, a chunk budget above max_prefill_tokens, many waiting requests over a prefix tree for the LPM /
-DFS-weight fallbacks and ties, and a steady stream of arrivals over long decodes.
+DFS-weight fallbacks and ties, cache-hot and cache-cold requests under LPM (aging), and a steady stream
+of arrivals over long decodes. Arrivals are spread relative to the default profile's own service time
+(`Workload.load`), so the offered load is the same fraction of capacity on any cost model.
 
 Verdict per rule (`verdict`): per workload and metric, the change when SGLang's value replaces minisched's
 (the mean over seeds of the per-seed relative change; the tables print it) counts where it is material:
 >= MATERIAL (2 %) and of the same sign in all seeds but at most one. Only the issue's measures decide
-(`DECIDE`: TTFT p99, throughput, recomputed tokens, and fairness as TTFT max and ITL p99); TTFT p50, steps
-and tokens computed are listed beside them. "minisched wins": some material win and no material loss;
-"sglang wins": the reverse; "mixed": both; "no difference": neither. Prints the tables (markdown) and
-writes JSON beside them (`--json`; `--report PATH` prints a saved run's tables again).
+(`DECIDE`: TTFT p99, throughput, recomputed tokens, fairness as TTFT max and ITL p99, and stalls); TTFT
+p50, steps and tokens computed are listed beside them. "minisched wins": some material win and no
+material loss; "sglang wins": the reverse; "mixed": both (counted in workload x measure pairs); "no
+difference": neither. Prints the tables (markdown) and writes them beside the JSON (`--json`: PATH.json
+and PATH.md; `--report PATH` prints a saved run's tables again).
 
     python benchmarks/sched/bench_rules.py [--seeds 5] [--only WORKLOAD,...] [--rules NAME,...] [--jobs 2]
 """
@@ -52,6 +56,7 @@ import numpy as np
 from minisched.observe import workloads as bw
 from minisched.observe.whatif import FEATURES, CostModel
 from minisched.sched.config import PRESETS, SchedulerConfig
+from minisched.sched.req import FinishReason
 from minisched.sched.sampling_params import SamplingParams
 from minisched.sched.scheduler import Scheduler
 
@@ -101,8 +106,10 @@ METRICS = (
     ("ttft_p50", -1),
     ("steps", -1),
     ("tokens_computed", -1),
+    ("stalled", -1),  # the tiny-pools robustness count (`stalled`)
 )
-DECIDE = {"ttft_p99", "out_tok_s", "recomputed", "ttft_max", "itl_p99"}
+DECIDE = {"ttft_p99", "out_tok_s", "recomputed", "ttft_max", "itl_p99", "stalled"}
+TINY = "tiny-pools"  # the robustness pseudo-workload: one count per arm
 
 
 @dataclass(frozen=True)
@@ -334,6 +341,51 @@ def simulate(cfg: SchedulerConfig, reqs: list[Request], coef: np.ndarray) -> dic
     }
 
 
+def stalled(fields: dict, runs: int = 300, seed: int = 6) -> int:
+    """Robustness: requests the stall guard ended (FinishReason.ERROR: no batch could be formed for
+    max_stalled_steps steps) over `runs` random small configurations -- page sizes 1-16, chunks 4-32 or none,
+    pools of 1-8 pages --, each with a few requests continuing one document. Machine-free."""
+    rng = np.random.default_rng(seed)
+    doc = [int(t) for t in rng.integers(3, 50, size=200)]
+    n = 0
+    for r in range(runs):
+        ps = int(rng.choice([1, 2, 4, 16]))
+        pages = int(rng.integers(1, 9))
+        chunk = [None, 4, 8, 16, 32][int(rng.integers(5))]
+        try:
+            cfg = SchedulerConfig(
+                **{
+                    "page_size": ps,
+                    "num_pages": pages,
+                    "chunk_size": chunk,
+                    "max_prefill_tokens": int(rng.choice([16, 64, 4096])),
+                    "max_context_len": 1000,
+                    **fields,
+                }
+            )
+        except ValueError:
+            continue
+        sched = Scheduler(cfg)
+        reqs = []
+        for j in range(int(rng.integers(1, 5))):
+            k = int(rng.integers(1, ps * pages + 1))
+            try:
+                sp = SamplingParams(max_new_tokens=int(rng.choice([1, 4, 16])), ignore_eos=True)
+                reqs.append(sched.add_request(f"s{r}-{j}", doc[:k], sp))
+            except ValueError:  # does not fit this pool: refused at arrival
+                pass
+        for _ in range(5000):
+            if not sched.has_work():
+                break
+            batch = sched.get_next_batch()
+            if batch is None:
+                sched.take_finished()
+            else:
+                sched.process_batch_result(batch, [1] * batch.batch_size)
+        n += sum(1 for q in reqs if q.finish_reason is FinishReason.ERROR)
+    return n
+
+
 def arms(rules: list[str]) -> list[tuple[str, dict]]:
     """(label, config fields over the default profile): the default, each rule at the value that is not the
     default's (the other is the default arm itself), the sglang profile."""
@@ -354,8 +406,10 @@ def arm_config(wl: Workload, fields: dict) -> SchedulerConfig:
 
 def _job(args: tuple) -> tuple:
     wl_name, seed, label, fields, coef = args
-    wl = WORKLOAD[wl_name]
     t = time.process_time()
+    if wl_name == TINY:
+        return wl_name, seed, label, {"stalled": stalled(fields), "cpu_s": time.process_time() - t}
+    wl = WORKLOAD[wl_name]
     res = simulate(arm_config(wl, fields), traffic(wl, seed, tuple(coef)), np.array(coef))
     res["cpu_s"] = time.process_time() - t
     return wl_name, seed, label, res
@@ -392,9 +446,13 @@ def verdict(results: dict, name: str, default: object) -> tuple[str, list[str], 
         if a is None or b is None:
             continue
         for key, better in METRICS:
+            if key not in a[0]:
+                continue
             c, agree = change(a, b, key)  # c > 0: higher with SGLang's value
             if material(c, agree, len(a)):
-                item = f"{wl} {key} {c:+.1%}"
+                item = (
+                    f"{wl} {key} {c:+.1%}" if key != "stalled" else f"{wl}: stalled requests {a[0][key]} vs {b[0][key]}"
+                )
                 if key not in DECIDE:
                     other.append(item)
                 else:
@@ -404,7 +462,7 @@ def verdict(results: dict, name: str, default: object) -> tuple[str, list[str], 
     elif losses and not wins:
         v = "sglang wins"
     elif wins:
-        v = "mixed"
+        v = f"mixed ({len(wins)} wins, {len(losses)} losses)"
     else:
         v = "no difference"
     return v, wins, losses, other
@@ -443,7 +501,8 @@ def main() -> None:
             saved = json.load(f)
         names = [n for n in saved["rules"] if n in RULES]
         defaults = {n: saved["rules"][n]["default"] for n in names}
-        report(saved["results"], defaults, [WORKLOAD[w] for w in saved["results"] if w in WORKLOAD])
+        print(report(saved["results"], defaults, [WORKLOAD[w] for w in saved["results"] if w in WORKLOAD]))
+        return
         return
     if args.seeds < 1 or args.jobs < 1:
         print("bench_rules: --seeds and --jobs must be >= 1", file=sys.stderr)
@@ -461,8 +520,9 @@ def main() -> None:
         sys.exit(2)
     wls = [w for w in WORKLOADS if not only or w.name in only]
     jobs = [(w.name, s, label, f, cost["coef_s"]) for w in wls for label, f in arms(rules) for s in range(args.seeds)]
+    jobs += [(TINY, 0, label, f, cost["coef_s"]) for label, f in arms(rules)]
     load0, t0 = os.getloadavg(), time.monotonic()
-    results: dict[str, dict[str, list[dict]]] = {w.name: {} for w in wls}
+    results: dict[str, dict[str, list[dict]]] = {w.name: {} for w in wls} | {TINY: {}}
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as ex:
             done = list(ex.map(_job, jobs, chunksize=1))
@@ -473,7 +533,8 @@ def main() -> None:
     wall, load1 = time.monotonic() - t0, os.getloadavg()
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     defaults = {n: getattr(SchedulerConfig(), n) for n in rules}
-    report(results, defaults, wls)
+    tables = report(results, defaults, wls)
+    print(tables)
     print(f"\n{len(jobs)} runs in {wall:.0f} s, load {load0[0]:.1f} -> {load1[0]:.1f}; cost model: {cost['command']}")
     out = {
         "commit": commit.stdout.strip(),
@@ -496,11 +557,18 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    print(f"wrote {args.json}")
+    md = os.path.splitext(args.json)[0] + ".md"
+    with open(md, "w") as f:
+        f.write(
+            f"<!-- {' '.join(sys.argv)}; commit {out['commit']}; load {load0[0]:.1f} -> {load1[0]:.1f} -->\n\n{tables}"
+        )
+    print(f"wrote {args.json} and {md}")
 
 
-def report(results: dict, defaults: dict, wls: list[Workload]) -> None:
-    """The tables; `defaults`: rule -> the default profile's value when the run was made."""
+def report(results: dict, defaults: dict, wls: list[Workload]) -> str:
+    """The tables (markdown); `defaults`: rule -> the default profile's value when the run was made."""
+    lines: list[str] = []
+    print = lambda text="", end="\n": lines.append(text + end)  # noqa: A001, E731
     keys = ("ttft_p50", "ttft_p99", "ttft_max", "out_tok_s", "itl_p99", "steps", "tokens_computed", "recomputed")
     print("## Absolute values (mean over seeds)\n")
     print(
@@ -515,12 +583,17 @@ def report(results: dict, defaults: dict, wls: list[Workload]) -> None:
                 f"{m['out_tok_s']:.1f} | {m['itl_p99']:.2f} | {m['steps']:.0f} | {m['tokens_computed']:.0f} | "
                 f"{m['recomputed']:.0f} | {m['retractions']:.1f} |"
             )
+    tiny = results.get(TINY, {})
+    if tiny:
+        print(f"\n{TINY} (`stalled`): requests ended by the stall guard, per arm: ", end="")
+        print("; ".join(f"{label} {rows[0]['stalled']}" for label, rows in tiny.items()))
     print("\n## Per rule: the change when SGLang's value replaces minisched's (material ones; `verdict`)\n")
     print("| rule | verdict | where minisched's rule wins | where it loses | other material changes |")
     print("|---|---|---|---|---|")
     for name, default in defaults.items():
         v, wins, losses, other = verdict(results, name, default)
         print(f"| {name} | {v} | {'; '.join(wins) or '-'} | {'; '.join(losses) or '-'} | {'; '.join(other) or '-'} |")
+    return "".join(lines)
 
 
 if __name__ == "__main__":
