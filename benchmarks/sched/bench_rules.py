@@ -66,15 +66,15 @@ MATERIAL = 0.02  # a change smaller than 2 % on every metric counts as no differ
 # The step-cost model: a `minisched bench --json` run of SmolLM2-135M-Instruct (fp32, CPU, 2 threads) recorded
 # once on the development machine; `CostModel.fit` of its journal gave these coefficients (seconds).
 COST_RUN = {
-    "command": "minisched bench --workload mixed --num-requests 40 --rate 2 --scale 0.5 --seed 0 "
-    "--page-size 16 --num-pages 512 --chunk-size 256 --json cost_run.json",
-    "date": "(filled by the recording run)",
-    "commit": "",
-    "load": "",
-    "steps": 0,
-    "r2": 0.0,
-    "mean_abs_err": 0.0,
-    "coef_s": [0.0] * len(FEATURES),
+    "command": "minisched bench --workload mixed --num-requests 48 --rate 1 --seed 0 --page-size 16 "
+    "--num-pages 512 --chunk-size 512 --threads 2 --no-progress --json benchmarks/results/bench_rules_cost_run.json",
+    "run": "2026-12-06 01:20 UTC, commit 2a3be69, dev machine (AMD EPYC, AVX2 kernels, 2 cores), fp32; load 0.8 -> 2.7;"
+    " 48/48 requests in 196.9 s, out 33.9 tok/s",
+    "steps": 479,
+    "r2": 0.883,
+    "mean_abs_err": 0.213,
+    # step, prefill_tokens, prefill_attn_k, decode_rows, decode_ctx_k, draft_tokens (FEATURES), seconds
+    "coef_s": [0.09706, 0.003983, 0.013255, 0.0, 0.032549, 0.0],
 }
 
 # rule option -> (minisched's value, SGLang 0.5.23's value)
