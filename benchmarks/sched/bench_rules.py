@@ -450,9 +450,9 @@ def verdict(results: dict, name: str, default: object) -> tuple[str, list[str], 
                 continue
             c, agree = change(a, b, key)  # c > 0: higher with SGLang's value
             if material(c, agree, len(a)):
-                item = (
-                    f"{wl} {key} {c:+.1%}" if key != "stalled" else f"{wl}: stalled requests {a[0][key]} vs {b[0][key]}"
-                )
+                item = f"{wl} {key} {c:+.1%}"
+                if key in ("recomputed", "stalled"):  # (counts near 0: absolute means, minisched's -> SGLang's)
+                    item = f"{wl} {key} {mean(a, key):.0f} -> {mean(b, key):.0f}"
                 if key not in DECIDE:
                     other.append(item)
                 else:
