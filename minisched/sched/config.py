@@ -7,7 +7,7 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   and the founding design's rule). k: at most k prefill-only rounds while requests wait to decode;
   1 keeps the gap between a running request's tokens at 2 steps (with a steady stream of arrivals,
   prefill first leaves running requests waiting until the running-request cap stops admissions).
-  Measured (benchmarks/sched/bench_rules.py): 1 cuts ITL p99 up to 3x but costs TTFT p99 up to 10 %,
+  Measured (benchmarks/sched/bench_rules.py): 1 cuts ITL p99 up to 3x but raises TTFT p99 up to 11 %,
   more material losses than wins, so the default is None. `enable_mixed_chunk` bounds the gap at
   one step instead, where the engine supports mixed batches.
 - `clip_max_new_tokens_estimation` (4096, SGLang's CLIP_MAX_NEW_TOKENS): the most future
