@@ -275,10 +275,10 @@ SCENARIOS = {
 VARIANTS = [
     ("default", None, {}),
     ("no deferral", ("deferral-64", "deferral-16"), {"in_batch_prefix_defer_tokens": None}),
-    (
-        "prefill first (guard off)",
+    (  # (the default is prefill first: bench_rules.py, RESULTS.md "Rules: minisched's vs SGLang's")
+        "alternating (guard 1)",
         ("arrivals", "long-prompt", "retraction", "retraction-full"),
-        {"max_prefill_rounds_between_decodes": None},
+        {"max_prefill_rounds_between_decodes": 1},
     ),
     ("guard 2", ("arrivals", "long-prompt"), {"max_prefill_rounds_between_decodes": 2}),
     ("guard 4", ("arrivals", "long-prompt"), {"max_prefill_rounds_between_decodes": 4}),

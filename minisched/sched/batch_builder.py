@@ -27,7 +27,7 @@ from minisched.sched import preemption
 from minisched.sched.batch import Batch, ForwardMode
 from minisched.sched.decisions import Reason, not_ready, sharer, stop_reason, users
 from minisched.sched.deferral import InBatchPrefixes
-from minisched.sched.prefill_adder import PrefillAdder
+from minisched.sched.prefill_adder import AddResult, PrefillAdder
 from minisched.sched.queues import Queues
 from minisched.sched.req import Place, Req
 from minisched.sched.retraction import evict_for, make_room_for_decode
@@ -73,6 +73,7 @@ def new_adder(sched: Queues, **rules: Any) -> PrefillAdder:
         clip_estimate=cfg.clip_max_new_tokens_estimation,
         forks=sched.forks,
         input_check_with_chunking=cfg.max_prefill_tokens_with_chunking,
+        conservative_eviction=cfg.conservative_eviction,
         **rules,
     )
 
@@ -84,6 +85,11 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         return prefill_batch_sglang(sched)
     if sched.chunked_req is None and not sched.waiting:
         return None, 0, None
+    pause, running_before = cfg.pause_admission_when_full, bool(sched.running)
+    if pause:
+        reset_batch_is_full(sched)
+        if sched.chunked_req is None and sched.batch_is_full:
+            return None, 0, None
     prio = cfg.priority_scheduling
     if prio and sched.waiting:
         ready = [r for r in sched.waiting if r.ready]
@@ -98,7 +104,7 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
             why.no_prefill = Reason.RUNNING_CAP.value
             return None, 0, None
     defer = None
-    if cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
+    if cfg.in_batch_prefix_rule == "defer" and cfg.in_batch_prefix_defer_tokens is not None and not sched.tree.disable:
         defer = InBatchPrefixes(cfg.page_size, cfg.in_batch_prefix_defer_tokens)
     mixed = len(sched.running) if cfg.enable_mixed_chunk else 0  # decode rows riding along
     adder = new_adder(sched, mixed_decode_tokens=mixed, defer=defer, chunk_floor=cfg.chunk_rule == "sglang")
@@ -111,7 +117,11 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
     if (adder.new_chunked_req is None or cfg.chunk_rule == "sglang") and sched.waiting:
         # a request preempted while its row is in a launched batch waits for that batch to resolve
         busy = sched.in_flight.launched_rows() if sched.in_flight.launched and prio else ()
-        ready = ready_requests(sched, sched.policy.order(sched.waiting), busy)
+        ordered = sched.policy.order(sched.waiting)
+        if cfg.policy_sort == "sglang":  # the sort is kept as the queue's order
+            sched.reorder_waiting(ordered)
+            ordered = list(sched.waiting)
+        ready = ready_requests(sched, ordered, busy)
         if prio:
             ready = preemption.order(ready, sched.step_count, cfg.priority_aging_steps)
         admitted = adder.add_waiting(ready)
@@ -127,6 +137,10 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         note_waiting(sched, adder, ready)
         if admitted:
             sched.admit(admitted, aging=sched.policy.active(len(sched.waiting)) != "fcfs")
+        if pause and adder.blocked is not None:  # SGLang's batch_is_full: out of slots, or of KV beside others
+            out_of_kv = adder.blocked_result is AddResult.NO_TOKEN and bool(adder.can_run or sched.running)
+            out_of_slots = len(adder.can_run) >= adder.max_new_reqs
+            sched.batch_is_full = (out_of_kv or out_of_slots) and running_before
     for r, p, e in zip(adder.can_run, adder.prefix_lens, adder.extend_lens):
         why.admit(r, p, e, r is adder.new_chunked_req)
     sched.carry(adder.new_chunked_req)
@@ -144,6 +158,16 @@ def prefill_batch(sched: Queues) -> tuple[Batch | None, int, PrefillAdder | None
         free_after=adder.free_after,
     )
     return batch, adder.cache_hit_tokens, adder
+
+
+def reset_batch_is_full(sched: Queues) -> None:
+    """SGLang's batch_is_full also clears when a row of the last prefill did not join the running batch
+    (chunked, finished) and when nothing runs (a running request leaving clears it: Scheduler.unlink)."""
+    last = sched.last_batch
+    if last is not None and last.mode is ForwardMode.PREFILL and any(r.place is not Place.RUNNING for r in last.reqs):
+        sched.batch_is_full = False
+    if not sched.running:
+        sched.batch_is_full = False
 
 
 def ready_requests(sched: Queues, ordered: list[Req], busy: Collection[int] = ()) -> list[Req]:
@@ -183,12 +207,8 @@ def prefill_batch_sglang(sched: Queues) -> tuple[Batch | None, int, PrefillAdder
     once the batch is chosen."""
     cfg = sched.config
     pause = cfg.pause_admission_when_full
-    last = sched.last_batch
-    if last is not None and last.mode is ForwardMode.PREFILL and any(r.place is not Place.RUNNING for r in last.reqs):
-        sched.batch_is_full = False  # a row of the last prefill did not join the running batch (chunked, finished)
+    reset_batch_is_full(sched)
     running_before = bool(sched.running)
-    if not running_before:
-        sched.batch_is_full = False
     carried = sched.chunked_req
     if carried is None and (not sched.waiting or (pause and sched.batch_is_full)):
         return None, 0, None
@@ -203,7 +223,6 @@ def prefill_batch_sglang(sched: Queues) -> tuple[Batch | None, int, PrefillAdder
         sched,
         sglang=True,
         chunk_floor=True,
-        conservative_eviction=cfg.conservative_eviction,
     )
     carried = sched.take_carried()
     if carried is not None:

@@ -3,13 +3,13 @@
 Token budgets are per prefill batch. The ratio fields are SGLang's `new_token_ratio`
 schedule; `aging_rounds`: see policy.py. The rest, with the reason for each default:
 
-- `max_prefill_rounds_between_decodes` (1): with a steady stream of arrivals, prefill-first
-  scheduling never decodes (a running request went 200 steps without a token). Alternating
-  keeps the gap between a running request's tokens at 2 steps; what it costs is one cheap
-  decode step per prefill round while both are pending (an 8,000-token prompt's TTFT: 1.5 %
-  more tokens computed, 31 steps instead of 16). `enable_mixed_chunk` bounds the gap at one
-  step instead, where the engine supports mixed batches; the guard still applies when the
-  decode rows' pages do not fit. None: prefill always first (SGLang without mixed chunks).
+- `max_prefill_rounds_between_decodes` (None: prefill first whenever a prefill batch forms, SGLang's
+  and the founding design's rule). k: at most k prefill-only rounds while requests wait to decode;
+  1 keeps the gap between a running request's tokens at 2 steps (with a steady stream of arrivals,
+  prefill first leaves running requests waiting until the running-request cap stops admissions).
+  Measured (benchmarks/sched/bench_rules.py): 1 cuts ITL p99 up to 3x but raises TTFT p99 up to 11 %,
+  more material losses than wins, so the default is None. `enable_mixed_chunk` bounds the gap at
+  one step instead, where the engine supports mixed batches.
 - `clip_max_new_tokens_estimation` (4096, SGLang's CLIP_MAX_NEW_TOKENS): the most future
   tokens one request reserves for admission, so a client's "no limit" cannot block it.
 - `retract_decode_steps` (20, SGLang's retract_decode_steps): after a retraction
@@ -33,12 +33,19 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   a verify row past the weight-bandwidth bound costs more than free chat's drafts give back).
 - Presets (`SchedulerConfig.preset(name)`, `PRESETS`, `--sched-profile`): "default" is the above;
   "sglang" makes every decision SGLang 0.5.23's code makes, as benchmarks/sched/diff_sglang.py
-  measures it (0 differing steps on 4,000 traces): prefill always first, no aging, and the rule
-  options below set to SGLang's (docs/architecture.md, "Scheduler decisions beyond SGLang's").
-- The rule options (default: minisched's rule; each field's help says SGLang's): `admission_budget`,
-  `max_prefill_tokens_with_chunking`, `chunk_rule`, `in_batch_prefix_rule`, `retraction_rule`,
-  `retracted_to_tail`, `pause_admission_when_full`, `policy_sort`, `dfs_weight_fallback`,
-  `dfs_ties_reversed`, `conservative_eviction`, `lru_rule`.
+  measures it (0 differing steps on 4,000 traces): it sets every rule option below to SGLang's value,
+  and no aging (docs/architecture.md, "Scheduler decisions beyond SGLang's").
+- The rule options (each field's help says both rules). Each default is the rule that won when the
+  option alone was switched against the default profile (benchmarks/sched/bench_rules.py;
+  benchmarks/RESULTS.md, "Scheduler" > "Rules: minisched's vs SGLang's", has the numbers):
+  minisched's for `admission_budget` (stalls, TTFT p99 and throughput with many waiting),
+  `chunk_rule` (stalls when chunk_size < page_size), `in_batch_prefix_rule` ("defer"),
+  `retraction_rule` and `pause_admission_when_full` (False) (recomputed tokens), `policy_sort` and
+  `aging_rounds` (32) (TTFT p99 / max of cache-cold requests), `conservative_eviction` (False)
+  (recomputed tokens, TTFT p99, throughput); SGLang's for `max_prefill_rounds_between_decodes`,
+  `max_prefill_tokens_with_chunking` (False), `dfs_weight_fallback` (False), `dfs_ties_reversed`
+  (False) and `lru_rule` ("sglang"), where minisched's did not win; the founding design's for
+  `retracted_to_tail` (False: retracted requests go to the head of the waiting queue).
 - `max_stalled_steps` (32): after this many consecutive steps with work but no batch
   (nothing running, nothing admissible: a bug or leaked pages), the stuck requests end with
   FinishReason.ERROR so callers never spin.
@@ -78,7 +85,12 @@ class SchedulerConfig:
         True, "disable prefix reuse through the radix cache", name="--no-radix-cache", negate=True
     )
     enable_mixed_chunk: bool = flag(False, "let decode tokens ride along with prefill chunks", name="--mixed-chunk")
-    max_prefill_rounds_between_decodes: int | None = 1
+    max_prefill_rounds_between_decodes: int | None = flag(
+        None,
+        "at most this many prefill-only rounds while requests wait to decode (0: prefill first, the default, as "
+        "SGLang and the founding design; 1: alternate, bounding a running request's gap at 2 steps)",
+        none_as=0,
+    )
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.098
     new_token_ratio_decay_steps: int = 600
@@ -87,7 +99,9 @@ class SchedulerConfig:
     in_batch_prefix_defer_tokens: int | None = 32
     lpm_fallback_len: int = 128
     aging_rounds: int | None = flag(
-        32, "cache-aware policies: a request overtaken this many rounds goes first (0: no aging)", none_as=0
+        32,
+        "cache-aware policies: a request overtaken this many rounds goes first (0: no aging, as SGLang)",
+        none_as=0,
     )
     admission_budget: str = flag(
         "minisched",
@@ -96,10 +110,9 @@ class SchedulerConfig:
         choices=ADMISSION_BUDGETS,
     )
     max_prefill_tokens_with_chunking: bool = flag(
-        True,
-        "check max_prefill_tokens per request also when chunking is on",
-        name="--no-max-prefill-tokens-with-chunking",
-        negate=True,
+        False,
+        "check max_prefill_tokens per request also when chunking is on (minisched's rule; SGLang's, the default: "
+        "only without chunking, the chunk budget decides)",
     )
     chunk_rule: str = flag(
         "minisched",
@@ -129,24 +142,22 @@ class SchedulerConfig:
     policy_sort: str = flag(
         "minisched",
         "waiting-queue sort: minisched's (a fresh order each round), or SGLang's (the sort is kept in the queue, so "
-        "ties keep the last order; cache-aware policies match whole sequences)",
+        "ties keep the last order; cache-aware policies match whole sequences; no aging)",
         choices=POLICY_SORTS,
     )
     dfs_weight_fallback: bool = flag(
-        True,
-        "dfs-weight also falls back to FCFS above lpm_fallback_len waiting requests",
-        name="--no-dfs-weight-fallback",
-        negate=True,
+        False,
+        "dfs-weight also falls back to FCFS above lpm_fallback_len waiting requests (minisched's rule; SGLang's, "
+        "the default: only lpm does)",
     )
     dfs_ties_reversed: bool = flag(
-        True,
-        "dfs-weight: equally heavy subtrees newest first (SGLang: insertion order)",
-        name="--no-dfs-ties-reversed",
-        negate=True,
+        False,
+        "dfs-weight: equally heavy subtrees newest first (minisched's rule; SGLang's, the default: insertion order)",
     )
     lru_rule: str = flag(
-        "minisched",
-        "radix-cache LRU: a split node's tail keeps its time (minisched) or, as SGLang, counts as used too",
+        "sglang",
+        "radix-cache LRU: as SGLang (the default), a split node's tail counts as used too and a cached sequence "
+        "is split at its prompt; or minisched's (the tail keeps its time, a sequence is one node)",
         choices=LRU_RULES,
     )
     conservative_eviction: bool = flag(

@@ -55,7 +55,7 @@ class SchedulePolicy:
     dfs_weight_fallback: bool = True  # dfs-weight falls back to FCFS like LPM (SGLang: only LPM)
     dfs_ties_reversed: bool = True  # equally heavy subtrees: newest child first (SGLang: insertion order)
     sglang_sort: bool = False  # SGLang's calc_priority (see `order_sglang`)
-    deprioritize_tokens: int | None = None  # SGLang's in-batch prefix rule (with sglang_sort); None: off
+    deprioritize_tokens: int | None = None  # SGLang's in-batch prefix rule (LPM: sorted last); None: off
     _refreshes: int = 0
 
     def __post_init__(self) -> None:
@@ -85,23 +85,35 @@ class SchedulePolicy:
                 for r in reversed(ordered[:128]):
                     self.tree.match_prefix(r.fill_ids if r.output_ids else r.prompt_ids)
             return ordered
-        ps, limit = self.tree.page_size, self.deprioritize_tokens
-        seen = RadixCache(1) if limit is not None else None
+        ps = self.tree.page_size
+        cached: dict[int, int] = {}
         matched: dict[int, int] = {}
         nodes: dict[int, TreeNode] = {}
-        late: set[int] = set()
         for r in waiting:
-            key = r.fill_ids if r.output_ids else r.prompt_ids
-            pages, node = self.tree.match_prefix(key)
-            matched[id(r)], nodes[id(r)] = min(len(pages) * ps, r.seq_len - 1), node
-            if seen is not None and limit is not None and len(pages) * ps <= limit:
-                if len(seen.match_prefix(key)[0]) >= limit:
-                    late.add(id(r))
-                else:
-                    seen.insert(key, [0] * len(key))
+            pages, node = self.tree.match_prefix(r.fill_ids if r.output_ids else r.prompt_ids)
+            cached[id(r)] = len(pages) * ps
+            matched[id(r)], nodes[id(r)] = min(cached[id(r)], r.seq_len - 1), node
+        late = self._sharing_uncached(waiting, cached)
         if name == "lpm":
             return sorted(waiting, key=lambda r: float("inf") if id(r) in late else -matched[id(r)])
         return self._dfs_weight(waiting, nodes)
+
+    def _sharing_uncached(self, waiting: list[Req], cached: dict[int, int]) -> set[int]:
+        """SGLang's in-batch prefix rule (`deprioritize_tokens`; empty when None): ids of the requests with at most
+        that many cached tokens (`cached`: id -> tokens) that share at least that many with an earlier such one."""
+        limit = self.deprioritize_tokens
+        if limit is None:
+            return set()
+        seen, late = RadixCache(1), set()
+        for r in waiting:
+            if cached[id(r)] > limit:
+                continue
+            key = r.fill_ids if r.output_ids else r.prompt_ids
+            if len(seen.match_prefix(key)[0]) >= limit:
+                late.add(id(r))
+            else:
+                seen.insert(key, [0] * len(key))
+        return late
 
     def order(self, waiting: list[Req]) -> list[Req]:
         """Return the waiting requests in admission order (does not modify `waiting`)."""
@@ -111,8 +123,11 @@ class SchedulePolicy:
         if name == "fcfs":
             return waiting
         if name == "lpm":
-            keyed = [(-len(self._match(r)[0]), i, r) for i, r in enumerate(waiting)]
-            ordered = [r for _, _, r in sorted(keyed, key=lambda x: (x[0], x[1]))]
+            ps = self.tree.page_size
+            cached = {id(r): len(self._match(r)[0]) * ps for r in waiting}
+            late = self._sharing_uncached(waiting, cached)  # (in_batch_prefix_rule="sglang"): sorted last
+            keyed = [(id(r) in late, -cached[id(r)], i, r) for i, r in enumerate(waiting)]
+            ordered = [r for *_, r in sorted(keyed, key=lambda x: x[:3])]
         elif name == "lof":
             ordered = sorted(waiting, key=lambda r: -r.sampling.max_new_tokens)
         else:

@@ -77,7 +77,7 @@ class PrefillAdder:
     sglang: bool = False
     chunk_floor: bool = False  # chunk_rule="sglang": a new chunk is floored to a page, refused if that is 0
     input_check_with_chunking: bool = True  # max_prefill_tokens_with_chunking
-    conservative_eviction: bool = False  # paged: evict for a new page per row before allocating
+    conservative_eviction: bool = False  # paged: evict for a new page per row beyond what it allocates
     current_offset: int = 0  # sglang: tokens charged to this batch's allocation (extend pages + a page per row)
     deferred: list = field(default_factory=list)  # sglang: (request, tokens) allocated by `allocate_deferred`
     full: bool | None = None  # sglang: set when slots or KV ran out (the scheduler's batch_is_full), else None
@@ -159,9 +159,14 @@ class PrefillAdder:
         self._make_room(n)
         return self.pool.alloc(n)
 
-    def _alloc(self, req: Req, n_tokens: int) -> bool:
-        self._make_room(self.pool.pages_needed(req, n_tokens))
+    def _alloc(self, req: Req, n_tokens: int, spare: int = 0) -> bool:
+        """Pages for `n_tokens` more of `req`, evicting room for `spare` more pages too."""
+        self._make_room(self.pool.pages_needed(req, n_tokens) + spare)
         return self.pool.alloc_for_extend(req, n_tokens)
+
+    def _spare(self) -> int:
+        """conservative_eviction, minisched's admission: SGLang's paged extend evicts a page per row beyond need."""
+        return int(self.conservative_eviction and self.pool.page_size > 1)
 
     def chunk_len(self, extend: int) -> tuple[int, bool]:
         """New tokens to run this round and whether the request is truncated (0 tokens: refused, chunk_floor)."""
@@ -304,7 +309,7 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
             return False
         n, truncated = self.chunk_len(extend)
-        if n <= 0 or not self._alloc(req, n):
+        if n <= 0 or not self._alloc(req, n, self._spare()):
             return False
         self._admit(req, req.kv_len, n, truncated)
         return True
@@ -377,7 +382,9 @@ class PrefillAdder:
             extra = self._alloc_pages(n_host + (cow is not None)) if n_host or cow is not None else []
             req.page_ids, req.n_cached_pages, req.last_node = list(pages) + (extra or []), len(pages), node
             req.kv_len = prefix
-            if extra is None or not self._alloc(req, n):  # the budget counted free + evictable + reclaimable pages
+            if extra is None or not self._alloc(
+                req, n, self._spare()
+            ):  # the budget counted free + evictable + reclaimable pages
                 if extra:
                     self.pool.free(extra)
                 tree.dec_lock_ref(node)
