@@ -315,7 +315,7 @@ def draft(sched: Queues, reqs: list[Req], ks: list[int]) -> list[list[int]] | No
         return None
     spec = sched.speculator
     assert spec is not None, "drafting without a speculator"
-    drafts = spec.worth(reqs, spec.propose(reqs, ks), sched.step_count)
+    drafts = spec.worth(reqs, ks, spec.propose(reqs, ks), sched.step_count)
     for r, d in zip(reqs, drafts):
         keep = cdiv(r.kv_len + 1 + len(d), ps)
         if len(r.page_ids) > keep:

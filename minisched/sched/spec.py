@@ -195,8 +195,6 @@ class Speculator:
             got = self.drafter.propose([running[i] for i in who], [ks[i] for i in who])
             for i, d in zip(who, got):
                 drafts[i] = [int(t) for t in d[: ks[i]]]
-                if not drafts[i]:  # nothing to draft now (no n-gram match): not worth draining for (overlap)
-                    self._get(running[i]).hot = False
         return drafts
 
     def observe(self, req: Req, drafted: int, accepted: int) -> None:
@@ -230,14 +228,14 @@ class Speculator:
         st = self._get(req)
         return st.kept / st.tested if st.tested > 0 else self.kept / self.tested
 
-    def worth(self, running: Sequence[Req], drafts: list[list[int]], step: int) -> list[list[int]]:
+    def worth(self, running: Sequence[Req], ks: Sequence[int], drafts: list[list[int]], step: int) -> list[list[int]]:
         """The drafts cut to what the cost model expects to pay (spec_cost.choose); unchanged without a
         cost model and when no step has verified drafts for PROBE_EVERY steps (so that acceptance and the
         verify rows' cost keep being measured; twice as long after each probe that changed nothing). Before the model is fitted every other call drafts
         nothing: a plain step beside the verify steps gives the fit the spread of sizes it needs."""
         if self.cost is None or step - self._last_verify >= self._probe_every:
             self._last_verify, self._probed = step, True
-            return drafts
+            return self._cool(running, ks, drafts)
         fixed = [_seeded(r) for r in running]
         keep = choose(self.cost, [len(d) for d in drafts], [self._acceptance(r) for r in running], fixed)
         if keep is None:
@@ -249,7 +247,16 @@ class Speculator:
         elif self._probed:  # the probe did not change the verdict: probe half as often (up to 8x)
             self._probe_every = min(8 * PROBE_EVERY, 2 * self._probe_every)
         self._probed = False
-        return [d[:k] for d, k in zip(drafts, keep)]
+        return self._cool(running, ks, [d[:k] for d, k in zip(drafts, keep)])
+
+    def _cool(self, running: Sequence[Req], ks: Sequence[int], drafts: list[list[int]]) -> list[list[int]]:
+        """A row asked to draft that ends with none (no n-gram match, or the cost model cut it) is not
+        worth draining the overlap for. Decided on the final drafts, which the journal records, so a
+        replay (whose drafter only knows those) agrees."""
+        for r, k, d in zip(running, ks, drafts):
+            if k > 0 and not d:
+                self._get(r).hot = False
+        return drafts
 
     def wants_drain(self, running: Sequence[Req], step: int) -> bool:
         """Overlap: is it worth resolving the launched plain decode first, so that this step can draft?"""
