@@ -167,3 +167,18 @@ def test_the_timings_are_journal_inputs_so_the_run_replays(a, b):
     if b < 0.01:  # without the timings the model never fits: the replay cuts drafts the run kept, and says so
         stripped = [{k: v for k, v in e.items() if k != "secs"} for e in journal]
         assert not replay(stripped).identical
+
+
+def test_a_due_probe_drains_the_overlap_once_per_interval_not_every_step():
+    """Regression: with a probe due but no row able to draft (here: penalties), wants_drain said yes at every
+    step, so the overlap was drained at every step for the rest of the run (chat at B=8 fell to 0.90x)."""
+    from minisched.sched.req import Req
+    from minisched.sched.spec import PROBE_EVERY, Speculator
+
+    spec = Speculator(OracleDrafter(VOCAB), 4, 8, cost_model=True)
+    for t in (8, 40, 8, 40, 8):
+        spec.observe_step(t, 1.0 + 0.5 * t)  # fitted: drafts do not pay
+    rows = [Req(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=500, repetition_penalty=1.2)) for i in range(4)]
+    drains = [step for step in range(1, 200) if spec.wants_drain(rows, step)]
+    assert len(drains) <= 200 // PROBE_EVERY + 1
+    assert all(b - a >= PROBE_EVERY for a, b in zip(drains, drains[1:]))
