@@ -9,8 +9,8 @@ Two workloads of chat prompts, greedy, up to --new-tokens tokens (EOS ends a req
 - chat: open questions, where the output rarely repeats the prompt (drafting must not cost).
 
 For each workload and batch size B (the first B prompts), engines on the same weights -- no drafting,
-and `speculative="ngram"` with each --num-draft-tokens (the step-cost model deciding which drafts
-pay, sched/spec_cost.py; with --without-cost-model also every draft verified) -- run alternately (A, B, B, A, ...) for
+and `speculative="ngram"` with each --num-draft-tokens (with --cost-model also with the step-cost model
+deciding which drafts pay, sched/spec_cost.py) -- run alternately (A, B, B, A, ...) for
 --rounds rounds, cache-cold each time. Per run: output tok/s of the whole run (prefill included) and
 of its decode phase (tokens after each request's first / from the first token to the last finish), engine steps,
 output tokens per decode-phase step (tokens / steps after the prefill), acceptance rate (accepted /
@@ -124,9 +124,10 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=["grounded", "chat"])
     ap.add_argument("--threads", type=int, default=None, help="Engine num_threads (default: tuned)")
     ap.add_argument(
-        "--without-cost-model",
+        "--cost-model",
         action="store_true",
-        help="also run each k with --no-spec-cost-model (every proposed draft verified), as 'ngram k=K all'",
+        help="also run each k with --spec-cost-model (drafts cut to what a fitted step-cost model expects to pay), "
+        "as 'ngram k=K cost'",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -135,9 +136,9 @@ def main() -> None:
     variants = {"off": base}
     for k in args.num_draft_tokens:
         variants[f"ngram k={k}"] = base.fresh(speculative="ngram", num_draft_tokens=k, num_threads=args.threads)
-        if args.without_cost_model:  # the same drafts, every one verified (no step-cost model: sched/spec_cost.py)
-            variants[f"ngram k={k} all"] = base.fresh(
-                speculative="ngram", num_draft_tokens=k, num_threads=args.threads, spec_cost_model=False
+        if args.cost_model:  # the same drafts, cut to what the step-cost model expects to pay (sched/spec_cost.py)
+            variants[f"ngram k={k} cost"] = base.fresh(
+                speculative="ngram", num_draft_tokens=k, num_threads=args.threads, spec_cost_model=True
             )
     names = list(variants)
     wl = workloads(max(args.batch))

@@ -209,3 +209,15 @@ def test_smollm2_drafting_for_itself_accepts_everything():
     st = engine.scheduler.snapshot().spec
     assert out.token_ids == plain.token_ids
     assert st.draft_tokens > 0 and st.accepted_tokens == st.draft_tokens
+
+
+def test_seeded_sampling_is_reproducible_with_the_cost_model_on():
+    """The step-cost model (sched/spec_cost.py) decides drafts from measured timings; a seeded sampled request's
+    drafts shape its random stream, so the model must leave them alone (this failed when it did not)."""
+    model = tiny_model()
+    ps = prompts([6, 11], seed=3)
+    engine = spec_engine(DenseOracle(model, 2), spec_cost_model=True)
+    sp = SamplingParams(temperature=30.0, top_k=50, seed=5, max_new_tokens=16, ignore_eos=True)
+    runs = [[o.token_ids for o in engine.generate(ps, sp)] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert engine.scheduler.snapshot().spec.verify_steps > 0
