@@ -20,6 +20,17 @@ from minisched.serve import EngineLoop, create_app, make_server
 TINY = "dummy:tiny"
 
 
+def wait_for(pred, timeout: float, what: str, every: float = 0.05):
+    """Poll `pred` until it returns something truthy (returned), or fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 @dataclass
 class LiveServer:
     url: str

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from helpers.serve import pool_server
+from helpers.serve import pool_server, wait_for
 from minisched.engine import Engine
 from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.pool import Supervision
@@ -27,16 +27,6 @@ from minisched.serve.pool import Supervision
 TINY = functools.partial(Engine, "dummy:tiny", num_pages=512, chunk_size=8, page_size=4)
 FAST = Supervision(heartbeat_timeout=2.0, step_timeout=60.0, max_restarts=3, retry_wait=60.0)
 LONG_PROMPT = [5 + i % 200 for i in range(1500)]  # ~190 chunks of 8: a prefill that takes a while
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def health(url: str) -> httpx.Response:

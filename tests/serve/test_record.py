@@ -13,13 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from helpers.record import cli
-from helpers.serve import pool_server
+from helpers.serve import pool_server, wait_for
 from minisched.engine import Engine
 from minisched.observe.record_series import MIN_MAX_BYTES, RecordOptions, SeriesRecorder
 from minisched.observe.run_record import load_runs
@@ -31,16 +30,6 @@ LAUNCH = (
     "p = argparse.ArgumentParser(); add_parser(p.add_subparsers(dest='command'))\n"
     "sys.exit(cmd_serve(p.parse_args(sys.argv[1:])))\n"
 )
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def complete(url: str, client_id: str, prompt: str, max_tokens: int = 6) -> dict:
