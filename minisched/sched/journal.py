@@ -10,8 +10,8 @@ One JSON-ready dict per entry, `op` first:
                 batch (mode, rids, prefix, extend, drafts; or none) and its reasons (why: decisions.StepWhy), t
     launch      t
     resolve     tokens (one per row), more (a verify step's accepted tokens per row, or absent), secs (the
-                measured forward of a decode or verify step, when the runner timed it: an input of the
-                speculator's cost model, spec_cost.py), idle (no work was left after it: the time to the
+                measured forward of a decode or verify step, when the runner timed it and the speculator
+                has a cost model: that model's input, spec_cost.py), idle (no work was left after it: the time to the
                 next build was not the step's), t
     stop        rid, n: the stop checker ended it after n output tokens (raised: it raised, message)
     fail        message: a step failed (fail_in_flight)

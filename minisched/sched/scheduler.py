@@ -407,12 +407,16 @@ class Scheduler:
         out = next_token_ids
         more = out.more_tokens if isinstance(out, StepOutput) else None
         tokens = out.tokens if isinstance(out, StepOutput) else out
-        seconds = out.seconds if isinstance(out, StepOutput) and batch.num_decode == batch.batch_size else None
+        spec = self.speculator
+        learns = spec is not None and spec.cost is not None  # only the cost model reads timings: journal them for it
+        seconds = (
+            out.seconds if learns and isinstance(out, StepOutput) and batch.num_decode == batch.batch_size else None
+        )
         entry = self.journal.resolve(
             [int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more], seconds
         )
-        if seconds is not None and self.speculator is not None:  # a decode or verify step's cost (spec_cost.py)
-            self.speculator.observe_step(batch.num_tokens, seconds)
+        if seconds is not None and spec is not None:  # a decode or verify step's cost (spec_cost.py)
+            spec.observe_step(batch.num_tokens, seconds)
         finished, self._finished_early = self._finished_early, []
         try:
             self._apply(batch, next_token_ids, finished)
