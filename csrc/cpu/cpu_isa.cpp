@@ -126,6 +126,8 @@ const char* isa_name(Isa isa) {
       return "avx2-vnni";
     case Isa::kAvx512:
       return "avx512";
+    case Isa::kAmx:
+      return "amx";
   }
   return "?";
 }
@@ -146,6 +148,8 @@ bool isa_supported(Isa isa) {
       return avx2 && f.avx_vnni;
     case Isa::kAvx512:
       return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512_vnni && f.os_zmm;
+    case Isa::kAmx:  // the kernels also use AVX512-BF16 (vcvtne2ps2bf16), which every AMX CPU has
+      return isa_supported(Isa::kAvx512) && f.avx512_bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 && f.os_amx;
   }
   return false;
 }

@@ -16,10 +16,12 @@
 //   avx2       AVX2 + FMA (+ F16C): every x86-64-v3 machine
 //   avx2-vnni  + AVX-VNNI (int16/int8 dot products on ymm: Alder Lake, Sapphire Rapids, Zen 5)
 //   avx512     AVX-512 F/BW/VL/DQ + AVX512-VNNI (Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4/5)
+//   amx        + AMX-TILE/INT8/BF16 and Linux's permission for the tile data (Sapphire Rapids on):
+//              tile kernels for the int8 and bf16 linears from 16 rows on (*_amx.cpp)
 // The OS must have enabled the register state: XCR0's YMM bits for AVX2, its opmask/ZMM bits for
 // AVX-512 (a kernel or hypervisor can switch them off while cpuid still lists the instructions).
-// AMX (tiles) is detected and reported, with Linux's permission request for the tile data; no
-// kernel uses it yet.
+// AMX needs, besides cpuid and XCR0's tile bits, Linux's permission for the tile data, requested at
+// load (cpu_isa.cpp); without it the first tile instruction faults.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +29,8 @@
 
 namespace minisched::cpu {
 
-enum class Isa : int { kAvx2 = 0, kAvx2Vnni = 1, kAvx512 = 2 };
-constexpr int kNumIsas = 3;
+enum class Isa : int { kAvx2 = 0, kAvx2Vnni = 1, kAvx512 = 2, kAmx = 3 };
+constexpr int kNumIsas = 4;
 
 const char* isa_name(Isa isa);
 

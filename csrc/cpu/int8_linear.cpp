@@ -16,7 +16,8 @@
 //
 // The work: the rows are quantized once per call, then each task takes a group of consecutive
 // 16-column panels and runs the register-blocked micro-kernel (int8_microkernel.h for ymm,
-// int8_linear_avx512.cpp for zmm) over all the row blocks while the panels stay in cache.
+// int8_linear_avx512.cpp for zmm) over all the row blocks while the panels stay in cache. On AMX
+// machines 16 rows and more run as int8 tile dot products (int8_linear_amx.cpp), with the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -98,6 +99,31 @@ void panel_rows_generic(const int16_t* q, int64_t M, int64_t ldq, const float* s
 }
 #endif
 
+// AMX (int8_linear_amx.cpp): rows split into hi / lo bytes once, then each task relays out its two
+// panels once and runs every row tile against them.
+void run_amx(const int16_t* q, const float* sx, int64_t M, int64_t K, int64_t N, int64_t P, int64_t G, const int8_t* w,
+             const float* ws, float* o) {
+  const int64_t mp = (M + amx::kMinRows - 1) / amx::kMinRows * amx::kMinRows, ng = K / G;
+  std::vector<int8_t> hi(static_cast<size_t>(mp * K));
+  std::vector<uint8_t> lo(static_cast<size_t>(mp * K));
+  at::parallel_for(0, mp, std::max<int64_t>(1, 65536 / K),
+                   [&](int64_t m0, int64_t m1) { amx::int8_split_rows(q, M, K, m0, m1, hi.data(), lo.data()); });
+  const int64_t np = amx::kPanelsPerTask, groups = (P + np - 1) / np;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<int8_t> wbuf(static_cast<size_t>(np * K * kPanel));
+    // Row blocks outer: a block's activations stay in L2 while the task's panels pass.
+    for (int64_t mb = 0; mb < M; mb += amx::kRowBlock) {
+      const int64_t rows = std::min(amx::kRowBlock, M - mb);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p = g * np, np_here = std::min<int64_t>(np, P - p);
+        const int64_t ncols = std::min(np_here * kPanel, N - p * kPanel);
+        amx::int8_panels(hi.data() + mb * K, lo.data() + mb * K, rows, sx + mb, w + p * K * kPanel,
+                         ws + p * ng * kPanel, np_here, K, G, o + mb * N + p * kPanel, N, ncols, wbuf.data());
+      }
+    }
+  });
+}
+
 void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& s_packed, const at::Tensor& out) {
   checks::check_int8_linear(x, w_packed, s_packed, out);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = w_packed.size(0), G = K / s_packed.size(1);
@@ -116,6 +142,11 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
   const float* ws = s_packed.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
   const Isa variant = isa();
+  // AMX from a whole tile of rows on, where its 64-channel tiles line up with the scale groups.
+  if (variant >= Isa::kAmx && M >= amx::kMinRows && K % 64 == 0 && G % 64 == 0) {
+    run_amx(q.data(), sx.data(), M, K, N, P, G, w, ws, o);
+    return;
+  }
 #ifdef MINISCHED_INT8_AVX2
   const int np = variant >= Isa::kAvx512 ? avx512::packed_panels_per_call(M) : int8k::panels_per_call(M);
 #else

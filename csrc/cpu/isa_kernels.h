@@ -67,4 +67,37 @@ void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, 
 
 }  // namespace avx2vnni
 
+namespace amx {
+
+// The AMX variants take 16 rows and more (a whole tile of activation rows); fewer rows run the
+// AVX-512 kernels, which give the same bits (int8_linear).
+constexpr int64_t kMinRows = 16;
+constexpr int64_t kPanelsPerTask = 2;  // 32 output columns: two weight tiles per row tile
+// Rows per call of the kernels below (a multiple of 16): a block's split activations (64 rows x K x
+// 2 or 3 terms) stay in L2 while a task's panels pass; the panels are relaid out once per block.
+constexpr int64_t kRowBlock = 64;
+
+// -- int8_linear (int8_linear_amx.cpp) --
+// Rows [m0, m1) of the int16 activations q [M, K] (K % 64 == 0) split into hi (q >> 8, int8) and lo
+// (q & 255, uint8), row stride K; rows >= M (up to a multiple of 16) are zero.
+void int8_split_rows(const int16_t* q, int64_t M, int64_t K, int64_t m0, int64_t m1, int8_t* hi, uint8_t* lo);
+// Rows [0, M) of hi / lo (padded to a multiple of 16 rows) against np_here (<= kPanelsPerTask)
+// consecutive panels of w_packed at w with their group scales at ws (G % 64 == 0), as
+// avx512::int8_panel_rows; wbuf: np_here * K * 16 bytes for the relaid-out panels.
+void int8_panels(const int8_t* hi, const uint8_t* lo, int64_t M, const float* sx, const int8_t* w, const float* ws,
+                 int64_t np_here, int64_t K, int64_t G, float* out, int64_t ldo, int64_t ncols, int8_t* wbuf);
+
+// -- packed_linear's bf16 panels (packed_linear_amx.cpp) --
+// Rows [m0, m1) of x [M, K] (row stride ldx, K % 32 == 0) as three bf16 terms, x = hi + mid + lo
+// exactly, each [rows, K] (row stride K); rows >= M (up to a multiple of 16) are zero.
+void bf16_split_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t m0, int64_t m1, uint16_t* hi,
+                     uint16_t* mid, uint16_t* lo);
+// Rows [0, M) of the split activations (padded to a multiple of 16 rows) against np_here (<=
+// kPanelsPerTask) consecutive bf16 panels at w; the first ncols columns go to out (row stride ldo);
+// wbuf: np_here * K * 16 bf16 for the relaid-out panels.
+void bf16_panels(const uint16_t* hi, const uint16_t* mid, const uint16_t* lo, int64_t M, const uint16_t* w,
+                 int64_t np_here, int64_t K, float* out, int64_t ldo, int64_t ncols, uint16_t* wbuf);
+
+}  // namespace amx
+
 }  // namespace minisched::cpu

@@ -12,7 +12,8 @@
 //
 // The panels may hold bfloat16 weights (`--quantize bf16`): half the bytes to read per token, widened
 // to float32 in registers, so the result is the float32 kernel's on the bf16-rounded weight (and the
-// activations stay float32).
+// activations stay float32). On AMX machines bf16 panels from 16 rows on run as tile dot products
+// (packed_linear_amx.cpp): the same products, float32 sums in another order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,9 +46,38 @@ void widen_bf16(const packed::bf16_t* src, int64_t n, float* dst) {
 #endif
 }
 
+// bf16 panels on AMX (packed_linear_amx.cpp): the rows split into three bf16 terms once, then each
+// task relays out its two panels once and runs every row tile against them.
+void run_amx_bf16(const at::Tensor& x, const packed::bf16_t* w, int64_t P, float* o, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t mp = (M + amx::kMinRows - 1) / amx::kMinRows * amx::kMinRows;
+  std::vector<uint16_t> terms(static_cast<size_t>(3 * mp * K));
+  uint16_t *hi = terms.data(), *mid = hi + mp * K, *lo = mid + mp * K;
+  const float* xp = x.const_data_ptr<float>();
+  at::parallel_for(0, mp, std::max<int64_t>(1, 16384 / K),
+                   [&](int64_t m0, int64_t m1) { amx::bf16_split_rows(xp, x.stride(0), M, K, m0, m1, hi, mid, lo); });
+  const int64_t np = amx::kPanelsPerTask, groups = (P + np - 1) / np;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint16_t> wbuf(static_cast<size_t>(np * K * kPanel));
+    // Row blocks outer: a block's activations stay in L2 while the task's panels pass.
+    for (int64_t mb = 0; mb < M; mb += amx::kRowBlock) {
+      const int64_t rows = std::min(amx::kRowBlock, M - mb), off = mb * K;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p = g * np, np_here = std::min<int64_t>(np, P - p);
+        const int64_t ncols = std::min(np_here * kPanel, N - p * kPanel);
+        amx::bf16_panels(hi + off, mid + off, lo + off, rows, w + p * K * kPanel, np_here, K, o + mb * N + p * kPanel,
+                         N, ncols, wbuf.data());
+      }
+    }
+  });
+}
+
 template <typename W>
 void run(const at::Tensor& x, const W* w, int64_t P, float* o, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
+  if constexpr (std::is_same_v<W, packed::bf16_t>) {
+    if (isa() >= Isa::kAmx && M >= amx::kMinRows && K % 32 == 0) return run_amx_bf16(x, w, P, o, N);
+  }
   const float* xp = x.const_data_ptr<float>();
   const int64_t ldx = x.stride(0);
   const bool wide = use_avx512();

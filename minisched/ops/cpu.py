@@ -10,6 +10,7 @@ Variants (CPU_ISAS, each using more of the machine than the one before):
   "avx2"       AVX2 + FMA: every machine the extension runs on
   "avx2-vnni"  + AVX-VNNI: int16 dot products on ymm for the int8 weights
   "avx512"     AVX-512 F/BW/VL/DQ + AVX512-VNNI: 16 floats per instruction, 32 registers
+  "amx"        + AMX tiles (and Linux's permission for them): the int8 and bf16 linears from 16 rows on
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Optional
 
-CPU_ISAS: tuple[str, ...] = ("avx2", "avx2-vnni", "avx512")
+CPU_ISAS: tuple[str, ...] = ("avx2", "avx2-vnni", "avx512", "amx")
 
 
 try:  # the same module minisched.ops imports (it registers the ops)
@@ -77,7 +78,7 @@ def describe() -> str:
         return "CPU kernels: not built"
     amx = f["flags"].get("amx_tile")
     extra = [n for n in ("avx512_bf16", "avx512_fp16") if f["flags"].get(n)]
-    if amx:
-        extra.append("amx" if f["flags"].get("os_amx") else f"amx (unusable: {f['amx_error']})")
+    if amx and "amx" not in f["supported"]:
+        extra.append(f"amx tiles (unusable: {f['amx_error'] or 'no AMX-INT8/BF16 or AVX-512 BF16'})")
     more = f"; also {', '.join(extra)}" if extra else ""
     return f"CPU kernels: {f['isa']} (supported: {', '.join(f['supported'])}{more}) on {f['model'] or f['vendor']}"

@@ -27,6 +27,8 @@ def test_features_report_the_machine():
         assert flags["avx_vnni"]
     if not flags["amx_tile"]:
         assert not flags["os_amx"]
+    if "amx" in f["supported"]:
+        assert flags["amx_tile"] and flags["amx_int8"] and flags["amx_bf16"] and flags["os_amx"] and flags["avx512_bf16"]
     with open("/proc/cpuinfo") as fh:
         cpuinfo = set(re.search(r"^flags\s*:(.*)$", fh.read(), re.M).group(1).split())
     for ours, linux in (
@@ -34,6 +36,9 @@ def test_features_report_the_machine():
         ("avx512f", "avx512f"),
         ("avx512_vnni", "avx512_vnni"),
         ("avx_vnni", "avx_vnni"),
+        ("amx_tile", "amx_tile"),
+        ("amx_int8", "amx_int8"),
+        ("amx_bf16", "amx_bf16"),
     ):
         assert flags[ours] == (linux in cpuinfo), ours  # cpuid agrees with what the kernel saw
     assert "CPU kernels: " + f["isa"] in cpu.describe()
@@ -66,8 +71,8 @@ def test_version_names_the_isa(capsys):
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
 def test_wide_registers_only_in_the_variants_own_code():
-    """Every function of the extension whose code touches zmm or opmask registers belongs to an
-    AVX-512 variant (namespace minisched::cpu::avx512); the rest is x86-64-v3 code."""
+    """Every function of the extension whose code touches zmm, opmask or tile registers belongs to an
+    AVX-512 or AMX variant (namespaces minisched::cpu::avx512 / ::amx); the rest is x86-64-v3 code."""
     from minisched.ops import _C
 
     dis = subprocess.run(
@@ -78,10 +83,11 @@ def test_wide_registers_only_in_the_variants_own_code():
         head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
         if head:
             current = head.group(1)
-        elif current and re.search(r"%zmm|%k[1-7]\b", line):
-            (wide if "avx512::" in current else offenders).add(current)
+        elif current and re.search(r"%zmm|%k[1-7]\b|%tmm|tilerelease|ldtilecfg", line):
+            (wide if "avx512::" in current or "amx::" in current else offenders).add(current)
     assert not offenders, sorted(offenders)[:10]
     assert any("packed_panel_rows" in name or "micro" in name for name in wide)  # the check sees the variants
+    assert any("amx::int8_panels" in name for name in wide) and any("amx::bf16_panels" in name for name in wide)
 
 
 @pytest.mark.cpu_isa("avx2")

@@ -7,6 +7,7 @@ cases; quantize_int8's error bound and the packing round trip; the op's input ch
 import pytest
 import torch
 
+from helpers import amx_emulation
 from helpers.targets import CPU_ISAS, cpu_backends, poison
 from minisched import ops
 from minisched.ops import reference
@@ -65,15 +66,16 @@ def test_reference_is_the_exact_integer_sum(gen):
 @pytest.mark.parametrize("n,k,group", [(200, 576, 64), (33, 1536, 1536)])
 def test_every_isa_and_batch_gives_the_same_bits(n, k, group, gen):
     """The integer sums are exact and every variant does the same float operations in the same order:
-    AVX2 (vpmaddwd), AVX-VNNI and AVX-512 (vpdpwssd) agree bit for bit, and a row's result does not
+    AVX2 (vpmaddwd), AVX-VNNI and AVX-512 (vpdpwssd) and AMX (tdpbssd + tdpbusd on the int16 rows'
+    high and low bytes, from 16 rows on) agree bit for bit, and a row's result does not
     depend on the rows around it (batch invariance: one kernel for every batch size)."""
-    x = torch.randn(23, k, generator=gen)
+    x = torch.randn(40, k, generator=gen)
     w_packed, s_packed = random_weights(n, k, group, gen)
     got = {}
-    for isa in CPU_ISAS:
+    for isa in CPU_ISAS:  # AMX from 16 rows on: whole row tiles and a padded last one
         with ops.use_cpu_isa(isa):
             got[isa] = run(x, w_packed, s_packed, n, "native")
-            for m0, m1 in ((0, 1), (5, 7), (3, 11), (10, 18), (0, 23)):
+            for m0, m1 in ((0, 1), (5, 7), (3, 11), (10, 18), (0, 16), (0, 23), (7, 40)):
                 assert torch.equal(run(x[m0:m1], w_packed, s_packed, n, "native"), got[isa][m0:m1]), (isa, m0, m1)
     for isa in CPU_ISAS[1:]:
         assert torch.equal(got[isa], got[CPU_ISAS[0]]), isa
@@ -215,3 +217,44 @@ def test_opcheck(gen):
         torch.ops.minisched.int8_linear.default,
         (torch.randn(3, 64, generator=gen), w_packed, s_packed, torch.empty(3, 8)),
     )
+
+
+def test_amx_split_and_tiles_give_the_exact_int32_sums(gen):
+    """The AMX variant's arithmetic, emulated (so it is checked on machines without AMX too): int16
+    rows split into signed high and unsigned low bytes, a panel relaid out into B-tile rows, and the
+    two byte dot products combined as 256 hi + lo give exactly the int32 sum of every 256-channel
+    block that the vpdpwssd kernels form -- also at the extremes, where the bound says int32 holds."""
+    k, n = 576, 32
+    x = torch.randn(18, k, generator=gen)
+    x[16], x[17] = 1.0, -1.0  # rows quantized to all +32767 and all -32767
+    w_q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    w_q[:16, :256] = -127  # with row 17: the largest |hi sum| a block can reach
+    w_packed, _ = ops.pack_int8_weight(w_q, torch.ones(n, k // 64))
+    q, _ = reference.quantize_rows_int16(x)
+    hi, lo = amx_emulation.int8_split(q)
+    assert hi.dtype == torch.int8 and lo.dtype == torch.uint8
+    assert torch.equal(hi.long() * 256 + lo.long(), q.long())
+    largest = 0
+    for p in range(n // 16):
+        b = amx_emulation.int8_b_tiles(w_packed[p])
+        assert b.shape == (k // 4, 64)
+        for c0 in range(0, k, reference.INT32_BLOCK):
+            c1 = min(k, c0 + reference.INT32_BLOCK)
+            sum_hi = amx_emulation.tile_dot_bytes(hi[:, c0:c1], b[c0 // 4 : c1 // 4])
+            sum_lo = amx_emulation.tile_dot_bytes(lo[:, c0:c1], b[c0 // 4 : c1 // 4])
+            want = q[:, c0:c1].long() @ w_q[16 * p : 16 * p + 16, c0:c1].long().T
+            assert torch.equal(256 * sum_hi + sum_lo, want), (p, c0)
+            largest = max(largest, int((256 * sum_hi).abs().max()), int(sum_lo.abs().max()))
+    assert largest == 256 * 128 * 127 * 256  # reached, and below 2^31
+    assert largest < 2**31
+
+
+def test_amx_runs_here_or_says_why():
+    """Where the CPU has AMX and Linux grants the tiles, the `amx` variant is one of the variants every
+    test above runs; where not, this says why (and only the emulation above checks the AMX path)."""
+    f = ops.cpu_features()
+    if "amx" not in f["supported"]:
+        why = f.get("amx_error") or "cpuid lists no AMX-TILE/INT8/BF16 (or no AVX-512 BF16)"
+        pytest.skip(f"no AMX variant on this machine: {why}")
+    assert f["flags"]["amx_int8"] and f["flags"]["amx_bf16"] and f["flags"]["os_amx"]
+    assert "amx" in CPU_ISAS

@@ -6,6 +6,7 @@ batch around a row and the thread count; pack/unpack round-trips; the op's input
 import pytest
 import torch
 
+from helpers import amx_emulation
 from helpers.targets import CPU_ISAS, cpu_backends, poison
 from minisched import ops
 from minisched.ops import reference
@@ -89,16 +90,58 @@ def test_every_isa_gives_the_same_bits(m, gen):
 @pytest.mark.parametrize("n,k", [(16, 64), (61, 1536), (200, 576)])
 def test_bf16_weights_are_the_float32_kernel_on_the_rounded_weight(backend, m, n, k, gen):
     """bfloat16 panels (`--quantize bf16`) are widened as they are read: the result is packed_linear's on
-    the bf16-rounded float32 weight, bit for bit on the native backend."""
+    the bf16-rounded float32 weight, bit for bit on the native backend -- except AMX from 16 rows on,
+    which sums the same products in another order (test_amx_bf16_is_float32_accurate)."""
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).bfloat16()
     got = run(x, w, backend)
     assert ops.pack_linear_weight(w).dtype == torch.bfloat16
     want = run(x, w.float(), backend)
-    if backend == "native":
+    if backend == "native" and not (ops.cpu_isa() == "amx" and m >= 16):
         assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want)
+    else:  # float32 sums in another order (as test_matches_reference's tolerance)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.skipif("amx" not in CPU_ISAS, reason="no AMX variant on this machine (test_int8_linear says why)")
+@pytest.mark.parametrize("m", [16, 17, 40, 64])
+@pytest.mark.parametrize("n,k", [(16, 64), (61, 1536), (200, 576), (5, 96)])
+def test_amx_bf16_is_float32_accurate(m, n, k, gen):
+    """From 16 rows on AMX sums bf16 weights times float32 activations split exactly into three bf16
+    terms: its error against float64 is the FMA chain's size (within 4x the AVX-512 kernel's), far
+    below what bf16-rounded activations would give; poisoned outputs, partial panels and row tiles."""
+    x = torch.randn(m, k, generator=gen) * 3
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    exact = x.double() @ w.double().T
+    with ops.use_cpu_isa("amx"):
+        amx = run(x, w, "native")
+    with ops.use_cpu_isa("avx512"):
+        fma = run(x, w, "native")
+    assert not amx.isnan().any()
+    err_amx = (amx.double() - exact).abs().max().item()
+    err_fma = (fma.double() - exact).abs().max().item()
+    err_bf16_x = ((x.bfloat16().double() @ w.double().T) - exact).abs().max().item()
+    assert err_amx <= 4 * err_fma + 1e-6 * exact.abs().max().item(), (err_amx, err_fma)
+    assert err_amx < err_bf16_x / 20, (err_amx, err_bf16_x)
+    rows = torch.randperm(m, generator=gen)[:5]
+    with ops.use_cpu_isa("amx"):  # a row does not depend on the other rows of its tiles
+        assert torch.equal(run(x[rows].repeat(4, 1)[:16], w, "native")[:5], amx[rows])
+
+
+def test_amx_bf16_split_and_tiles_emulated(gen):
+    """The AMX bf16 variant's arithmetic, emulated (checked on machines without AMX too): the three
+    bf16 terms sum exactly to x, and the relaid-out B-tile rows pair each column's channels so that
+    the tile dot products of the terms give x @ w.T of the rounded weight (float64: exact products)."""
+    k, n = 576, 32
+    x = torch.randn(7, k, generator=gen) * torch.logspace(-20, 20, 7)[:, None]
+    hi, mid, lo = amx_emulation.bf16_split(x)
+    assert torch.equal(hi.double() + mid.double() + lo.double(), x.double())
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = ops.pack_linear_weight(w)
+    for p in range(n // 16):
+        b = amx_emulation.bf16_b_tiles(packed[p])
+        got = sum(amx_emulation.tile_dot_bf16(t, b) for t in (hi, mid, lo))
+        torch.testing.assert_close(got, x.double() @ w[16 * p : 16 * p + 16].double().T, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("backend", NATIVE)
