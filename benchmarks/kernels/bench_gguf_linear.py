@@ -33,6 +33,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 from minisched import ops
+from minisched.base.cpus import loadavg
 from minisched.ops import reference
 
 SHAPES = {
@@ -42,14 +43,6 @@ SHAPES = {
     "down": (576, 1536, 3),
     "lm_head": (49152, 576, 8),
 }
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def per_call(fn, seconds: float, copies: int) -> float:

@@ -26,17 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from minisched import Engine, SamplingParams, ops
+from minisched.base.cpus import loadavg
 from minisched.model.llama import dense_forward
-
-
-def loadavg() -> str:
-    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
-
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 PROMPTS = [

@@ -24,16 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from minisched import ops
-
-
-def loadavg() -> str:
-    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
-
+from minisched.base.cpus import loadavg
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 

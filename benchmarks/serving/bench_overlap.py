@@ -26,17 +26,9 @@ import time
 
 import torch
 
+from minisched.base.cpus import loadavg
 from minisched.engine import Engine
 from minisched.sched.sampling_params import SamplingParams
-
-
-def loadavg() -> str:
-    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def timed(engine: Engine) -> list:

@@ -24,17 +24,10 @@ import random
 import statistics
 import time
 
+from minisched.base.cpus import loadavg
 from minisched.engine import Engine
 from minisched.sched.req import ReqStatus
 from minisched.sched.sampling_params import SamplingParams
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def pct(xs: list[float], q: float) -> float:

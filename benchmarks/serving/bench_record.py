@@ -23,19 +23,12 @@ import threading
 import time
 from pathlib import Path
 
+from minisched.base.cpus import loadavg
 from minisched.engine import Engine
 from minisched.observe.record_series import MIN_MAX_BYTES, RecordOptions, SeriesRecorder
 from minisched.sched.sampling_params import SamplingParams
 from minisched.serve import EngineLoop
 from minisched.serve.engine_loop import HISTORY_LIMIT
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 class Sink:

@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+from minisched.base.cpus import loadavg
 from minisched.engine import Engine
 from minisched.sched.sampling_params import SamplingParams
 
@@ -47,14 +48,6 @@ TASKS = [
     "Copy the following text and fix any spelling mistakes:",
     "Rewrite the following passage exactly as it is, keeping every sentence:",
 ]
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def passages(n: int) -> list[str]:

@@ -29,21 +29,12 @@ import time
 
 import torch
 
-from minisched.base.cpus import default_num_threads
+from minisched.base.cpus import default_num_threads, loadavg
 from minisched.engine import Engine
 from minisched.model.config import preset
 from minisched.parallel import ModelSource, TPSession
 from minisched.parallel.group import CommStats
 from minisched.sched.sampling_params import SamplingParams
-
-
-def loadavg() -> str:
-    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: every result carries them)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def run_batch(engine: Engine, threads: int, prompts, new_tokens: int, stats) -> list[dict]:

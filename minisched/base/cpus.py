@@ -24,3 +24,12 @@ def default_num_threads() -> int:
     except (OSError, ValueError):
         pass
     return max(1, n)
+
+
+def loadavg() -> str:
+    """/proc/loadavg's 1/5/15-minute figures: every benchmark result carries them (machines are shared)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
