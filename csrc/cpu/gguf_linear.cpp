@@ -9,7 +9,8 @@
 // outputs are packed_linear's on the dequantized weight, bit for bit, at every row count and ISA.
 //
 // The work: each task takes a group of consecutive panels. Up to kWidenRows - 1 rows, the
-// micro-kernel dequantizes each weight vector in registers and feeds it to up to 4 rows' FMAs. From
+// micro-kernel dequantizes each weight vector in registers and feeds it to several rows' FMAs (8
+// rows of one panel-block half with AVX2, all 16 rows with AVX-512: gguf_linear_avx512.cpp). From
 // kWidenRows rows on (prefill, large batches: bound by arithmetic) the task dequantizes its panels
 // to a float32 buffer once and runs packed_linear's micro-kernel (AVX2 or AVX-512) on it.
 #include <ATen/ATen.h>
@@ -52,7 +53,7 @@ void run(const at::Tensor& x, const uint8_t* w, int64_t P, float* o, int64_t N) 
     np = wide ? avx512::packed_panels_per_call(M) : packed::panels_per_call(M);
   else
 #ifdef MINISCHED_GGUF_AVX2
-    np = ggufk::panels_per_call(M);
+    np = wide ? avx512::gguf_panels_per_call(M) : ggufk::panels_per_call(M);
 #else
     np = 1;
 #endif
@@ -76,7 +77,10 @@ void run(const at::Tensor& x, const uint8_t* w, int64_t P, float* o, int64_t N) 
           packed::panel_rows(xp, M, ldx, static_cast<const float*>(buf.data()), np_here, K, op, N, ncols);
       } else {
 #ifdef MINISCHED_GGUF_AVX2
-        ggufk::panel_rows<QT>(xp, M, ldx, wp, np_here, KB, op, N, ncols);
+        if (wide)
+          avx512::gguf_panel_rows(QT, xp, M, ldx, wp, np_here, KB, op, N, ncols);
+        else
+          ggufk::panel_rows<QT>(xp, M, ldx, wp, np_here, KB, op, N, ncols);
 #endif
       }
     }

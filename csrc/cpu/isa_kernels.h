@@ -36,6 +36,23 @@ void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const float* wp, 
 void packed_panel_rows(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t np_here, int64_t K,
                        float* out, int64_t ldo, int64_t ncols);
 
+// -- gguf_linear below 16 rows (gguf_linear_avx512.cpp; formats and layout in gguf_microkernel.h) --
+constexpr int64_t kGgufMaxRows = 8;  // activation rows per micro-kernel call
+
+constexpr int64_t gguf_rows_per_block(int64_t m) {
+  const int64_t blocks = (m + kGgufMaxRows - 1) / kGgufMaxRows;
+  return blocks == 0 ? 1 : (m + blocks - 1) / blocks;
+}
+
+// Panels per call: 4 at one or two rows (4 or 8 FMA chains beside 8 block-scale registers), 2 from
+// three rows on (up to 16 accumulators).
+constexpr int gguf_panels_per_call(int64_t m) { return gguf_rows_per_block(m) <= 2 ? 4 : 2; }
+
+// Rows [0, M) of x against np_here (<= gguf_panels_per_call(M)) consecutive panels of format qtype
+// (2, 3, 8) at wp, KB blocks each; the first ncols columns go to out (row stride ldo).
+void gguf_panel_rows(int qtype, const float* x, int64_t M, int64_t ldx, const uint8_t* wp, int64_t np_here, int64_t KB,
+                     float* out, int64_t ldo, int64_t ncols);
+
 // -- rms_norm (rms_norm_avx512.cpp) --
 // Rows [m0, m1) of x [M, D]: x += delta (when not null), then out = x / rms(x) * w.
 void rms_norm_rows(float* x, const float* delta, const float* w, float eps, float* out, int64_t D, int64_t m0,
