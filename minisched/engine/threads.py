@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import random
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -15,13 +17,31 @@ def size_class(tokens: int) -> int:
     return max(1, tokens).bit_length()
 
 
+@dataclass
+class Probe:
+    """A probe of `candidate` threads: its steps come in pairs with steps at the current count (`base`),
+    so both see the same neighbours on the machine (ThreadTuner). Which comes first in a pair is drawn
+    (`candidate_first`; the first pair's candidate leads): a strict alternation would put every
+    candidate step in the same phase of a neighbour that itself alternates step by step."""
+
+    candidate: int
+    candidate_first: list[bool]  # per pair
+    got: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) at the candidate
+    base: list[tuple[int, float]] = field(default_factory=list)  # the paired steps at the current count
+
+    @property
+    def candidate_next(self) -> bool:
+        done = len(self.got) + len(self.base)
+        return self.candidate_first[done // 2] == (done % 2 == 0)
+
+
 class _SizeClass:
     """One step-size class's thread count and probe state (ThreadTuner)."""
 
     def __init__(self, max_threads: int, next_probe: float):
         self.current = max_threads
         self.recent: list[tuple[int, float]] = []  # (tokens, seconds) of the last steps at `current`
-        self.probe: Optional[tuple[int, list[tuple[int, float]]]] = None  # (candidate count, its steps)
+        self.probe: Optional[Probe] = None
         self.next_probe = next_probe
         self.go_down = True
         self.backoff = 1  # probe interval multiplier: doubles while probes lose, back to 1 on a switch
@@ -38,9 +58,12 @@ class ThreadTuner:
 
     Within a class, every `interval` seconds, when the last steps and the next one are of a similar
     size, it runs `probe_steps` steps at a candidate count -- half or double the current one,
-    alternately, within [1, max_threads] -- and keeps the candidate if those steps were `margin`
-    faster than the current count's last `probe_steps` steps of a similar size (token counts within
-    1.5x; otherwise the probe is void); while probes lose, the interval doubles, up to 8x, and the next
+    alternately, within [1, max_threads] -- each followed by a step at the current count, and keeps
+    the candidate if its steps were `margin` faster than those paired steps (token counts within
+    1.5x; otherwise the probe is void). Pairing is what makes the comparison fair when the machine's
+    load changes by the second: served, the HTTP process beside the engine works in bursts, and a
+    probe compared with the steps before it (as this tuner first did) could win only because the
+    burst had ended, leaving the server at 1 thread and 0.83-0.85x offline speed. While probes lose, the interval doubles, up to 8x, and the next
     probe waits at least `cost_factor` times as long as the last one took, so probing costs at most
     ~1/cost_factor of the time even when steps are long (three 1-second 512-token prefills at the wrong
     count every 3 s cost a third of prefill throughput); a probe step 1.5x slower than the current
@@ -66,6 +89,7 @@ class ThreadTuner:
         self.cost_factor, self.max_probe_seconds = cost_factor, max_probe_seconds
         self.classes: dict[int, _SizeClass] = {}
         self.switches = 0
+        self.rng = random.Random(0)  # the pairs' order (thread counts never change the model's numbers)
         self.threads = max_threads  # the count set now
         torch.set_num_threads(max_threads)
 
@@ -96,27 +120,34 @@ class ThreadTuner:
                 c.go_down = not c.go_down
                 cand = max(1, c.current // 2) if c.go_down else min(self.max_threads, c.current * 2)
             if cand != c.current:
-                c.probe = (cand, [])
-        self._use(c.probe[0] if c.probe is not None else c.current)
+                first = [True] + [self.rng.random() < 0.5 for _ in range(self.probe_steps - 1)]
+                c.probe = Probe(cand, first)
+        self._use(c.probe.candidate if c.probe is not None and c.probe.candidate_next else c.current)
 
     def after_step(self, tokens: int, seconds: float) -> None:
         c = self.state(tokens)
         if c.probe is None:
             c.recent = (c.recent + [(tokens, seconds)])[-self.probe_steps :]
             return
-        cand, got = c.probe
-        got.append((tokens, seconds))
-        # a clearly losing probe ends after one step (1.5x slower than the current count's mean)
-        clear_loss = seconds > 1.5 * sum(s for _, s in c.recent) / max(1, len(c.recent))
-        if len(got) < self.probe_steps and not clear_loss:
+        probe = c.probe
+        clear_loss = False
+        if probe.candidate_next:
+            probe.got.append((tokens, seconds))
+            # a clearly losing probe ends after one step (1.5x slower than the current count's mean)
+            clear_loss = seconds > 1.5 * sum(s for _, s in c.recent) / max(1, len(c.recent))
+        else:
+            probe.base.append((tokens, seconds))
+            c.recent = (c.recent + [(tokens, seconds)])[-self.probe_steps :]
+        if len(probe.got) + len(probe.base) < 2 * self.probe_steps and not clear_loss:
             return
         c.probe = None
         c.go_down = not c.go_down
-        sizes = [t for t, _ in got + c.recent]
+        got, base = probe.got, probe.base or c.recent
+        sizes = [t for t, _ in got + base]
         similar = max(sizes) <= 1.5 * max(1, min(sizes))
         mean = lambda steps: sum(s for _, s in steps) / len(steps)
-        if similar and mean(got) < (1 - self.margin) * mean(c.recent):
-            c.current = cand
+        if similar and not clear_loss and mean(got) < (1 - self.margin) * mean(base):
+            c.current = probe.candidate
             c.recent = got
             self.switches += 1
             c.backoff = 1
