@@ -73,7 +73,22 @@ def start_server(port: int, log_path: str) -> subprocess.Popen:
     raise RuntimeError("the server did not come up in 300 s")
 
 
-def vllm_client(py: str, port: int, tok: str, backend: str, endpoint: str, work: str, n: int, conc: int) -> dict:
+def vllm_client(
+    py: str,
+    port: int,
+    tok: str,
+    backend: str,
+    endpoint: str,
+    work: str,
+    n: int,
+    conc: int,
+    *,
+    model: str = "smollm2",
+    input_len: int = 128,
+    output_len: int = 32,
+    ignore_eos: bool = False,
+) -> dict:
+    """vLLM's benchmark client (random dataset) against the server on `port`; its result JSON's main figures."""
     name = f"vllm_{backend}.json"
     cmd = [
         py,
@@ -86,15 +101,15 @@ def vllm_client(py: str, port: int, tok: str, backend: str, endpoint: str, work:
         "--endpoint",
         endpoint,
         "--model",
-        "smollm2",
+        model,
         "--tokenizer",
         tok,
         "--dataset-name",
         "random",
         "--random-input-len",
-        "128",
+        str(input_len),
         "--random-output-len",
-        "32",
+        str(output_len),
         "--num-prompts",
         str(n),
         "--max-concurrency",
@@ -104,7 +119,7 @@ def vllm_client(py: str, port: int, tok: str, backend: str, endpoint: str, work:
         work,
         "--result-filename",
         name,
-    ]
+    ] + (["--ignore-eos"] if ignore_eos else [])
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     out = {"backend": backend, "endpoint": endpoint, "rc": r.returncode, "seconds": round(time.monotonic() - t0, 1)}

@@ -8,8 +8,11 @@ Per round and stream count S, interleaved (offline, thread, process; the order r
 - offline: `Engine.generate` on S x k requests with `max_running_requests=S` in this process;
 - served: `minisched serve` (subprocess, same engine options) and S light streaming clients
   (httpx, closed loop: each sends k requests one after another): output tok/s over the run.
-Prompts are 64 random token ids, 32 greedy output tokens (`ignore_eos`). Ratio: served / offline of
-the same round. TTFT: each client's first streamed chunk (chat, where a role chunk at admission
+Prompts are 64 random token ids, 32 greedy output tokens (`ignore_eos`). With --vllm-python (and
+--vllm-tokenizer, an HF directory of the model's tokenizer) a third served arm, `vllm-client`: the same
+server (own process) driven by vLLM's own benchmark client (`vllm.benchmarks.serve`, random dataset,
+64 input and 32 output tokens, ignore_eos, --max-concurrency S), its output throughput. Ratio: served /
+offline of the same round. TTFT: each client's first streamed chunk (chat, where a role chunk at admission
 used to arrive before prefill) against the server's own histogram (`/metrics`, admission to first
 token); target: within 10 %.
 """
@@ -25,12 +28,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))  # the sibling script with vLLM's client wrapper
+from openai_clients import vllm_client  # noqa: E402
+
 NEW, PROMPT = 32, 64
 
 
@@ -96,8 +103,15 @@ async def stream_client(c: httpx.AsyncClient, mine: list[list[int]], chat: bool,
 
 
 def served(
-    model: str, streams: int, ps: list[list[int]], in_process: bool, chat_ttft: bool, threads: int | None
+    model: str,
+    streams: int,
+    ps: list[list[int]],
+    in_process: bool,
+    chat_ttft: bool,
+    threads: int | None,
+    vllm: tuple[str, str] | None = None,
 ) -> dict:
+    """`minisched serve` driven by the light clients, or by vLLM's client (vllm = (python, tokenizer dir))."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -143,6 +157,15 @@ def served(
                 )
                 return sum(counts), time.perf_counter() - t0, ttfts
 
+        if vllm is not None:
+            with tempfile.TemporaryDirectory() as work:
+                res = vllm_client(
+                    vllm[0], port, vllm[1], "openai", "/v1/completions", work, len(ps), streams,
+                    model="m", input_len=PROMPT, output_len=NEW, ignore_eos=True,
+                )  # fmt: skip
+            if res.get("output_throughput") is None or res.get("failed"):
+                raise RuntimeError(f"vLLM's client failed: {res}")
+            return {"output_tok_s": res["output_throughput"], "client": "vllm", "completed": res["completed"]}
         tokens, dt, _ = asyncio.run(run(False, ps))
         out = {"output_tok_s": tokens / dt, "seconds": dt}
         if chat_ttft:
@@ -171,28 +194,36 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="compute threads, fixed (default: tuned while running)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/served_vs_offline.json"))
+    ap.add_argument("--modes", nargs="+", default=["offline", "thread", "process"], help="arms to run")
+    ap.add_argument("--vllm-python", default=None, help="a Python with vllm: adds the vllm-client arm")
+    ap.add_argument("--vllm-tokenizer", default=None, help="HF directory of the model's tokenizer (vllm-client)")
     args = ap.parse_args()
+    if args.vllm_python and not args.vllm_tokenizer:
+        ap.error("--vllm-python needs --vllm-tokenizer")
+    vllm = (args.vllm_python, args.vllm_tokenizer) if args.vllm_python else None
     k = {1: 8, 8: 4}
     rows = []
     for r in range(args.rounds):
         for s in args.streams:
             ps = prompts(s * k.get(s, 2), seed=100 * r + s)
-            modes = ["offline", "thread", "process"]
-            modes = modes[r % 3 :] + modes[: r % 3]
+            modes = list(args.modes) + (["vllm-client"] if vllm else [])
+            modes = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in modes:
                 load = os.getloadavg()[0]
-                res = (
-                    offline(args.model, s, ps, args.threads)
-                    if mode == "offline"
-                    else served(args.model, s, ps, mode == "thread", chat_ttft=(s == 8), threads=args.threads)
-                )
+                if mode == "offline":
+                    res = offline(args.model, s, ps, args.threads)
+                elif mode == "vllm-client":
+                    res = served(args.model, s, ps, False, chat_ttft=False, threads=args.threads, vllm=vllm)
+                else:
+                    res = served(args.model, s, ps, mode == "thread", chat_ttft=(s == 8), threads=args.threads)
                 rows.append({"round": r, "streams": s, "mode": mode, "load": load, **res})
                 print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'streams':>7}{'thread/offline':>16}{'process/offline':>17}{'client/server TTFT':>20}")
+    served_modes = [m for m in modes if m != "offline"]
+    print(f"\n{'streams':>7}" + "".join(f"{m + '/offline':>22}" for m in served_modes) + f"{'client/server TTFT':>20}")
     summary = {}
     for s in args.streams:
         ratio = {}
-        for mode in ("thread", "process"):
+        for mode in served_modes:
             ratio[mode] = statistics.median(
                 next(x["output_tok_s"] for x in rows if x["round"] == r and x["streams"] == s and x["mode"] == mode)
                 / next(
@@ -207,7 +238,11 @@ def main() -> None:
         ]
         summary[s] = {**ratio, "ttft_client_over_server": statistics.median(tt) if tt else None}
         ttft = summary[s]["ttft_client_over_server"]
-        print(f"{s:>7}{ratio['thread']:>16.3f}{ratio['process']:>17.3f}{'-' if ttft is None else f'{ttft:.3f}':>20}")
+        print(
+            f"{s:>7}"
+            + "".join(f"{ratio[m]:>22.3f}" for m in served_modes)
+            + f"{'-' if ttft is None else f'{ttft:.3f}':>20}"
+        )
     Path(args.json).write_text(
         json.dumps(
             {"benchmark": "bench_served_vs_offline", "model": args.model, "rows": rows, "summary": summary}, indent=1
