@@ -7,7 +7,8 @@ row) and sums the products in int32 with the CPU's integer dot-product instructi
 Why: single-stream CPU decode reads every weight once per token, so it is bound by memory
 bandwidth; int8 reads a quarter of the bytes (SmolLM2-135M: 540 MB -> ~150 MB per token).
 Prefill and large batches are bound by arithmetic, where vpdpwssd (AVX-VNNI / AVX512-VNNI) does
-twice the fp32 FMA rate. It is an option, not the default: fp32 matches transformers, int8 does
+twice the fp32 FMA rate, and on AMX machines from 16 rows on int8 tile dot products do more (the
+same bits: csrc/cpu/int8_linear_amx.cpp). It is an option, not the default: fp32 matches transformers, int8 does
 not exactly (the agreement with fp32 greedy output is measured in benchmarks/RESULTS.md; 16-bit
 activations keep it where weight-only int8 was, 8-bit ones would not).
 
@@ -189,7 +190,8 @@ def quantize_model(
 ) -> LlamaModel:
     """Replace the model's projection weights and LM head by Int8Weight (`int8`) or bfloat16
     PackedWeight (`bf16`: the weights rounded to bfloat16, half the bytes of float32, activations and
-    sums still float32), in place (after the weights are loaded). The fp32 embedding stays for the
+    sums still float32; on AMX machines 16 rows and more sum in tile order, not the FMA chain's, so a
+    row's last bits there can depend on its batch: csrc/cpu/packed_linear_amx.cpp), in place (after the weights are loaded). The fp32 embedding stays for the
     token lookup; a tied LM head gets its own copy as `model.lm_head`."""
     if not cfg.enabled:
         return model
