@@ -25,6 +25,7 @@
 #include "cpu/gguf_microkernel.h"
 #include "cpu/isa_kernels.h"
 #include "cpu/packed_microkernel.h"
+#include "cpu/work_split.h"
 
 namespace minisched::cpu {
 namespace {
@@ -57,6 +58,7 @@ void run(const at::Tensor& x, const uint8_t* w, int64_t P, float* o, int64_t N) 
 #else
     np = 1;
 #endif
+  np = balanced_panels(P, np, at::get_num_threads());
   const int64_t groups = (P + np - 1) / np;
   // At least ~64K FMAs per task, so a thread wake-up is paid for.
   const int64_t grain = std::max<int64_t>(1, 65536 / (np * kPanel * K * M));

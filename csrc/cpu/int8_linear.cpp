@@ -29,6 +29,7 @@
 #include "checks.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/isa_kernels.h"
+#include "cpu/work_split.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "cpu/int8_microkernel.h"
@@ -148,7 +149,9 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
     return;
   }
 #ifdef MINISCHED_INT8_AVX2
-  const int np = variant >= Isa::kAvx512 ? avx512::packed_panels_per_call(M) : int8k::panels_per_call(M);
+  const int np =
+      balanced_panels(P, variant >= Isa::kAvx512 ? avx512::packed_panels_per_call(M) : int8k::panels_per_call(M),
+                      at::get_num_threads());
 #else
   const int np = 1;
 #endif

@@ -25,6 +25,7 @@
 #include "checks.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/isa_kernels.h"
+#include "cpu/work_split.h"
 #include "cpu/packed_microkernel.h"
 
 namespace minisched::cpu {
@@ -81,7 +82,8 @@ void run(const at::Tensor& x, const W* w, int64_t P, float* o, int64_t N) {
   const float* xp = x.const_data_ptr<float>();
   const int64_t ldx = x.stride(0);
   const bool wide = use_avx512();
-  const int np = wide ? avx512::packed_panels_per_call(M) : packed::panels_per_call(M);
+  const int np =
+      balanced_panels(P, wide ? avx512::packed_panels_per_call(M) : packed::panels_per_call(M), at::get_num_threads());
   const int64_t groups = (P + np - 1) / np;
   // At least ~64K FMAs per task, so a thread wake-up is paid for (a 576 x 16 panel at one row is 9K).
   const int64_t grain = std::max<int64_t>(1, 65536 / (np * kPanel * K * M));
