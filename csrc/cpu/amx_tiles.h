@@ -46,6 +46,15 @@ inline void configure_tiles() {
 // tile loads, and tile stores before the reads of what they stored.
 inline void memory_barrier() { asm volatile("" ::: "memory"); }
 
+// The activations are stored tile by tile (A-tile layout): for each 16-row tile and each 64-byte
+// step of channels, its 16 rows x 64 bytes contiguous, so a tile load reads 1 KB in order (a strided
+// load of 16 rows of a row-major matrix from L2 cost ~5x the tile product). The element of row m,
+// byte-column c (of kcols = 64 / element size per step) in a matrix of K channels:
+inline int64_t a_tile_offset(int64_t m, int64_t k, int64_t K, int64_t kcols) {
+  return ((m / kTileRows) * (K / kcols) + k / kcols) * kTileRows * kcols + (m % kTileRows) * kcols + k % kcols;
+}
+// so row tile t (rows 16 t ..) starts at element 16 t K, and its channel step k at 16 k past that.
+
 // rows64 rows of 64 bytes from src (each two 32-byte rows a, b of 16 16-bit units) to dst, the units
 // interleaved: dst unit 2j = a_j, 2j + 1 = b_j (column j's 4 bytes side by side).
 inline void interleave_units(const void* src, void* dst, int64_t rows64) {

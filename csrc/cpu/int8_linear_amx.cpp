@@ -44,18 +44,20 @@ inline __mmask16 panel_mask(int64_t ncols, int p) {
 void int8_split_rows(const int16_t* q, int64_t M, int64_t K, int64_t m0, int64_t m1, int8_t* hi, uint8_t* lo) {
   const __m512i low_byte = _mm512_set1_epi16(0xFF);
   for (int64_t m = m0; m < m1; ++m) {
-    int8_t* h = hi + m * K;
-    uint8_t* l = lo + m * K;
     if (m >= M) {  // padding rows of the last row tile
-      std::memset(h, 0, static_cast<size_t>(K));
-      std::memset(l, 0, static_cast<size_t>(K));
+      for (int64_t k = 0; k < K; k += kKTile) {
+        const int64_t o = a_tile_offset(m, k, K, kKTile);
+        std::memset(hi + o, 0, kTileBytes);
+        std::memset(lo + o, 0, kTileBytes);
+      }
       continue;
     }
     const int16_t* qr = q + m * K;
     for (int64_t k = 0; k < K; k += 32) {  // K % 64 == 0 (int8_amx_ok)
       const __m512i v = _mm512_loadu_si512(qr + k);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + k), _mm512_cvtepi16_epi8(_mm512_and_si512(v, low_byte)));
+      const int64_t o = a_tile_offset(m, k, K, kKTile);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + o), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + o), _mm512_cvtepi16_epi8(_mm512_and_si512(v, low_byte)));
     }
   }
 }
@@ -82,8 +84,8 @@ void int8_panels(const int8_t* hi, const uint8_t* lo, int64_t M, const float* sx
         _tile_zero(6);
         _tile_zero(7);
         for (int64_t k = c0; k < c1; k += kKTile) {
-          _tile_loadd(0, h + k, K);
-          _tile_loadd(1, l + k, K);
+          _tile_loadd(0, h + 16 * k, kTileBytes);  // the A-tile layout (amx_tiles.h)
+          _tile_loadd(1, l + 16 * k, kTileBytes);
           _tile_loadd(2, wbuf + k * kPanel, kTileBytes);  // quad k / 4 of panel 0 at byte 64 * (k / 4)
           _tile_dpbssd(4, 0, 2);
           _tile_dpbusd(5, 1, 2);

@@ -96,7 +96,8 @@ constexpr int64_t kRowBlock = 64;
 
 // -- int8_linear (int8_linear_amx.cpp) --
 // Rows [m0, m1) of the int16 activations q [M, K] (K % 64 == 0) split into hi (q >> 8, int8) and lo
-// (q & 255, uint8), row stride K; rows >= M (up to a multiple of 16) are zero.
+// (q & 255, uint8), in the A-tile layout (amx_tiles.h: rows [16 t, 16 t + 16) from element 16 t K);
+// rows >= M (up to a multiple of 16) are zero.
 void int8_split_rows(const int16_t* q, int64_t M, int64_t K, int64_t m0, int64_t m1, int8_t* hi, uint8_t* lo);
 // Rows [0, M) of hi / lo (padded to a multiple of 16 rows) against np_here (<= kPanelsPerTask)
 // consecutive panels of w_packed at w with their group scales at ws (G % 64 == 0), as
@@ -106,7 +107,7 @@ void int8_panels(const int8_t* hi, const uint8_t* lo, int64_t M, const float* sx
 
 // -- packed_linear's bf16 panels (packed_linear_amx.cpp) --
 // Rows [m0, m1) of x [M, K] (row stride ldx, K % 32 == 0) as three bf16 terms, x = hi + mid + lo
-// exactly, each [rows, K] (row stride K); rows >= M (up to a multiple of 16) are zero.
+// exactly, each in the A-tile layout (amx_tiles.h); rows >= M (up to a multiple of 16) are zero.
 void bf16_split_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t m0, int64_t m1, uint16_t* hi,
                      uint16_t* mid, uint16_t* lo);
 // Rows [0, M) of the split activations (padded to a multiple of 16 rows) against np_here (<=

@@ -10,8 +10,10 @@
 // same row computed alone (the AVX-512 path). Three tile products per weight tile still run ~4x
 // the AVX-512 FMA rate (benchmarks/RESULTS.md).
 //
-// Tiles: 0..2 the hi, mid, lo activations of 16 rows x 32 channels; 3, 4 two panels' weights (relaid
-// out once per call, amx_tiles.h); 5, 6 the float32 sums of the two panels. Compiled for AVX-512 +
+// Tiles: 0 the hi activations of 16 rows x 32 channels, 1 the mid and then the lo ones; 2, 3 two
+// panels' weights (relaid out once per call, amx_tiles.h); 4, 5 the two panels' sums of the hi terms,
+// 6, 7 of the mid and lo terms (four accumulators: a tile product waits for the one before it on the
+// same accumulator), added at the end. Compiled for AVX-512 +
 // AMX after every header (cpu_isa.h).
 #include <immintrin.h>
 
@@ -33,6 +35,23 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kKTile = 32;  // bf16 channels per tile row
 
+// _tile_zero takes the tile's number as an immediate.
+inline void zero_tile(int t) {
+  switch (t) {
+    case 4:
+      _tile_zero(4);
+      break;
+    case 5:
+      _tile_zero(5);
+      break;
+    case 6:
+      _tile_zero(6);
+      break;
+    default:
+      _tile_zero(7);
+  }
+}
+
 inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
 inline __m512 from_bf16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 
@@ -41,13 +60,13 @@ inline __m512 from_bf16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi3
 void bf16_split_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t m0, int64_t m1, uint16_t* hi,
                      uint16_t* mid, uint16_t* lo) {
   for (int64_t m = m0; m < m1; ++m) {
-    uint16_t* h = hi + m * K;
-    uint16_t* d = mid + m * K;
-    uint16_t* l = lo + m * K;
     if (m >= M) {  // padding rows of the last row tile
-      std::memset(h, 0, static_cast<size_t>(K) * 2);
-      std::memset(d, 0, static_cast<size_t>(K) * 2);
-      std::memset(l, 0, static_cast<size_t>(K) * 2);
+      for (int64_t k = 0; k < K; k += kKTile) {
+        const int64_t o = a_tile_offset(m, k, K, kKTile);
+        std::memset(hi + o, 0, kTileBytes);
+        std::memset(mid + o, 0, kTileBytes);
+        std::memset(lo + o, 0, kTileBytes);
+      }
       continue;
     }
     const float* xr = x + m * ldx;
@@ -57,9 +76,10 @@ void bf16_split_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t 
       const __m512 r = _mm512_sub_ps(v, from_bf16(b0));  // exact: v's bits below hi's
       const __m256i b1 = to_bf16(r);
       const __m256i b2 = to_bf16(_mm512_sub_ps(r, from_bf16(b1)));  // exact, and exactly a bf16
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + k), b0);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + k), b1);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + k), b2);
+      const int64_t o = a_tile_offset(m, k, K, kKTile);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + o), b0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(mid + o), b1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + o), b2);
     }
   }
 }
@@ -72,40 +92,42 @@ void bf16_panels(const uint16_t* hi, const uint16_t* mid, const uint16_t* lo, in
   for (int64_t p = 0; p < np_here; ++p) interleave_units(w + p * wpanel, wbuf + p * wpanel, K / 2);
   configure_tiles();
   memory_barrier();
-  const int64_t lda = K * 2;  // bytes per activation row
-  alignas(64) float sums[2][kTileRows][kPanel];
+  alignas(64) float sums[4][kTileRows][kPanel];
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-    _tile_zero(5);
-    _tile_zero(6);
+    for (int t = 4; t < 8; ++t) zero_tile(t);
+    const uint16_t* h = hi + m0 * K;
+    const uint16_t* d = mid + m0 * K;
+    const uint16_t* l = lo + m0 * K;
     for (int64_t k = 0; k < K; k += kKTile) {
-      _tile_loadd(0, hi + m0 * K + k, lda);
-      _tile_loadd(1, mid + m0 * K + k, lda);
-      _tile_loadd(2, lo + m0 * K + k, lda);
-      _tile_loadd(3, wbuf + k * kPanel, kTileBytes);  // channel pair k / 2 of panel 0 at byte 64 * (k / 2)
-      _tile_dpbf16ps(5, 2, 3);                        // the small terms first
-      _tile_dpbf16ps(5, 1, 3);
-      _tile_dpbf16ps(5, 0, 3);
+      // Four accumulators, so consecutive tile products do not wait on each other: the hi terms
+      // (tiles 4, 5 for panels 0, 1) and the mid + lo terms (6, 7); tile 1 holds mid, then lo.
+      _tile_loadd(0, h + 16 * k, kTileBytes);  // the A-tile layout (amx_tiles.h)
+      _tile_loadd(1, d + 16 * k, kTileBytes);
+      _tile_loadd(2, wbuf + k * kPanel, kTileBytes);  // channel pair k / 2 of panel 0 at byte 64 * (k / 2)
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(6, 1, 2);
       if (two) {
-        _tile_loadd(4, wbuf + wpanel + k * kPanel, kTileBytes);
-        _tile_dpbf16ps(6, 2, 4);
-        _tile_dpbf16ps(6, 1, 4);
-        _tile_dpbf16ps(6, 0, 4);
+        _tile_loadd(3, wbuf + wpanel + k * kPanel, kTileBytes);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
       }
+      _tile_loadd(1, l + 16 * k, kTileBytes);
+      _tile_dpbf16ps(6, 1, 2);
+      if (two) _tile_dpbf16ps(7, 1, 3);
     }
-    const int64_t rows = std::min(kTileRows, M - m0);
-    if (rows == kTileRows && ncols == np_here * kPanel) {  // whole tiles straight to the output
-      _tile_stored(5, out + m0 * ldo, ldo * 4);
-      if (two) _tile_stored(6, out + m0 * ldo + kPanel, ldo * 4);
-      continue;
+    _tile_stored(4, sums[0], kTileBytes);
+    _tile_stored(6, sums[2], kTileBytes);
+    if (two) {
+      _tile_stored(5, sums[1], kTileBytes);
+      _tile_stored(7, sums[3], kTileBytes);
     }
-    _tile_stored(5, sums[0], kTileBytes);
-    if (two) _tile_stored(6, sums[1], kTileBytes);
     memory_barrier();
+    const int64_t rows = std::min(kTileRows, M - m0);
     for (int64_t r = 0; r < rows; ++r)
       for (int p = 0; p < np_here; ++p) {
         const int64_t c = std::clamp<int64_t>(ncols - p * kPanel, 0, kPanel);
-        _mm512_mask_storeu_ps(out + (m0 + r) * ldo + p * kPanel, static_cast<__mmask16>((1u << c) - 1u),
-                              _mm512_load_ps(sums[p][r]));
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(sums[2 + p][r]), _mm512_load_ps(sums[p][r]));
+        _mm512_mask_storeu_ps(out + (m0 + r) * ldo + p * kPanel, static_cast<__mmask16>((1u << c) - 1u), v);
       }
   }
   _tile_release();
