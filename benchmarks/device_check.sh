@@ -26,9 +26,10 @@
 #
 # Knobs: PYTHON (python3), CUDA_HOME (/usr/local/cuda when present), WORK, BUDGET (390), GRACE (15),
 # MIN_STAGE (20), MIN_RUN (10), STAGES, SKIP_BUILD, FLEX (1; 0 skips), <STAGE>_TIMEOUT for each stage
-# (e.g. TESTS_TIMEOUT), TEST_PATHS, PYTEST_MARK ("not slow"), PYTEST_K (the tests stage's -k), PYTEST_ARGS
-# (extra words, split on spaces), PYTEST_XDIST (8; 0: off), PER_TEST_TIMEOUT (60), MAXFAIL (30), BENCH_ARGS,
-# E2E_ARGS, CG_ARGS, SAN_ARGS, RETURN_SO (1). SKIP_BUILD=1 BENCH_ARGS=--dry-run is a CPU smoke run.
+# (e.g. TESTS_TIMEOUT), TEST_PATHS, WGMMA_TEST_PATHS (the tests_wgmma stage's files; -k wgmma), PYTEST_MARK
+# ("not slow"), PYTEST_K (the tests stage's -k), PYTEST_ARGS (extra words, split on spaces), PYTEST_XDIST
+# (8; 0: off), PER_TEST_TIMEOUT (60), MAXFAIL (30), BENCH_ARGS, E2E_ARGS, CG_ARGS, SAN_ARGS, RETURN_SO (1).
+# SKIP_BUILD=1 BENCH_ARGS=--dry-run is a CPU smoke run.
 set -u
 
 OUT=${1:?usage: benchmarks/device_check.sh OUTDIR}
@@ -212,9 +213,9 @@ DESELECT=(--ignore-glob='tests/ops/test_cuda_emulation*.py' --ignore=tests/ops/t
 
 # -- 2. the wgmma prefill kernel's tests, then its benchmark: never run on hardware, own processes
 #       (a device fault would poison the CUDA context of everything after it in the same process) --
-run_stage tests_wgmma "$WORK/pytest_wgmma.log" env OMP_NUM_THREADS=2 "${PYTEST[@]}" \
-  tests/ops/test_cuda_kernels.py tests/ops/test_cuda_build.py -k wgmma "${COMMON[@]}" "${XDIST[@]}" "${TMO[@]}" \
-  --junitxml="$WORK/junit_tests_wgmma.xml"
+read -r -a WGMMA_PATHS <<< "${WGMMA_TEST_PATHS:-tests/ops/test_cuda_kernels.py tests/ops/test_cuda_build.py}"
+run_stage tests_wgmma "$WORK/pytest_wgmma.log" env OMP_NUM_THREADS=2 "${PYTEST[@]}" "${WGMMA_PATHS[@]}" -k wgmma \
+  "${COMMON[@]}" "${XDIST[@]}" "${TMO[@]}" --junitxml="$WORK/junit_tests_wgmma.xml"
 read -r -a BENCH_EXTRA <<< "${BENCH_ARGS:-}"
 BENCH=("$PY" benchmarks/kernels/bench_kernels_gpu.py "${BENCH_EXTRA[@]}")
 run_stage bench_wgmma "$WORK/bench_wgmma.log" "${BENCH[@]}" --only wgmma --json "$WORK/bench_wgmma.json"

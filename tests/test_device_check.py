@@ -4,8 +4,8 @@ The H200 test machine is lent rarely and briefly: 15 minutes of device time per 
 included), at most 8 files back from the output folder, the last 12,000 characters of output. Its image
 has no FastAPI, uvicorn, gguf or openai. Proven here, under an import blocker that simulates that image:
 - the default GPU test selection collects there, and leaves out what CI covers on the CPU;
-- a smoke run (no build, benchmarks --dry-run, a fake compute-sanitizer, one small test file) runs every
-  stage in the documented order (never-measured first, FlexAttention last), leaves at most 8 files in
+- a smoke run (no build, benchmarks --dry-run, a fake compute-sanitizer, one small test file, a stand-in for
+  the wgmma stage's tests, which the suite runs anyway) runs every stage in the documented order (never-measured first, FlexAttention last), leaves at most 8 files in
   OUTDIR, prints a summary of at most 8,000 characters last, and its tests stage passes;
 - a stage that overruns gets SIGINT, so pytest still writes its summary and junit file, and the budget
   cuts the stages so that the whole run ends within BUDGET + GRACE;
@@ -57,7 +57,17 @@ def image_env(folder) -> dict:
     )
     env = dict(os.environ, PYTHON=sys.executable)
     env["PYTHONPATH"] = os.pathsep.join([str(folder)] + [p for p in [env.get("PYTHONPATH")] if p])
-    for knob in ("STAGES", "BUDGET", "GRACE", "TEST_PATHS", "PYTEST_ARGS", "WORK", "SKIP_BUILD", "CUDA_HOME"):
+    for knob in (
+        "STAGES",
+        "BUDGET",
+        "GRACE",
+        "TEST_PATHS",
+        "WGMMA_TEST_PATHS",
+        "PYTEST_ARGS",
+        "WORK",
+        "SKIP_BUILD",
+        "CUDA_HOME",
+    ):
         env.pop(knob, None)
     return env
 
@@ -110,12 +120,17 @@ def smoke(device_image_env, tmp_path_factory):
     cuda.mkdir(parents=True)
     (cuda / "compute-sanitizer").write_text(FAKE_SANITIZER)
     (cuda / "compute-sanitizer").chmod(0o755)
+    # the wgmma stage's own tests (tests/ops/test_cuda_build.py) run in the suite: here a stand-in proves the
+    # stage's plumbing (its pytest run, -k wgmma, junit file, status) without running them a second time
+    wgmma = base / "test_stand_in.py"
+    wgmma.write_text("def test_wgmma_stage_runs():\n    pass\n\n\ndef test_other():\n    raise AssertionError\n")
     out, work = base / "out", base / "work"
     env = dict(
         device_image_env,
         SKIP_BUILD="1",
         BENCH_ARGS="--dry-run",
         TEST_PATHS="tests/base/test_page_table.py",
+        WGMMA_TEST_PATHS=str(wgmma),
         PYTEST_XDIST="0",
         CUDA_HOME=str(base / "cuda"),
         WORK=str(work),
@@ -171,6 +186,7 @@ def test_smoke_run_stage_order(smoke):
 def test_smoke_run_runs_its_tests_and_sanitizer_cases(smoke):
     work = smoke["work"]
     assert " passed" in (work / "pytest.log").read_text()
+    assert "1 passed, 1 deselected" in (work / "pytest_wgmma.log").read_text()  # the stand-in, -k wgmma
     env_txt = (work / "env.txt").read_text()
     assert "does not import" not in env_txt and "triton_kernels: import ok" in env_txt
     log = (work / "sanitize_memcheck.log").read_text()
