@@ -28,7 +28,9 @@ def test_features_report_the_machine():
     if not flags["amx_tile"]:
         assert not flags["os_amx"]
     if "amx" in f["supported"]:
-        assert flags["amx_tile"] and flags["amx_int8"] and flags["amx_bf16"] and flags["os_amx"] and flags["avx512_bf16"]
+        assert (
+            flags["amx_tile"] and flags["amx_int8"] and flags["amx_bf16"] and flags["os_amx"] and flags["avx512_bf16"]
+        )
     with open("/proc/cpuinfo") as fh:
         cpuinfo = set(re.search(r"^flags\s*:(.*)$", fh.read(), re.M).group(1).split())
     for ours, linux in (
