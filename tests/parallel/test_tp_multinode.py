@@ -79,6 +79,23 @@ def agent(node_rank: int, port: int, argv: list[str], log=None) -> subprocess.Po
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
+def one_process(argv: list[str], capsys) -> list:
+    """The token ids `minisched generate --json` prints, run in this process (one process, no --tp: nothing is
+    spawned, and no interpreter start to wait for); torch's thread count is put back afterwards."""
+    import torch
+
+    from minisched.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        rc = main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return tokens(out)
+
+
 def descendants(pid: int) -> list[int]:
     """pid's children, grandchildren, ... (torchrun starts its workers in sessions of their own)."""
     out, todo = [], [pid]
@@ -110,9 +127,8 @@ def kill_node(p: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_two_nodes_equal_one_process_and_one_node():
-    one = subprocess.run([sys.executable, "-m", "minisched", *GEN], capture_output=True, text=True, timeout=240)
-    assert one.returncode == 0, one.stderr
+def test_two_nodes_equal_one_process_and_one_node(capsys):
+    one = one_process(GEN, capsys)
     node = subprocess.run(
         [sys.executable, "-m", "minisched", *GEN, "--tp", "2"], capture_output=True, text=True, timeout=240
     )
@@ -126,8 +142,8 @@ def test_two_nodes_equal_one_process_and_one_node():
             if p.poll() is None:
                 kill_node(p)
     assert [p.returncode for p in nodes] == [0, 0], [e.decode()[-2000:] for _, e in outs]
-    assert tokens(outs[0][0].decode()) == tokens(one.stdout) == tokens(node.stdout)
-    assert len(tokens(one.stdout)) == 3
+    assert tokens(outs[0][0].decode()) == one == tokens(node.stdout)
+    assert len(one) == 3
     assert tokens(outs[1][0].decode()) == []  # node 1's rank ran the worker loop, printed nothing
 
 
@@ -191,19 +207,12 @@ def tails(logs) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_serve_on_two_nodes_then_losing_one(tmp_path):
+def test_serve_on_two_nodes_then_losing_one(tmp_path, capsys):
     """`minisched serve --tp 2` on two torchrun agents: rank 0 serves HTTP, its greedy completion equals one
     process's; node 1 lost -> the server says why and ends (exit status 1), within seconds."""
     prompt, n = "Hello there", 12
     gen = ["generate", "--model", "dummy:tiny", "--threads", "1", "--ignore-eos", "--json", "--no-progress"]
-    one = subprocess.run(
-        [sys.executable, "-m", "minisched", *gen, "--max-new-tokens", str(n), prompt],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert one.returncode == 0, one.stderr
-    (want,) = tokens(one.stdout)
+    (want,) = one_process([*gen, "--max-new-tokens", str(n), prompt], capsys)
     http = free_port()
     argv = ["serve", "--model", "dummy:tiny", "--served-model-name", "tiny", "--threads", "1", "--tp", "2"]
     argv += ["--tp-timeout", "5", "--port", str(http), "--grace-period", "1", "--log-level", "warning"]
