@@ -63,13 +63,14 @@ def sample(
         raise ValueError(f"logits must be [B, V] with B == len(params) ({len(params)}), got {tuple(logits.shape)}")
     if any(p.needs_processing for p in params) or masks is not None:
         logits = process_logits(logits, params, history, masks)
-    out = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        drawn = _sample_rows(logits[idx].float(), [params[i] for i in rows], [generators[i] for i in rows])
-        out = out.clone()
-        out[idx] = drawn
+    if not rows:
+        return torch.argmax(logits, dim=-1).tolist()
+    if len(rows) == len(params):  # all sampled: no copy of the logits, no argmax
+        return _sample_rows(logits.float(), params, generators).tolist()
+    out = torch.argmax(logits, dim=-1)
+    idx = torch.tensor(rows, device=logits.device)
+    out[idx] = _sample_rows(logits[idx].float(), [params[i] for i in rows], [generators[i] for i in rows])
     return out.tolist()
 
 
@@ -150,31 +151,114 @@ def _counts(seqs: Sequence[Sequence[int]], vocab: int, dev) -> torch.Tensor:
 def _sample_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]
 ) -> torch.Tensor:
-    dev, vocab = logits.device, logits.shape[-1]
-    probs, order = _sorted_probs(logits, params)
-    cdf = torch.cumsum(probs, dim=-1)
+    """One token per row by inverse CDF over the row's kept probabilities (`_kept_probs`), with one
+    uniform number from the row's own generator."""
     u = torch.stack([torch.rand((), generator=g) if g is not None else torch.rand(()) for g in generators])
-    u = u.to(dev) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=vocab - 1)
-    # never land on a zeroed tail entry (u == total mass up to rounding)
-    last_kept = (probs > 0).sum(-1, keepdim=True) - 1
-    pick = torch.minimum(pick, last_kept)
-    return order.gather(1, pick).squeeze(1)
+    out = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    for rows, probs, ids in _kept_probs(logits, params):
+        cdf = torch.cumsum(probs, dim=-1)
+        x = u[rows].to(cdf.device) * cdf[:, -1]
+        # searchsorted stops on an entry whose probability is > 0 (the cdf rises there), except past the
+        # end (x == the total mass up to rounding): then the last kept entry
+        pick = torch.searchsorted(cdf, x[:, None], right=True).clamp_(max=probs.shape[-1] - 1)
+        past = (probs.gather(1, pick) == 0)[:, 0].nonzero()[:, 0]
+        if len(past):
+            cols = torch.arange(probs.shape[-1], device=probs.device)
+            pick[past] = torch.where(probs[past] > 0, cols, 0).amax(-1, keepdim=True)
+        out[rows] = pick.squeeze(1) if ids is None else ids.gather(1, pick).squeeze(1)
+    return out
 
 
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from ([R, V], vocabulary order, sums to 1): temperature, min_p,
     top-k and top-p applied to `logits` (already processed) as `sample` does."""
-    probs, order = _sorted_probs(logits.float(), params)
-    out = torch.zeros_like(probs).scatter_(1, order, probs)
+    logits = logits.float()
+    out = torch.zeros_like(logits)
+    for rows, probs, ids in _kept_probs(logits, params):
+        out[rows] = probs if ids is None else torch.zeros_like(out[rows]).scatter_(1, ids, probs)
     return out / out.sum(-1, keepdim=True)
 
 
-def _sorted_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unnormalized kept probabilities in descending order, the token ids of that order)."""
+# Rows with top-p or min-p (and no smaller top-k) look at this many most likely tokens first: the kept set
+# almost always fits, and then the result is exact without sorting the vocabulary; a row whose kept set
+# may not fit is done again with the full sort.
+CANDIDATES = 256
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+
+
+def _kept_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[tuple[list[int], torch.Tensor, Optional[torch.Tensor]]]:
+    """The rows' kept probabilities (unnormalized, 0 where dropped), in groups: (row indices, probs [r, C],
+    token ids [r, C] or None for vocabulary order). Each row's result depends only on its own logits and
+    settings, never on the rows beside it (a seeded request draws the same token in any batch).
+
+    Why groups: a full sort of the vocabulary (49,152 tokens for SmolLM2) costs ~4 ms a row on a CPU --
+    at 64 rows more than the forward -- and most requests need none. Temperature alone needs no order
+    (the CDF is taken in vocabulary order); top-k takes the k largest (torch.topk); top-p and min-p take
+    the CANDIDATES largest and check that the kept set ends inside them (otherwise the full sort)."""
     dev, vocab = logits.device, logits.shape[-1]
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     logits = logits / temp[:, None]
+    plain = [i for i, p in enumerate(params) if not _truncates(p)]
+    cut = [i for i, p in enumerate(params) if _truncates(p)]
+    groups: list[tuple[list[int], torch.Tensor, Optional[torch.Tensor]]] = []
+    if plain:
+        groups.append((plain, torch.softmax(logits if not cut else logits[plain], dim=-1), None))
+    if cut:
+        sub = [params[i] for i in cut]
+        probs, ids, exact = _top_candidates(logits[cut], sub)
+        done = [j for j, ok in enumerate(exact) if ok]
+        redo = [j for j, ok in enumerate(exact) if not ok]
+        if done:
+            groups.append(([cut[j] for j in done], probs[done], ids[done]))
+        if redo:
+            full, order = _sorted_probs(logits[[cut[j] for j in redo]], [sub[j] for j in redo], vocab)
+            groups.append(([cut[j] for j in redo], full, order))
+    return groups
+
+
+def _top_candidates(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    """min_p, top-k and top-p over each row's C most likely tokens (C = CANDIDATES or the largest top_k):
+    (kept probabilities [R, C] in descending order, their token ids, whether each row's result is exact,
+    i.e. every token past the C-th is dropped anyway)."""
+    dev, vocab = logits.device, logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    # a top-k row's kept set ends inside its k largest; the others look at CANDIDATES
+    c = min(vocab, max(k if k < vocab else CANDIDATES for k in top_k))
+    vals, ids = torch.topk(logits, c, dim=-1, sorted=True)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)[:, None]
+    # min_p against the most likely token's probability (the full softmax: nothing is dropped before it)
+    p_full = torch.exp(vals - lse)
+    vals = vals.masked_fill(p_full < min_p * p_full[:, :1], float("-inf"))
+    k = torch.tensor(top_k, device=dev)[:, None]
+    vals = vals.masked_fill(torch.arange(c, device=dev)[None, :] >= k, float("-inf"))
+    # the kept set of min_p and top-k ends inside the candidates when top_k <= c, or when the last
+    # candidate is already under min_p; then its softmax is over the candidates, else over the vocabulary
+    bounded = (k <= c) | ((min_p > 0) & (p_full[:, -1:] < min_p * p_full[:, :1]))
+    norm = torch.where(bounded, torch.logsumexp(vals, dim=-1, keepdim=True), lse)
+    probs = torch.exp(vals - norm)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)[:, None]
+    before = torch.cumsum(probs, dim=-1) - probs
+    kept = probs.masked_fill(before >= top_p, 0.0)
+    # an unbounded row (top-p alone) is exact when top-p already drops the token after the last candidate;
+    # with min_p its softmax would be over survivors past the candidates: the full sort
+    exact = bounded | ((min_p == 0) & (before[:, -1:] + probs[:, -1:] >= top_p))
+    return kept, ids, exact[:, 0].tolist()
+
+
+def _sorted_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unnormalized kept probabilities in descending order, the token ids of that order), from a full
+    sort of `logits` (already divided by the temperature): the exact fallback of `_top_candidates`."""
+    dev = logits.device
     if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the most likely one's probability
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         probs = torch.softmax(logits, dim=-1)
