@@ -416,7 +416,7 @@ class Scheduler:
             [int(t) for t in tokens], None if more is None else [[int(t) for t in m] for m in more], seconds
         )
         if seconds is not None and spec is not None:  # a decode or verify step's cost (spec_cost.py)
-            spec.observe_step(batch.num_tokens, seconds)
+            spec.observe_step(batch.num_tokens, seconds, batch.mode is ForwardMode.VERIFY)
         finished, self._finished_early = self._finished_early, []
         try:
             self._apply(batch, next_token_ids, finished)

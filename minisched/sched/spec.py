@@ -220,10 +220,10 @@ class Speculator:
         st.misses, st.backoff = 0, PAUSE_STEPS
         st.k = min(self.num_draft_tokens, st.k + 1 if accepted == drafted else accepted + 1)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, tokens: int, seconds: float, verify: bool) -> None:
         """A decode or verify step of `tokens` query tokens took `seconds` (the runner's measured forward)."""
         if self.cost is not None:
-            self.cost.observe(tokens, seconds)
+            self.cost.observe(tokens, seconds, verify)
 
     def _acceptance(self, req: Req) -> float:
         st = self._get(req)
