@@ -28,10 +28,12 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   many steps since its arrival, so none starves (None: no aging). sched/preemption.py.
 - Speculative decoding (with a drafter, sched/spec.py): `num_draft_tokens` (4) drafts per request
   at most, adapted per request when `spec_adaptive`; no drafting with more than
-  `spec_max_batch_size` (8) running requests; with `spec_cost_model` (False) a step keeps only the
-  drafts a step-cost model fitted on the machine's own steps expects to pay for (sched/spec_cost.py).
-  Off by default: measured on SmolLM2 it lifted chat at B=8 from 0.95x to 0.99x of plain decoding but
-  cut input-grounded B=8 from 1.18x to 1.06x (benchmarks/RESULTS.md, "Speculative decoding").
+  `spec_max_batch_size` (8) running requests; with `spec_cost_model` (True) a step keeps only the
+  drafts a step-cost model fitted on the machine's own steps expects to pay for (sched/spec_cost.py):
+  measured on SmolLM2 (CPU) it keeps free chat at or above plain decoding where verifying every draft
+  lost (B=8: 1.02-1.06x against 0.93-0.99x) and input-grounded text where drafts pay (B=1 1.83-1.88x,
+  B=8 1.32-1.34x; benchmarks/RESULTS.md, "Speculative decoding"). The "sglang" preset verifies every
+  draft, as SGLang does.
 - Presets (`SchedulerConfig.preset(name)`, `PRESETS`, `--sched-profile`): "default" is the above;
   "sglang" makes every decision SGLang 0.5.23's code makes, as benchmarks/sched/diff_sglang.py
   measures it (0 differing steps on 4,000 traces): it sets every rule option below to SGLang's value,
@@ -188,9 +190,9 @@ class SchedulerConfig:
         True, "speculative: adapt each request's draft length to what it accepts, pausing it when nothing is"
     )
     spec_cost_model: bool = flag(
-        False,
-        "speculative: draft only the tokens a step-cost model fitted on this machine's steps expects to pay "
-        "(off by default: it has not measurably paid yet, benchmarks/RESULTS.md)",
+        True,
+        "speculative: verify only the draft tokens a step-cost model fitted on this machine's steps expects to "
+        "pay for (--no-spec-cost-model: every draft, as SGLang)",
     )
 
     @classmethod
@@ -270,6 +272,7 @@ class SchedulerConfig:
 PRESETS: dict[str, dict] = {
     "default": {},
     "sglang": {
+        "spec_cost_model": False,  # SGLang verifies every draft
         "max_prefill_rounds_between_decodes": None,  # prefill first whenever a prefill batch forms
         "aging_rounds": None,
         "admission_budget": "sglang",
