@@ -87,8 +87,10 @@ def vllm_client(
     input_len: int = 128,
     output_len: int = 32,
     ignore_eos: bool = False,
+    temperature: float | None = None,
 ) -> dict:
-    """vLLM's benchmark client (random dataset) against the server on `port`; its result JSON's main figures."""
+    """vLLM's benchmark client (random dataset) against the server on `port`; its result JSON's main figures.
+    temperature None: the client's default (it sends none, so the server's default 1.0: sampled)."""
     name = f"vllm_{backend}.json"
     cmd = [
         py,
@@ -119,7 +121,9 @@ def vllm_client(
         work,
         "--result-filename",
         name,
-    ] + (["--ignore-eos"] if ignore_eos else [])
+    ]
+    cmd += ["--ignore-eos"] if ignore_eos else []
+    cmd += [] if temperature is None else ["--temperature", str(temperature)]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     out = {"backend": backend, "endpoint": endpoint, "rc": r.returncode, "seconds": round(time.monotonic() - t0, 1)}

@@ -11,10 +11,11 @@ Per round and stream count S, interleaved (offline, thread, process; the order r
 Prompts are 64 random token ids, 32 greedy output tokens (`ignore_eos`). With --vllm-python (and
 --vllm-tokenizer, an HF directory of the model's tokenizer) a third served arm, `vllm-client`: the same
 server (own process) driven by vLLM's own benchmark client (`vllm.benchmarks.serve`, random dataset,
-64 input and 32 output tokens, ignore_eos, --max-concurrency S), its output throughput. Ratio: served /
-offline of the same round. TTFT: each client's first streamed chunk (chat, where a role chunk at admission
-used to arrive before prefill) against the server's own histogram (`/metrics`, admission to first
-token); target: within 10 %.
+64 input and 32 output tokens, ignore_eos, greedy like the other arms (`--temperature 0`: the client
+sends none by default -- vLLM 0.32 warns it no longer sets greedy -- so the server would sample at 1.0),
+--max-concurrency S), its output throughput. Ratio: served / offline of the same round. TTFT: each
+client's first streamed chunk (chat, where a role chunk at admission used to arrive before prefill)
+against the server's own histogram (`/metrics`, admission to first token); target: within 10 %.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def served(
             with tempfile.TemporaryDirectory() as work:
                 res = vllm_client(
                     vllm[0], port, vllm[1], "openai", "/v1/completions", work, len(ps), streams,
-                    model="m", input_len=PROMPT, output_len=NEW, ignore_eos=True,
+                    model="m", input_len=PROMPT, output_len=NEW, ignore_eos=True, temperature=0.0,
                 )  # fmt: skip
             if res.get("output_throughput") is None or res.get("failed"):
                 raise RuntimeError(f"vLLM's client failed: {res}")
@@ -197,6 +198,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["offline", "thread", "process"], help="arms to run")
     ap.add_argument("--vllm-python", default=None, help="a Python with vllm: adds the vllm-client arm")
     ap.add_argument("--vllm-tokenizer", default=None, help="HF directory of the model's tokenizer (vllm-client)")
+    ap.add_argument(
+        "--longer", type=int, default=1, help="this many times the requests per stream (longer runs: less noise)"
+    )
     args = ap.parse_args()
     if args.vllm_python and not args.vllm_tokenizer:
         ap.error("--vllm-python needs --vllm-tokenizer")
@@ -205,7 +209,7 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for s in args.streams:
-            ps = prompts(s * k.get(s, 2), seed=100 * r + s)
+            ps = prompts(s * k.get(s, 2) * args.longer, seed=100 * r + s)
             modes = list(args.modes) + (["vllm-client"] if vllm else [])
             modes = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in modes:

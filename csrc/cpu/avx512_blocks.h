@@ -4,6 +4,7 @@
 // they call is the variant's own.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
@@ -12,6 +13,13 @@
 namespace minisched::cpu::avx512 {
 
 constexpr int kMaxPanels = 8;  // packed_panels_per_call's largest
+
+// The 16-lane store mask (an __mmask16's bits) of panel p of a call whose panels hold `ncols` valid
+// columns: all 16 lanes but in the last, partial panel (the AVX-512 and AMX kernels' masked stores).
+inline uint16_t panel_mask(int64_t ncols, int p) {
+  const int64_t c = std::clamp<int64_t>(ncols - int64_t{p} * 16, 0, 16);
+  return static_cast<uint16_t>((1u << c) - 1u);
+}
 
 // The shapes packed_panels_per_call asks for (at most 24 accumulators of the 32 zmm registers).
 template <int MT, int NP>

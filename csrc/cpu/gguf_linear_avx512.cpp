@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cpu/gguf_microkernel.h"
+#include "cpu/avx512_blocks.h"
 #include "cpu/isa_kernels.h"
 
 #if defined(__x86_64__)
@@ -55,11 +56,6 @@ inline __m512 dequant16(const uint8_t* q16, const Scales16& s) {
       return _mm512_add_ps(dq, s.m);
     }
   }
-}
-
-inline __mmask16 panel_mask(int64_t ncols, int p) {
-  const int64_t c = std::clamp<int64_t>(ncols - p * kPanel, 0, kPanel);
-  return static_cast<__mmask16>((1u << c) - 1u);
 }
 
 // MT activation rows against NP consecutive panels (KB blocks each) over the whole K.

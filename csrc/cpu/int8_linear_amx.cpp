@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/avx512_blocks.h"
 #include "cpu/isa_kernels.h"
 
 #if defined(__x86_64__)
@@ -33,11 +34,6 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kInt32Block = 256;  // as int8_microkernel.h: the same blocks, the same float steps
 constexpr int64_t kKTile = 64;        // int8 channels per tile row
-
-inline __mmask16 panel_mask(int64_t ncols, int p) {
-  const int64_t c = std::clamp<int64_t>(ncols - p * kPanel, 0, kPanel);
-  return static_cast<__mmask16>((1u << c) - 1u);
-}
 
 }  // namespace
 
@@ -116,7 +112,7 @@ void int8_panels(const int8_t* hi, const uint8_t* lo, int64_t M, const float* sx
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 scale = _mm512_set1_ps(sx[m0 + r]);
       for (int p = 0; p < np_here; ++p)
-        _mm512_mask_storeu_ps(out + (m0 + r) * ldo + p * kPanel, panel_mask(ncols, p),
+        _mm512_mask_storeu_ps(out + (m0 + r) * ldo + p * kPanel, avx512::panel_mask(ncols, p),
                               _mm512_mul_ps(_mm512_load_ps(facc[r][p]), scale));
     }
   }

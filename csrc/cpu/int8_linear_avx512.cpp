@@ -28,11 +28,6 @@ constexpr int64_t kInt32Block = 256;  // as int8_microkernel.h: no int32 overflo
 // with a register copy of every accumulator and a store of it to the stack per instruction.
 inline void dot_pairs(__m512i& acc, __m512i x, __m512i w) { asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w)); }
 
-inline __mmask16 panel_mask(int64_t ncols, int p) {
-  const int64_t c = std::clamp<int64_t>(ncols - p * kPanel, 0, kPanel);
-  return static_cast<__mmask16>((1u << c) - 1u);
-}
-
 template <int MT, int NP>
 void micro(const int16_t* q, int64_t ldq, const float* sx, const int8_t* w, const float* ws, int64_t K, int64_t G,
            float* out, int64_t ldo, int64_t ncols) {

@@ -31,12 +31,6 @@ inline __m512 load16(const uint16_t* w) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
 }
 
-// Store mask of panel p of a call whose panels hold `ncols` valid columns.
-inline __mmask16 panel_mask(int64_t ncols, int p) {
-  const int64_t c = std::clamp<int64_t>(ncols - p * kPanel, 0, kPanel);
-  return static_cast<__mmask16>((1u << c) - 1u);
-}
-
 // MT activation rows against NP consecutive panels over the whole K (loops fully unrolled: the
 // accumulators stay in registers).
 template <int MT, int NP, typename W>
