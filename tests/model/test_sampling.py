@@ -192,6 +192,7 @@ SETTINGS = [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=40),
     SamplingParams(temperature=1.3, top_p=0.9),
+    SamplingParams(temperature=1.0, top_p=0.9),  # Zipf logits: the second round of candidates
     SamplingParams(temperature=1.0, top_p=0.999),  # a long tail: past the candidates, the full sort
     SamplingParams(temperature=0.9, min_p=0.05),
     SamplingParams(temperature=1.0, min_p=1e-6),  # survivors past the candidates: the full sort
@@ -210,8 +211,11 @@ def test_the_kept_distribution_is_the_full_sorts(vocab):
     from minisched.model.sampling import _sorted_probs
 
     g = torch.Generator().manual_seed(vocab)
-    for scale in (0.5, 3.0, 8.0):  # flat to peaked
-        logits = torch.randn(len(SETTINGS), vocab, generator=g) * scale
+    # flat to peaked, and Zipf-like (p ~ rank^-1.2, as a language model's: top-p 0.9 keeps ~2,000 of 49,152,
+    # past the first 256 candidates and inside the 4,096 of the second round)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    zipf = torch.stack([(-1.2 * ranks.log())[torch.randperm(vocab, generator=g)] for _ in SETTINGS])
+    for logits in [torch.randn(len(SETTINGS), vocab, generator=g) * scale for scale in (0.5, 3.0, 8.0)] + [zipf]:
         got = target_probs(logits, SETTINGS)
         t = torch.tensor([p.temperature for p in SETTINGS])[:, None]
         probs, order = _sorted_probs(logits / t, SETTINGS, vocab)
