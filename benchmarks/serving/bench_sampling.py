@@ -2,11 +2,18 @@
 against off, in-process on SmolLM2 (CPU), interleaved rounds (A, B, A, B).
 
     python benchmarks/serving/bench_sampling.py [--rounds 2] [--json out.json]
+    python benchmarks/serving/bench_sampling.py --sampler [--rounds 3] [--json out.json]
 
 - n: 8 chat prompts x 4 sampled choices (temperature 0.8, seeds s..s+3), as `generate(..., n=4)`
   and as 32 requests (each prompt four times, seeds s..s+3): prefill tokens computed, output tok/s.
   The outputs are the same either way (same seeds); only the prefill work differs.
 - logprobs: the same 8 prompts x 32 greedy tokens with `logprobs=5` and without: ms per step.
+- `--sampler`: one `sample()` call (model/sampling.py) on [B, 49152] logits, B = 1 / 8 / 64, against the
+  sampler before 742d18d (a full sort of every sampled row: `_sorted_probs` on all rows, then the same
+  inverse CDF), alternated, median ms of each of --rounds rounds of ~0.5 s; Zipf-like logits (p ~
+  rank^-1.2, a language model's shape) and settings: temperature 1 (the OpenAI default and vLLM's
+  benchmark client), top-k 40, top-p 0.9, temperature 0.8 + top-p 0.95 + min-p 0.05. Both draw from the
+  same distribution (tests/model/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -52,12 +59,77 @@ def run(engine: Engine, prompts, sampling, n: int) -> dict:
     }
 
 
+def full_sort_sample(logits, params, generators) -> list[int]:
+    """The sampler before 742d18d: every sampled row sorted over the whole vocabulary."""
+    import torch
+
+    from minisched.model.sampling import _sorted_probs
+
+    t = torch.tensor([p.temperature for p in params])[:, None]
+    probs, order = _sorted_probs(logits / t, params, logits.shape[-1])
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.stack([torch.rand((), generator=g) for g in generators]) * cdf[:, -1]
+    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=logits.shape[-1] - 1)
+    return order.gather(1, pick)[:, 0].tolist()
+
+
+def sampler_cost(rounds: int) -> dict:
+    import torch
+
+    from minisched.model.sampling import make_generator, sample
+
+    vocab = 49152
+    g = torch.Generator().manual_seed(0)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32).log() * -1.2
+    settings = {
+        "temperature 1": SamplingParams(temperature=1.0),
+        "top-k 40": SamplingParams(temperature=1.0, top_k=40),
+        "top-p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
+        "t 0.8, top-p 0.95, min-p 0.05": SamplingParams(temperature=0.8, top_p=0.95, min_p=0.05),
+    }
+    out: dict = {"load_before": loadavg(), "cases": []}
+    for b in (1, 8, 64):
+        logits = torch.stack([ranks[torch.randperm(vocab, generator=g)] for _ in range(b)])
+        for name, sp in settings.items():
+            ps, gens = [sp] * b, [make_generator(i) for i in range(b)]
+            ms: dict[str, list[float]] = {"new": [], "full sort": []}
+            for r in range(rounds):
+                for which in ("new", "full sort") if r % 2 == 0 else ("full sort", "new"):
+                    fn = sample if which == "new" else full_sort_sample
+                    fn(logits, ps, gens)
+                    times = []
+                    end = time.perf_counter() + 0.5
+                    while time.perf_counter() < end or len(times) < 3:
+                        t0 = time.perf_counter()
+                        fn(logits, ps, gens)
+                        times.append(time.perf_counter() - t0)
+                    ms[which].append(1e3 * statistics.median(times))
+            ratio = statistics.median(f / n for f, n in zip(ms["full sort"], ms["new"]))
+            case = {"batch": b, "setting": name, "new_ms": statistics.median(ms["new"])}
+            case |= {"full_sort_ms": statistics.median(ms["full sort"]), "speedup": ratio}
+            out["cases"].append(case)
+            print(
+                f"B={b:3d} {name:32s} new {case['new_ms']:8.2f} ms  full sort {case['full_sort_ms']:8.2f} ms  "
+                f"x{ratio:.1f}",
+                flush=True,
+            )
+    out["load_after"] = loadavg()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--sampler", action="store_true", help="the sampler's own cost only (see the docstring)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.sampler:
+        res = sampler_cost(args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "bench_sampling --sampler", "isa": platform.machine(), **res}, f, indent=1)
+        return
     engine = Engine("smollm2")
     chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in PROMPTS]
     ids = [engine.encode(c) for c in chats]
