@@ -99,6 +99,7 @@ def test_bench_compare_static_writes_run_records(tmp_path, capsys):
     run0 = data["runs"][0]
     assert run0["summary"]["completed"] == 6 and run0["summary"]["output_tok_s"] > 0
     assert {"events", "step_stats", "requests", "config"} <= set(run0)
+    assert [r["config"]["quantize"] for r in data["runs"]] == ["none", "none"]  # resolved: auto on dummy weights
     assert {e["dst"] for e in run0["events"]} >= {"waiting", "prefilling", "finished"}
     static_sizes = {s["batch_size"] for s in data["runs"][1]["step_stats"]}
     assert max(static_sizes) <= 2

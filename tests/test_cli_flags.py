@@ -61,6 +61,21 @@ def test_choices_come_from_the_owners():
         parser().parse_args(["--policy", "random"])
 
 
+def test_quantize_auto_is_the_default():
+    """--quantize auto: in the choices, the default, its help says what it picks and why; with --tp no error
+    (it resolves to none there: engine/options.py pick_quantize)."""
+    from minisched.engine.config import QUANTIZE_CHOICES
+
+    help_text = " ".join(parser().format_help().split())
+    assert QUANTIZE_CHOICES[0] == "auto" and "{" + ",".join(QUANTIZE_CHOICES) + "}" in help_text
+    assert "auto (the default): gguf" in help_text and "same bits as fp32" in help_text
+    assert engine_config(parser().parse_args([])).quantize == "auto"
+    assert engine_config(parser().parse_args(["--quantize", "auto"])) == EngineConfig(model="smollm2")
+    assert engine_config(parser().parse_args("--tp 2".split())).quantize == "auto"
+    with pytest.raises(CLIError, match="--quantize with --tp"):
+        engine_config(parser().parse_args("--tp 2 --quantize gguf".split()))
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [

@@ -338,7 +338,12 @@ def worker_main(args) -> None:
     engine.generate(prompts_of(engine, 2, 16, seed=99), SamplingParams(max_new_tokens=4, ignore_eos=True))
     print(
         json.dumps(
-            {"ready": True, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            {
+                "ready": True,
+                "threads": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                "quantize": getattr(getattr(engine, "quant", None), "mode", None),  # as resolved (auto: gguf or none)
+            }
         ),
         flush=True,
     )

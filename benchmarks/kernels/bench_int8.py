@@ -232,7 +232,10 @@ def main(argv=None):
         result["kernels"] = run_kernels(args)
     if not {"decode", "agreement"} <= set(args.skip):
         threads = args.engine_threads
-        engines = {"fp32": Engine(num_threads=threads), "int8": Engine(num_threads=threads, quantize="int8")}
+        engines = {
+            "fp32": Engine(num_threads=threads, quantize="none"),  # the default (auto) is gguf here
+            "int8": Engine(num_threads=threads, quantize="int8"),
+        }
         result["engine_threads"] = threads or "tuned"
         if "agreement" not in args.skip:
             result["agreement"] = run_agreement(args, engines)

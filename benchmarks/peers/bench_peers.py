@@ -113,7 +113,8 @@ class MinischedWorker:
             ops.set_cpu_isa(isa)
         try:
             self.engine = Engine("smollm2", **kw)
-            self.quantize = kw.get("quantize", "none")
+            quant = getattr(self.engine, "quant", None)  # the resolved mode (a tree with --quantize auto)
+            self.quantize = quant.mode if quant is not None else kw.get("quantize", "none")
         except TypeError:  # a tree whose Engine has no `quantize` option yet: quantize the loaded model
             mode = kw.pop("quantize", None)
             if mode is None:

@@ -1,4 +1,4 @@
-"""End-to-end serving benchmark on SmolLM2-135M (CPU, fp32) -- not a test.
+"""End-to-end serving benchmark on SmolLM2-135M (CPU, fp32 arithmetic; the default weights) -- not a test.
 
 Three comparisons, each in one process on the same loaded weights:
 
@@ -245,6 +245,7 @@ def env_of(base, load0, n_mixed, rate, scale, n_shared) -> dict:
         "quick": ARGS.quick,
         "threads": torch.get_num_threads(),
         "backend": base.backend,
+        "quantize": base.quant.mode,  # as resolved: the default, auto, is gguf for SmolLM2
         "torch": torch.__version__,
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),
@@ -273,7 +274,7 @@ def _f(v, fmt="{:.2f}"):
 
 def markdown(rows, env) -> str:
     lines = [
-        f"SmolLM2-135M fp32, CPU, {env['threads']} threads, backend {env['backend']}, "
+        f"SmolLM2-135M ({env['quantize']} weights, fp32 arithmetic), CPU, {env['threads']} threads, backend {env['backend']}, "
         f"{'--quick' if env['quick'] else 'full'} run, {env['date']}, load avg "
         f"{env['loadavg_start'][0]:.1f} -> {env['loadavg_end'][0]:.1f}",
         "",

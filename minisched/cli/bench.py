@@ -60,6 +60,7 @@ def cmd_bench(args) -> int:
                     "mode": mode,
                     "model": engine.model_name,
                     "backend": engine.backend,
+                    "quantize": engine.quant.mode,  # as resolved (--quantize auto: gguf or none)
                     "rate": args.rate,
                     "workload_stats": bw.workload_stats(workload),
                     "interrupted": result.interrupted,

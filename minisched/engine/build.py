@@ -5,10 +5,10 @@
     parts = build_parts(config, tp_session=s)            # on a running tensor-parallel session (not owned)
 
 Resolved here, in order: CPU threads, the device, tensor parallelism (`tp > 1` without a session
-starts one, which the engine owns and closes), the dtype, the model and its tokenizer, weight
-quantization, the kernel backend, packed weights, CUDA graphs, the pool's size and the context limit,
-the KV cache, the host tier, the runner and the drafter. Checks that need the model or the device
-raise here (ValueError / RuntimeError); the ones that need neither are EngineConfig's.
+starts one, which the engine owns and closes), the dtype, the model and its tokenizer, the kernel backend,
+the weights' format (`quantize`; "auto" by options.pick_quantize), packed weights, CUDA graphs, the pool's
+size and the context limit, the KV cache, the host tier, the runner and the drafter. Checks that need
+the model or the device raise here (ValueError / RuntimeError); the ones that need neither are EngineConfig's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from minisched.engine.config import EngineConfig
 from minisched.engine.cuda_graph import CudaGraphRunner
 from minisched.engine.draft import ModelDrafter
 from minisched.engine.kv_tier import HostKVMover
-from minisched.engine.options import pick_backend, pool_pages, want_cuda_graph
+from minisched.engine.options import pick_backend, pick_quantize, pool_pages, want_cuda_graph
 from minisched.engine.runner import ModelRunner
 from minisched.engine.threads import ThreadTuner
 from minisched.model import weights
@@ -41,7 +41,7 @@ from minisched.sched.spec import Drafter, NgramDrafter
 
 @dataclass(frozen=True, kw_only=True)
 class EngineParts:
-    config: EngineConfig  # as resolved (under tensor parallelism: the session's model, device and threads)
+    config: EngineConfig  # as resolved: the quantize mode; under --tp the session's model, device and threads
     model: LlamaModel
     model_name: str
     tokenizer: MiniTokenizer
@@ -116,9 +116,9 @@ def _build(
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' requested but no CUDA device is available")
-    quant = QuantConfig(config.quantize)  # weight-only int8 / bf16 (model/quant.py): checked before loading
-    if quant.enabled and device.type != "cpu":
+    if config.quantize not in ("auto", "none") and device.type != "cpu":  # checked before loading
         raise ValueError(f"quantize={config.quantize!r} runs on the CPU")
+    loaded = model is None  # from config.model (not a model object, not a tensor-parallel session's)
     if model is not None:
         model_name = config.model or "custom"
         if tokenizer is None:  # a byte-level guess would decode garbage silently
@@ -129,10 +129,13 @@ def _build(
     else:
         model, model_name = load_model(config, device), config.model or weights.DEFAULT_MODEL
         tokenizer = tokenizer or load_tokenizer(config.model)
-    # in place; a model passed in quantized stays as it is. gguf: the file's block-quantized tensors
-    blocks = weights.gguf_blocks(config.model) if quant.mode == "gguf" else None
-    quantize_model(model, quant, blocks)
     backend = pick_backend(config.backend, device)
+    # the projections' format (model/quant.py; "auto" resolved by pick_quantize), converted in place; a model
+    # passed in quantized stays as it is. gguf: the file's block-quantized tensors. The engine's config names
+    # the mode it runs, as it does the session's model under tensor parallelism.
+    quant, blocks = pick_quantize(config.quantize, device, model.dtype, backend, tp, config.model, loaded)
+    quantize_model(model, quant, blocks)
+    config = config.with_options(quantize=quant.mode)
     # packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls (with
     # gguf: the tensors the file holds as floats)
     pack = want_packed(config.pack_weights, device, model.dtype, backend, quant.enabled and quant.mode != "gguf", tp)

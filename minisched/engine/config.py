@@ -28,7 +28,7 @@ from minisched.sched.spec import SPECULATIVE
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "native", "triton", "torch")
-QUANTIZE_CHOICES = ("none", "int8", "bf16", "gguf")  # model/quant.py
+QUANTIZE_CHOICES = ("auto", "none", "int8", "bf16", "gguf")  # model/quant.py; auto: engine/options.py pick_quantize
 
 
 def default_scheduler() -> SchedulerConfig:
@@ -82,18 +82,22 @@ class EngineConfig:
         "with the native or Triton kernels; unavailable on CPU)",
         type=bool,
     )
-    quantize: str = flag(
-        "none",
-        "CPU weights for the projections and LM head: int8 (group scales; activations rounded to "
-        "int16 per row: faster decode and prefill, close to but not bit-equal with fp32), bf16 (half "
-        "fp32's bytes, float32 activations and sums) or gguf (a GGUF model's Q4_0/Q4_1/Q8_0 tensors kept in "
-        "the file's blocks, dequantized in registers: fp32's bits from ~1/6 of the bytes)",
+    quantize: str = flag(  # "auto" is resolved in one place: engine/options.py pick_quantize
+        "auto",
+        "CPU weights for the projections and LM head. auto (the default): gguf for a float32 model loaded on "
+        "the CPU from a GGUF file whose projections are Q4_0/Q4_1/Q8_0 blocks (the bundled SmolLM2's are), "
+        "with the native kernels and no --tp, because it computes the same bits as fp32 from ~1/6 of the "
+        "weight bytes (faster decode; 0.94x fp32 on a 512-token prefill); else none. none: float32 weights "
+        "(the file dequantized). gguf: the file's Q4_0/Q4_1/Q8_0 tensors kept in its blocks, dequantized in "
+        "registers (an error where it cannot run). int8: group "
+        "scales, activations rounded to int16 per row (faster decode and prefill, close to but not bit-equal "
+        "with fp32). bf16: half fp32's bytes, float32 activations and sums",
         choices=QUANTIZE_CHOICES,
     )
     pack_weights: Optional[bool] = flag(  # None: on for a float32 CPU model (model/packed.py)
         None,
         "run the float32 projections through minisched's packed matmul kernel instead of torch's "
-        "(default: on for a float32 model on the CPU without --quantize or --tp)",
+        "(default: on for a float32 model on the CPU without --quantize int8|bf16 or --tp)",
         type=bool,
     )
     check: bool = False  # ops read index values and check them (slow; tests)
@@ -203,7 +207,7 @@ class EngineConfig:
             f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout!r}",
         )
         need(isinstance(self.scheduler, SchedulerConfig), "scheduler must be a SchedulerConfig")
-        if self.quantize != "none" and self.tp != 1:
+        if self.quantize not in ("auto", "none") and self.tp != 1:  # auto resolves to none under --tp
             raise ValueError("quantize with tensor parallelism is not supported (the ranks shard fp32 weights)")
 
     @property

@@ -1,4 +1,5 @@
-"""Engine options resolved at construction: the kernel backend, CUDA graphs, the KV pool's size."""
+"""Engine options resolved at construction: the kernel backend, the weights' format (`quantize`), CUDA graphs,
+the KV pool's size."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 
 from minisched import ops
 from minisched.base.values import cdiv
+from minisched.model import weights
 from minisched.model.config import ModelConfig
+from minisched.model.packed import want_packed
+from minisched.model.quant import QuantConfig
 
 CPU_DEFAULT_POOL_TOKENS = 16384
 
@@ -34,6 +38,44 @@ def pick_backend(backend: str, device: torch.device) -> str:
     if ops.native_available():
         return "native"
     return "triton" if device.type == "cuda" else "torch"
+
+
+GGUFBlocks = dict[str, tuple[int, torch.Tensor]]  # weights.gguf_blocks: {HF name: (GGML type id, blocks)}
+
+
+def pick_quantize(
+    quantize: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    tensor_parallel: bool,
+    model: Optional[str],
+    loaded: bool,
+) -> tuple[QuantConfig, Optional[GGUFBlocks]]:
+    """The projections' and LM head's format (model/quant.py) and, for gguf, the GGUF file's blocks
+    (weights.gguf_blocks of `model`, the config's model spec; `loaded`: the engine loaded the weights
+    from it, rather than being given a model object or a tensor-parallel session's).
+
+    An explicit mode is itself (quantize_model and gguf_blocks raise where it cannot run). "auto", the
+    default, is gguf where gguf computes the float32 path's bits (packed_linear's FMA chains on the
+    dequantized weights) from ~1/6 of the weight bytes: the engine loaded a float32 model from a GGUF
+    file whose projections are block-quantized (Q4_0 / Q4_1 / Q8_0), and it runs where float32 weights
+    are packed by default (packed.want_packed: the CPU, float32, the native kernels, no tensor
+    parallelism). Anything else is none: a model object, dummy or safetensors weights, CUDA, bfloat16,
+    --tp, the torch or Triton backend, a GGUF file of float tensors. (The 512-token prefill is the one
+    case measured slower than float32, 0.94x: benchmarks/RESULTS.md; `--quantize none` restores it.)"""
+    if quantize != "auto":
+        cfg = QuantConfig(quantize)
+        return cfg, weights.gguf_blocks(model) if cfg.mode == "gguf" else None
+    none = QuantConfig("none"), None
+    if not loaded or not want_packed(None, device, dtype, backend, False, tensor_parallel):
+        return none
+    if weights.resolve(model)[0] != "gguf":
+        return none
+    blocks = weights.gguf_blocks(model)
+    if not any(name.startswith("model.layers.") for name in blocks):  # float projections (a head alone: no)
+        return none
+    return QuantConfig("gguf"), blocks
 
 
 def available_bytes(device: torch.device, meminfo: str = "/proc/meminfo") -> int:

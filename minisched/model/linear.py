@@ -1,7 +1,8 @@
 """The projections' one entry point: `linear(x, w)` for every weight kind the model holds.
 
 A weight is a float tensor [N, K] (torch's F.linear), or a module with `linear(x, backend)`:
-`PackedWeight` (packed.py, the CPU float32 default) or `Int8Weight` (quant.py, `--quantize int8`).
+`PackedWeight` (packed.py: float32 on the CPU, or `--quantize bf16`), `Int8Weight` (quant.py, `--quantize int8`) or
+`GGUFWeight` (quant.py, `--quantize gguf`: the CPU default for a block-quantized GGUF file).
 A new weight kind implements `linear`, `shape` and, for the tied embedding, `rows`.
 """
 
@@ -16,7 +17,7 @@ from minisched.model.packed import PackedWeight
 
 
 class WeightModule(Protocol):
-    """A weight that runs its own kernel (PackedWeight, Int8Weight)."""
+    """A weight that runs its own kernel (PackedWeight, Int8Weight, GGUFWeight)."""
 
     @property
     def shape(self) -> torch.Size: ...

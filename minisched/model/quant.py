@@ -1,16 +1,8 @@
-"""int8 weights for the CPU (`--quantize int8`): the projections and the LM head hold int8
-values with one float32 scale per group of input channels, in 16-column panels (the layout of
-minisched's `int8_linear`, csrc/cpu/int8_linear.cpp); norms, the embedding lookup and the KV
-cache stay float32. Each projection quantizes its input rows to int16 on the fly (one scale per
-row) and sums the products in int32 with the CPU's integer dot-product instructions.
-
-Why: single-stream CPU decode reads every weight once per token, so it is bound by memory
-bandwidth; int8 reads a quarter of the bytes (SmolLM2-135M: 540 MB -> ~150 MB per token).
-Prefill and large batches are bound by arithmetic, where vpdpwssd (AVX-VNNI / AVX512-VNNI) does
-twice the fp32 FMA rate, and on AMX machines from 16 rows on int8 tile dot products do more (the
-same bits: csrc/cpu/int8_linear_amx.cpp). It is an option, not the default: fp32 matches transformers, int8 does
-not exactly (the agreement with fp32 greedy output is measured in benchmarks/RESULTS.md; 16-bit
-activations keep it where weight-only int8 was, 8-bit ones would not).
+"""The projections' and the LM head's weights on the CPU (`--quantize`): none (float32, packed:
+model/packed.py), gguf, int8 or bf16; norms, the embedding lookup and the KV cache stay float32. The
+default, `auto`, is resolved in one place, engine/options.py `pick_quantize`: gguf for a float32 model
+the engine loads from a GGUF file whose projections are block-quantized (the bundled SmolLM2's Q4_1),
+on the CPU with the native kernels and no tensor parallelism -- where it loses nothing --, else none.
 
 `--quantize gguf` keeps a GGUF model's own block-quantized tensors (Q4_0, Q4_1, Q8_0) in their
 blocks, repacked for minisched's `gguf_linear` (csrc/cpu/gguf_linear.cpp), which dequantizes them to
@@ -18,7 +10,24 @@ float32 in registers: the float32 model (which is that file dequantized) compute
 bytes -- SmolLM2's Q4_1 projections and Q8_0 head read ~96 MB per token instead of 540 MB -- with the
 same bits (every output the same FMA chain as packed_linear's), so greedy output is the fp32 path's.
 Tensors in other formats, and a fused projection whose parts differ in format, stay float32
-(packed). It needs the model's GGUF file (`weights.gguf_blocks`), not a model object.
+(packed). It needs the model's GGUF file (`weights.gguf_blocks`), not a model object. Its cost: the
+512-token prefill runs at 0.94x fp32 (each call dequantizes before packed_linear's kernel;
+benchmarks/RESULTS.md), while one stream decodes 2.4x and batches of 8-64 1.2-1.5x faster;
+`--quantize none` restores the float32 weights (5.6x the weight bytes, a ~6% faster 512-token prefill).
+
+int8 (`--quantize int8`): the projections and the LM head hold int8 values with one float32 scale
+per group of input channels, in 16-column panels (the layout of minisched's `int8_linear`,
+csrc/cpu/int8_linear.cpp). Each projection quantizes its input rows to int16 on the fly (one scale
+per row) and sums the products in int32 with the CPU's integer dot-product instructions.
+
+Why: single-stream CPU decode reads every weight once per token, so it is bound by memory
+bandwidth; int8 reads a quarter of the bytes (SmolLM2-135M: 540 MB -> ~150 MB per token).
+Prefill and large batches are bound by arithmetic, where vpdpwssd (AVX-VNNI / AVX512-VNNI) does
+twice the fp32 FMA rate, and on AMX machines from 16 rows on int8 tile dot products do more (the
+same bits: csrc/cpu/int8_linear_amx.cpp). It is an option, not the default: fp32 (and gguf, which
+computes its bits) matches transformers, int8 does not exactly (the agreement with fp32 greedy
+output is measured in benchmarks/RESULTS.md; 16-bit activations keep it where weight-only int8 was,
+8-bit ones would not). bf16 (`--quantize bf16`, an option too) rounds the weights to bfloat16 (quantize_model).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from minisched.model.linear import plain
 from minisched.model.llama import LlamaModel
 from minisched.model.packed import PackedWeight
 
-QUANT_MODES = ("none", "int8", "bf16", "gguf")
+QUANT_MODES = ("none", "int8", "bf16", "gguf")  # the resolved modes: EngineConfig's "auto" is pick_quantize's
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 

@@ -1,7 +1,9 @@
 """`--quantize gguf`: a GGUF model's block-quantized tensors (Q4_0, Q4_1, Q8_0) stay in their blocks and
 run through gguf_linear; tensors in other formats, and a fused projection whose parts differ in
 format, stay float32. The logits are the float32 model's bits (the float32 model is the file
-dequantized), so greedy output is identical (SmolLM2, slow)."""
+dequantized), so greedy output is identical. `--quantize auto`, the default, resolves to gguf exactly
+where that holds (a float32 GGUF model with block-quantized projections on the CPU, native kernels, no
+--tp) and to none elsewhere; on SmolLM2 (slow) the default loses nothing against --quantize none."""
 
 from __future__ import annotations
 
@@ -16,11 +18,16 @@ from gguf.quants import quantize as gguf_quantize
 
 from helpers.model import BACKENDS, paged_logits
 from minisched import ops
+from minisched.engine import Engine
+from minisched.engine.config import EngineConfig
+from minisched.engine.options import pick_quantize
 from minisched.model import weights
 from minisched.model.config import preset
 from minisched.model.llama import LlamaModel
 from minisched.model.packed import PackedWeight, pack_model
-from minisched.model.quant import GGUFWeight, QuantConfig, keep_gguf_blocks, quantize_model
+from minisched.model.quant import PROJECTIONS, GGUFWeight, QuantConfig, keep_gguf_blocks, quantize_model
+from minisched.model.tokenizer import MiniTokenizer
+from minisched.sched.sampling_params import SamplingParams
 
 # tensor -> format in the tiny file: Q4_1 and Q4_0 projections, a float32 v (so qkv's parts differ and
 # qkv stays float32), a Q8_0 embedding (the tied head)
@@ -35,7 +42,7 @@ FORMATS = {
 }
 
 
-def write_tiny_gguf(path: str, seed: int = 0) -> None:
+def write_tiny_gguf(path: str, seed: int = 0, formats: dict = FORMATS, embed: T = T.Q8_0) -> None:
     cfg = preset("tiny")
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     rng = np.random.default_rng(seed)
@@ -58,7 +65,7 @@ def write_tiny_gguf(path: str, seed: int = 0) -> None:
         else:
             w.add_tensor(name, gguf_quantize(a, fmt), raw_dtype=fmt)
 
-    add("token_embd.weight", cfg.vocab_size, h, T.Q8_0, std=1.0)
+    add("token_embd.weight", cfg.vocab_size, h, embed, std=1.0)
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
     shapes = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q)}
     shapes |= {"ffn_gate": (i, h), "ffn_up": (i, h), "ffn_down": (h, i)}
@@ -66,7 +73,7 @@ def write_tiny_gguf(path: str, seed: int = 0) -> None:
         for part in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{layer}.{part}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
         for part, (rows, cols) in shapes.items():
-            add(f"blk.{layer}.{part}.weight", rows, cols, FORMATS[part])
+            add(f"blk.{layer}.{part}.weight", rows, cols, formats[part])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -136,37 +143,151 @@ def test_gguf_mode_checks(tiny_gguf):
         keep_gguf_blocks(copy.deepcopy(model), other)
 
 
+def tiny_engine(model, **options) -> Engine:
+    return Engine(model, tokenizer=MiniTokenizer.byte_level(512), num_pages=64, **options)
+
+
 def test_engine_gguf_option(tiny_gguf):
     """Through the engine: --quantize gguf packs the float tensors and keeps the blocks; greedy output
-    equals the float32 engine's."""
-    from minisched.engine import Engine
-    from minisched.model.tokenizer import MiniTokenizer
-    from minisched.sched.sampling_params import SamplingParams
-
-    tok = MiniTokenizer.byte_level(512)
-    fp32 = Engine(tiny_gguf, tokenizer=tok, num_pages=64)
-    q = Engine(tiny_gguf, tokenizer=tok, num_pages=64, quantize="gguf")
+    equals the float32 engine's (--quantize none)."""
+    fp32 = tiny_engine(tiny_gguf, quantize="none")
+    q = tiny_engine(tiny_gguf, quantize="gguf")
+    assert q.quant.mode == q.config.quantize == "gguf"
     assert isinstance(q.model.lm_head, GGUFWeight) and isinstance(q.model.decoder_layers[0].qkv, PackedWeight)
+    assert not isinstance(fp32.model.decoder_layers[0].gate_up, GGUFWeight)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 60))]
     params = SamplingParams(max_new_tokens=12)
     assert [o.token_ids for o in q.generate(prompts, params)] == [o.token_ids for o in fp32.generate(prompts, params)]
 
 
+# -- --quantize auto, the default: resolved once, by engine/options.py pick_quantize --------------------
+
+
+def projection_weights(model: LlamaModel) -> list:
+    return [getattr(layer, n) for layer in model.decoder_layers for n in PROJECTIONS] + [model.lm_head]
+
+
+@pytest.mark.skipif(not ops.native_available(), reason="auto picks gguf with the native kernels only")
+def test_auto_is_gguf_for_a_block_quantized_gguf_file(tiny_gguf):
+    """The default on a GGUF file whose projections are blocks, float32 on the CPU with the native kernels:
+    gguf, which the engine names (its quant and its config, which engine.fresh keeps); greedy output is
+    --quantize none's."""
+    assert EngineConfig().quantize == "auto"
+    auto = tiny_engine(tiny_gguf)
+    assert auto.quant.mode == auto.config.quantize == "gguf"
+    layer = auto.model.decoder_layers[0]
+    assert isinstance(layer.gate_up, GGUFWeight) and isinstance(auto.model.lm_head, GGUFWeight)
+    assert isinstance(layer.qkv, PackedWeight)  # its parts differ in format: float32, packed, as with explicit gguf
+    fp32 = tiny_engine(tiny_gguf, quantize="none")
+    assert fp32.quant.mode == fp32.config.quantize == "none"
+    assert not any(isinstance(w, GGUFWeight) for w in projection_weights(fp32.model))
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 60))]
+    params = SamplingParams(max_new_tokens=12)
+    want = [o.token_ids for o in fp32.generate(prompts, params)]
+    assert [o.token_ids for o in auto.generate(prompts, params)] == want
+    again = auto.fresh()  # the same loaded model, the resolved mode kept
+    assert again.quant.mode == "gguf" and again.model is auto.model
+    assert [o.token_ids for o in again.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize(
+    "case", ["model object", "dummy", "backend torch", "dtype bfloat16", "float gguf", "float gguf, Q8_0 head"]
+)
+def test_auto_is_none_elsewhere(tiny_gguf, tmp_path, case):
+    """The default where gguf is not the float32 path's bits from the file's blocks: float32 (packed where
+    that is the default), no GGUFWeight anywhere."""
+    if case == "model object":  # a model object has no file (explicit gguf reads config.model's)
+        e = tiny_engine(fp32_model(tiny_gguf))
+    elif case == "dummy":
+        e = Engine("dummy:tiny", num_pages=64)
+    elif case == "backend torch":
+        e = tiny_engine(tiny_gguf, backend="torch")
+    elif case == "dtype bfloat16":
+        e = tiny_engine(tiny_gguf, dtype="bfloat16")
+    else:  # float projections; a Q8_0 embedding alone (the tied head) is no reason either
+        path = str(tmp_path / "float.gguf")
+        write_tiny_gguf(path, formats=dict.fromkeys(FORMATS, T.F32), embed=T.Q8_0 if "head" in case else T.F32)
+        e = tiny_engine(path)
+    assert e.quant.mode == e.config.quantize == "none"
+    assert not any(isinstance(w, GGUFWeight) for w in projection_weights(e.model))
+    packed = ops.native_available() and case not in ("backend torch", "dtype bfloat16")
+    assert e.pack_weights == packed and isinstance(e.model.decoder_layers[0].qkv, PackedWeight) == packed
+
+
+def test_pick_quantize(tiny_gguf, tmp_path):
+    """pick_quantize's cases without an engine: CUDA, safetensors, --tp, the Triton backend, a model passed
+    in; explicit modes are themselves (their errors are quantize_model's and gguf_blocks')."""
+    cpu, f32 = torch.device("cpu"), torch.float32
+
+    def pick(quantize="auto", device=cpu, dtype=f32, backend="native", tp=False, model=tiny_gguf, loaded=True):
+        return pick_quantize(quantize, device, dtype, backend, tp, model, loaded)
+
+    none = (QuantConfig("none"), None)
+    if ops.native_available():
+        mode, blocks = pick()
+        assert mode == QuantConfig("gguf") and blocks is not None
+        assert blocks.keys() == weights.gguf_blocks(tiny_gguf).keys()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    for kw in (
+        dict(device=torch.device("cuda")),
+        dict(dtype=torch.bfloat16),
+        dict(backend="torch"),
+        dict(backend="triton"),
+        dict(tp=True),
+        dict(loaded=False),
+        dict(model="dummy:tiny"),
+        dict(model=str(hf)),
+    ):
+        assert pick(**kw) == none, kw
+    assert pick("none") == none
+    assert pick("int8", backend="torch") == (QuantConfig("int8"), None)
+    mode, blocks = pick("gguf", backend="torch", loaded=False)  # explicit gguf: the file's blocks, wherever it can run
+    assert mode == QuantConfig("gguf") and blocks is not None
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        pick("gguf", model="dummy:tiny")
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        Engine("dummy:tiny", num_pages=64, quantize="gguf")
+
+
+def test_auto_with_tp_is_no_error():
+    """auto resolves to none under --tp (the ranks shard float32 weights); only an explicit mode is an error."""
+    assert EngineConfig(tp=2).quantize == "auto"
+    assert EngineConfig(tp=2, quantize="none").tp == 2
+    for mode in ("int8", "bf16", "gguf"):
+        with pytest.raises(ValueError, match="quantize with tensor parallelism"):
+            EngineConfig(tp=2, quantize=mode)
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_greedy_equals_fp32():
-    """SmolLM2's Q4_1 projections and Q8_0 head from their blocks: the logits are fp32's bits, so the
-    greedy continuations of the held prompts are the same tokens."""
-    from minisched.engine import Engine
-    from minisched.sched.sampling_params import SamplingParams
-
+    """The default engine on the bundled SmolLM2 runs gguf (--quantize auto): its Q4_1 projections and Q8_0
+    head from their blocks. Against --quantize none it loses nothing: the greedy continuations of the held
+    chat prompts are the same tokens, and every forward's logits -- the prefill, then each decode step --
+    are the same bits (the same weights, packed_linear's FMA chains)."""
     try:
-        path = weights.default_gguf_path()
+        weights.default_gguf_path()
     except weights.ModelNotFound as exc:
         pytest.skip(str(exc))
-    fp32 = Engine(path, num_threads=2)
-    q = Engine(path, num_threads=2, quantize="gguf")
-    assert isinstance(q.model.lm_head, GGUFWeight) and isinstance(q.model.decoder_layers[0].qkv, GGUFWeight)
+    default = Engine(num_threads=2, num_pages=64)
+    fp32 = Engine(num_threads=2, num_pages=64, quantize="none")
+    assert default.quant.mode == default.config.quantize == "gguf" and fp32.quant.mode == "none"
+    assert all(isinstance(w, GGUFWeight) for w in projection_weights(default.model))
+    assert all(isinstance(w, PackedWeight) for w in projection_weights(fp32.model))
     prompts = ["What is the capital of France?", "Name three fruits.", "Why is the sky blue?"]
     params = SamplingParams(max_new_tokens=32)
-    want = [o.token_ids for o in fp32.generate(prompts, params, chat=True)]
-    assert [o.token_ids for o in q.generate(prompts, params, chat=True)] == want
+    logits: dict[str, list[torch.Tensor]] = {"default": [], "none": []}
+    outs = {}
+    for name, engine in (("default", default), ("none", fp32)):
+        hook = engine.model.register_forward_hook(lambda m, args, out, name=name: logits[name].append(out.clone()))
+        try:
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params, chat=True)]
+        finally:
+            hook.remove()
+    assert outs["default"] == outs["none"]
+    assert len(logits["default"]) == len(logits["none"]) >= 4  # one prefill + decode steps
+    assert logits["default"][0].shape[0] == len(prompts)  # the prefill's last rows
+    for step, (a, b) in enumerate(zip(logits["default"], logits["none"])):
+        assert torch.equal(a, b), f"forward {step}: logits differ by {(a - b).abs().max().item()}"

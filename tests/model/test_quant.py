@@ -107,7 +107,7 @@ def test_smollm2_int8_agrees_with_fp32():
         pytest.skip(str(exc))
     from minisched.sched.sampling_params import SamplingParams
 
-    fp32 = Engine(path, num_threads=2)
+    fp32 = Engine(path, num_threads=2, quantize="none")  # float32 weights (the default is gguf: the same bits)
     q = Engine(path, num_threads=2, quantize="int8")
     prompts = ["What is the capital of France?", "Name three fruits.", "Why is the sky blue?"]
     outs = fp32.generate(prompts, SamplingParams(max_new_tokens=32), chat=True)
