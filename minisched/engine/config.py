@@ -87,7 +87,7 @@ class EngineConfig:
         "CPU weights for the projections and LM head. auto (the default): gguf for a float32 model loaded on "
         "the CPU from a GGUF file whose projections are Q4_0/Q4_1/Q8_0 blocks (the bundled SmolLM2's are), "
         "with the native kernels and no --tp, because it computes the same bits as fp32 from ~1/6 of the "
-        "weight bytes (faster decode; 0.94x fp32 on a 512-token prefill); else none. none: float32 weights "
+        "weight bytes (faster decode, a level prefill); else none. none: float32 weights "
         "(the file dequantized). gguf: the file's Q4_0/Q4_1/Q8_0 tensors kept in its blocks, dequantized in "
         "registers (an error where it cannot run). int8: group "
         "scales, activations rounded to int16 per row (faster decode and prefill, close to but not bit-equal "

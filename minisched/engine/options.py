@@ -62,8 +62,8 @@ def pick_quantize(
     file whose projections are block-quantized (Q4_0 / Q4_1 / Q8_0), and it runs where float32 weights
     are packed by default (packed.want_packed: the CPU, float32, the native kernels, no tensor
     parallelism). Anything else is none: a model object, dummy or safetensors weights, CUDA, bfloat16,
-    --tp, the torch or Triton backend, a GGUF file of float tensors. (The 512-token prefill is the one
-    case measured slower than float32, 0.94x: benchmarks/RESULTS.md; `--quantize none` restores it.)"""
+    --tp, the torch or Triton backend, a GGUF file of float tensors. (Measured: faster decode at every
+    batch, a level 512-token prefill; benchmarks/RESULTS.md.)"""
     if quantize != "auto":
         cfg = QuantConfig(quantize)
         return cfg, weights.gguf_blocks(model) if cfg.mode == "gguf" else None

@@ -10,10 +10,11 @@ float32 in registers: the float32 model (which is that file dequantized) compute
 bytes -- SmolLM2's Q4_1 projections and Q8_0 head read ~96 MB per token instead of 540 MB -- with the
 same bits (every output the same FMA chain as packed_linear's), so greedy output is the fp32 path's.
 Tensors in other formats, and a fused projection whose parts differ in format, stay float32
-(packed). It needs the model's GGUF file (`weights.gguf_blocks`), not a model object. Its cost: the
-512-token prefill runs at 0.94x fp32 (each call dequantizes before packed_linear's kernel;
-benchmarks/RESULTS.md), while one stream decodes 2.4x and batches of 8-64 1.2-1.5x faster;
-`--quantize none` restores the float32 weights (5.6x the weight bytes, a ~6% faster 512-token prefill).
+(packed). It needs the model's GGUF file (`weights.gguf_blocks`), not a model object. Measured
+(benchmarks/RESULTS.md): one stream decodes 1.7-2.4x and batches of 8-64 1.1-1.5x faster than fp32;
+the 512-token prefill, where each call dequantizes panels before packed_linear's kernel, is level
+(quiet medians 1.01x and 1.27x, 0.94x under load). `--quantize none` keeps the float32 weights (5.6x
+the weight bytes).
 
 int8 (`--quantize int8`): the projections and the LM head hold int8 values with one float32 scale
 per group of input channels, in 16-column panels (the layout of minisched's `int8_linear`,
