@@ -17,7 +17,7 @@
 // The work: the rows are quantized once per call, then each task takes a group of consecutive
 // 16-column panels and runs the register-blocked micro-kernel (int8_microkernel.h for ymm,
 // int8_linear_avx512.cpp for zmm) over all the row blocks while the panels stay in cache. On AMX
-// machines 16 rows and more run as int8 tile dot products (int8_linear_amx.cpp), with the same bits.
+// machines 32 rows and more run as int8 tile dot products (int8_linear_amx.cpp), with the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -144,7 +144,7 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
   float* o = out.data_ptr<float>();
   const Isa variant = isa();
   // AMX from a whole tile of rows on, where its 64-channel tiles line up with the scale groups.
-  if (variant >= Isa::kAmx && M >= amx::kMinRows && K % 64 == 0 && G % 64 == 0) {
+  if (variant >= Isa::kAmx && M >= amx::kInt8MinRows && K % 64 == 0 && G % 64 == 0) {
     run_amx(q.data(), sx.data(), M, K, N, P, G, w, ws, o);
     return;
   }

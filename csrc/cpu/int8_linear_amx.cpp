@@ -1,4 +1,4 @@
-// The AMX variant of int8_linear, for 16 rows and more (prefill, large batches): the same exact
+// The AMX variant of int8_linear, for 32 rows and more (prefill, large batches): the same exact
 // integer sums as the vpdpwssd kernels, from int8 tile dot products, so the outputs are the same bits.
 //
 // AMX multiplies int8 by int8, and int8_linear's activations are int16. Each int16 q splits exactly

@@ -89,6 +89,9 @@ namespace amx {
 // The AMX variants take 16 rows and more (a whole tile of activation rows); fewer rows run the
 // AVX-512 kernels, which give the same bits (int8_linear).
 constexpr int64_t kMinRows = 16;
+// int8_linear takes its AMX path from 32 rows: at 16 it measured level with the AVX-512 kernel on one
+// thread and 0.88-0.90x on two (benchmarks/kernels/bench_amx.py, 2026-12-06), and the bits are the same.
+constexpr int64_t kInt8MinRows = 32;
 constexpr int64_t kPanelsPerTask = 2;  // 32 output columns: two weight tiles per row tile
 // Rows per call of the kernels below (a multiple of 16): a block's split activations (64 rows x K x
 // 2 or 3 terms) stay in L2 while a task's panels pass; the panels are relaid out once per block.

@@ -24,7 +24,7 @@ per row) and sums the products in int32 with the CPU's integer dot-product instr
 Why: single-stream CPU decode reads every weight once per token, so it is bound by memory
 bandwidth; int8 reads a quarter of the bytes (SmolLM2-135M: 540 MB -> ~150 MB per token).
 Prefill and large batches are bound by arithmetic, where vpdpwssd (AVX-VNNI / AVX512-VNNI) does
-twice the fp32 FMA rate, and on AMX machines from 16 rows on int8 tile dot products do more (the
+twice the fp32 FMA rate, and on AMX machines from 32 rows on int8 tile dot products do more (the
 same bits: csrc/cpu/int8_linear_amx.cpp). It is an option, not the default: fp32 (and gguf, which
 computes its bits) matches transformers, int8 does not exactly (the agreement with fp32 greedy
 output is measured in benchmarks/RESULTS.md; 16-bit activations keep it where weight-only int8 was,
