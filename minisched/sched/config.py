@@ -32,8 +32,8 @@ schedule; `aging_rounds`: see policy.py. The rest, with the reason for each defa
   drafts a step-cost model fitted on the machine's own steps expects to pay for (sched/spec_cost.py):
   measured on SmolLM2 (CPU) it keeps free chat at or above plain decoding where verifying every draft
   lost (B=8: 1.02-1.06x against 0.93-0.99x) and input-grounded text where drafts pay (B=1 1.83-1.88x,
-  B=8 1.32-1.34x; benchmarks/RESULTS.md, "Speculative decoding"). The "sglang" preset verifies every
-  draft, as SGLang does.
+  B=8 1.32-1.34x; benchmarks/RESULTS.md, "Speculative decoding"); `--no-spec-cost-model` verifies
+  every draft, as SGLang does (not a rule of the "sglang" preset, which holds the scheduler's decisions).
 - Presets (`SchedulerConfig.preset(name)`, `PRESETS`, `--sched-profile`): "default" is the above;
   "sglang" makes every decision SGLang 0.5.23's code makes, as benchmarks/sched/diff_sglang.py
   measures it (0 differing steps on 4,000 traces): it sets every rule option below to SGLang's value,
@@ -272,7 +272,6 @@ class SchedulerConfig:
 PRESETS: dict[str, dict] = {
     "default": {},
     "sglang": {
-        "spec_cost_model": False,  # SGLang verifies every draft
         "max_prefill_rounds_between_decodes": None,  # prefill first whenever a prefill batch forms
         "aging_rounds": None,
         "admission_budget": "sglang",
