@@ -11,6 +11,7 @@
 #include "cpu/gguf_microkernel.h"
 #include "cpu/avx512_blocks.h"
 #include "cpu/isa_kernels.h"
+#include "cpu/row_blocks.h"
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -103,24 +104,7 @@ void rows_block(int64_t mt, const float* x, int64_t ldx, const uint8_t* w, int64
     if (mt == 1) return micro<QT, 1, NP>(x, ldx, w, KB, out, ldo, ncols);
     return micro<QT, 2, NP>(x, ldx, w, KB, out, ldo, ncols);
   } else {
-    switch (mt) {
-      case 1:
-        return micro<QT, 1, NP>(x, ldx, w, KB, out, ldo, ncols);
-      case 2:
-        return micro<QT, 2, NP>(x, ldx, w, KB, out, ldo, ncols);
-      case 3:
-        return micro<QT, 3, NP>(x, ldx, w, KB, out, ldo, ncols);
-      case 4:
-        return micro<QT, 4, NP>(x, ldx, w, KB, out, ldo, ncols);
-      case 5:
-        return micro<QT, 5, NP>(x, ldx, w, KB, out, ldo, ncols);
-      case 6:
-        return micro<QT, 6, NP>(x, ldx, w, KB, out, ldo, ncols);
-      case 7:
-        return micro<QT, 7, NP>(x, ldx, w, KB, out, ldo, ncols);
-      default:
-        return micro<QT, 8, NP>(x, ldx, w, KB, out, ldo, ncols);
-    }
+    with_rows(mt, [&]<int MT>() { micro<QT, MT, NP>(x, ldx, w, KB, out, ldo, ncols); });
   }
 }
 

@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/row_blocks.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MINISCHED_GGUF_AVX2 1
@@ -237,24 +239,7 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t KB, flo
 template <int QT, int NP>
 inline void rows_block(int64_t mt, const float* x, int64_t ldx, const uint8_t* w, int64_t KB, float* out, int64_t ldo,
                        int64_t ncols) {
-  switch (mt) {
-    case 1:
-      return micro<QT, 1, NP>(x, ldx, w, KB, out, ldo, ncols);
-    case 2:
-      return micro<QT, 2, NP>(x, ldx, w, KB, out, ldo, ncols);
-    case 3:
-      return micro<QT, 3, NP>(x, ldx, w, KB, out, ldo, ncols);
-    case 4:
-      return micro<QT, 4, NP>(x, ldx, w, KB, out, ldo, ncols);
-    case 5:
-      return micro<QT, 5, NP>(x, ldx, w, KB, out, ldo, ncols);
-    case 6:
-      return micro<QT, 6, NP>(x, ldx, w, KB, out, ldo, ncols);
-    case 7:
-      return micro<QT, 7, NP>(x, ldx, w, KB, out, ldo, ncols);
-    default:
-      return micro<QT, 8, NP>(x, ldx, w, KB, out, ldo, ncols);
-  }
+  with_rows(mt, [&]<int MT>() { micro<QT, MT, NP>(x, ldx, w, KB, out, ldo, ncols); });
 }
 
 // Rows [0, M) of x against np_here (<= panels_per_call(M)) consecutive panels at wp (ncols valid
