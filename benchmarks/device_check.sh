@@ -204,11 +204,12 @@ fi
 # The GPU cases: the kernels' CUDA/Triton variants and CUDA graphs. Not here: what CI runs already on the
 # CPU (the numpy emulations of the CUDA kernels, the Triton AOT compile tests -- which also use Triton
 # internals that differ between Triton 3.8 and the device's 3.6 --, the CPU-only ops packed_linear /
-# int8_linear / rms_norm, and the "-cpu-" variants of every op test).
+# int8_linear / rms_norm / silu_and_mul / rope, and the "-cpu-" variants of every op test).
 read -r -a PATHS <<< "${TEST_PATHS:-tests/ops tests/engine/test_cuda_graph.py}"
 DESELECT=(--ignore-glob='tests/ops/test_cuda_emulation*.py' --ignore=tests/ops/test_triton_compile.py
           --ignore=tests/ops/test_packed_linear.py --ignore=tests/ops/test_int8_linear.py
-          --ignore=tests/ops/test_rms_norm.py --continue-on-collection-errors)
+          --ignore=tests/ops/test_rms_norm.py --ignore=tests/ops/test_silu_and_mul.py --ignore=tests/ops/test_rope.py
+          --continue-on-collection-errors)
 { has fastapi && has uvicorn; } || DESELECT+=(--ignore=tests/serve)  # not on the device image
 
 # -- 2. the wgmma prefill kernel's tests, then its benchmark: never run on hardware, own processes

@@ -26,6 +26,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace minisched::checks {
@@ -497,6 +498,56 @@ inline void check_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>&
     check_contiguous(op, "delta", *delta);
     check_device(op, "delta", *delta, x.device());
   }
+}
+
+// out must not share memory with an input the kernel reads while writing out: the byte spans of the two
+// views of one storage must not intersect (at::get_overlap_status gives up on strided views).
+inline void check_no_overlap(const char* op, const char* out_name, const at::Tensor& out, const char* in_name,
+                             const at::Tensor& in) {
+  if (out.numel() == 0 || in.numel() == 0 || !out.has_storage() || !in.has_storage()) return;
+  if (out.storage().data() != in.storage().data()) return;
+  const auto span = [](const at::Tensor& t) {
+    int64_t last = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    return std::pair<int64_t, int64_t>{t.storage_offset() * t.element_size(), (last + 1) * t.element_size()};
+  };
+  const auto [a0, a1] = span(out);
+  const auto [b0, b1] = span(in);
+  TORCH_CHECK_VALUE(a1 <= b0 || b1 <= a0, op, ": ", out_name, " overlaps ", in_name,
+                    " (pass a separate output tensor)");
+}
+
+inline void check_silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
+  const char* op = "silu_and_mul";
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dim(op, "x", x, 2);
+  check_contiguous(op, "x", x);
+  TORCH_CHECK_VALUE(x.size(1) % 2 == 0, op, ": x's last dim must be even (gate and up halves), got ", x.size(1));
+  check_dtype(op, "out", out, {at::kFloat});
+  check_shape(op, "out", out, {x.size(0), x.size(1) / 2});
+  check_contiguous(op, "out", out);
+  check_device(op, "out", out, x.device());
+  check_no_overlap(op, "out", out, "x", x);
+}
+
+inline void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
+  const char* op = "rope";
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dim(op, "x", x, 3);
+  TORCH_CHECK_VALUE(x.size(2) % 2 == 0, op, ": x's head dim must be even, got ", x.size(2));
+  TORCH_CHECK_VALUE(x.size(2) <= 1 || x.stride(2) == 1, op, ": x's last dim must be contiguous (stride 1), got ",
+                    x.stride(2));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
+    check_dtype(op, name, t, {at::kFloat});
+    check_shape(op, name, t, {x.size(0), x.size(2) / 2});
+    check_contiguous(op, name, t);
+    check_device(op, name, t, x.device());
+  }
+  check_dtype(op, "out", out, {at::kFloat});
+  check_shape(op, "out", out, {x.size(0), x.size(1), x.size(2)});
+  check_contiguous(op, "out", out);
+  check_device(op, "out", out, x.device());
+  check_no_overlap(op, "out", out, "x", x);
 }
 
 }  // namespace minisched::checks

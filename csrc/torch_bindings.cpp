@@ -46,6 +46,10 @@ TORCH_LIBRARY(minisched, m) {
   m.def("gguf_linear(Tensor x, Tensor w_packed, int qtype, Tensor(a!) out) -> ()");
   // RMSNorm (CPU, float32): with delta, x += delta first (the residual add); out = x / rms(x) * weight
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  // SwiGLU's activation (CPU, float32): out [M, D] = silu(x[:, :D]) * x[:, D:] for x [M, 2D]
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+  // Half-rotation RoPE (CPU, float32): x [N, H, D] (rows may be strided), cos, sin [N, D/2] -> out [N, H, D]
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
 }
 
 // `import minisched.ops._C` loads this library (and so the registrations above). Its two Python

@@ -12,13 +12,12 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "cpu/vec_math.h"
 
 namespace minisched::cpu {
 
-// expf (Cephes polynomial, relative error ~2e-7) written so that GCC vectorizes loops over it.
+// expf (Cephes polynomial, relative error ~2e-7) written so that GCC vectorizes loops over it; vec::exp
+// (vec_math.h) is the same arithmetic on vectors.
 // Returns exactly 0 for x < -87.3 (so -inf gives 0) and NaN for NaN.
 inline float exp_approx(float x) {
   const float xc = std::min(std::max(x, -87.3f), 88.3f);
@@ -142,25 +141,8 @@ inline void pv_rows(float* acc, int64_t d, const float* p, const float* const* v
   for (; off < d; off += 8) pv_tile<R, 1>(acc, d, p, v, n, off);
 }
 
-// exp_approx on 8 lanes.
-inline __m256 exp_approx8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
-  r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  __m256 res = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-  res = _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-  return _mm256_blendv_ps(res, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
+// exp_approx on 8 lanes (vec_math.h: the same template as silu_and_mul's, one copy for every width).
+inline __m256 exp_approx8(__m256 x) { return vec::exp<vec::Ymm>(x); }
 #endif
 
 // One row's online-softmax step over a block: s [kBlock] holds the scores of keys 0..valid-1

@@ -58,6 +58,10 @@ void gguf_panel_rows(int qtype, const float* x, int64_t M, int64_t ldx, const ui
 void rms_norm_rows(float* x, const float* delta, const float* w, float eps, float* out, int64_t D, int64_t m0,
                    int64_t m1);
 
+// -- silu_and_mul (silu_and_mul_avx512.cpp) --
+// Rows [m0, m1) of x [M, 2D] (gate, then up): out [M, D] = silu(gate) * up.
+void silu_and_mul_rows(const float* x, float* out, int64_t D, int64_t m0, int64_t m1);
+
 // -- int8_linear (int8_linear_avx512.cpp; layout and arithmetic in int8_microkernel.h) --
 // Rows [0, M) of the int16 activations q (row stride ldq, row scales sx) against np_here (<=
 // packed_panels_per_call(M)) consecutive panels of w_packed at w (K * 16 bytes each) with their group

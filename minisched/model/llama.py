@@ -77,8 +77,9 @@ def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def fused_norm_applies(x: torch.Tensor, backend: str) -> bool:
-    """The native CPU kernels in float32 have a fused add + RMSNorm (ops.rms_norm, csrc/cpu/rms_norm.cpp)."""
+def fused_cpu_applies(x: torch.Tensor, backend: str) -> bool:
+    """The native CPU kernels in float32 have the layer's elementwise tail fused: add + RMSNorm
+    (ops.rms_norm), RoPE into contiguous q and k (ops.rope), SiLU * up (ops.silu_and_mul)."""
     return backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32
 
 
@@ -267,31 +268,45 @@ class LlamaModel(nn.Module):
         On a tensor-parallel rank (`self.tp`): the whole vocabulary's logits on rank 0, None on the others.
 
         Same arithmetic as `dense_forward`, in fewer kernels and temporaries: RoPE on q and k
-        together (`apply_rope_signed`), in-place residual adds and SiLU*up, one ATen rms_norm (on the CPU
-        in float32 one fused add + RMSNorm kernel), the pool's per-layer views taken once."""
+        together (`apply_rope_signed`), in-place residual adds and SiLU*up, one ATen rms_norm, the pool's
+        per-layer views taken once. On the CPU in float32 with the native kernels (`fused_cpu_applies`)
+        each of these is one pass: ops.rms_norm (with the residual add), ops.rope (the same bits) and
+        ops.silu_and_mul (its own exp: float32 rounding, not ATen's bits)."""
         c = self.cfg
         n = input_ids.shape[0]
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         tp = self.tp
         x = embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, plain(self.embed))
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
-        sin = signed_sin(sin)
         # The residual adds ride along with the next norm: one fused CPU kernel (ops.rms_norm) where it applies.
-        fused = fused_norm_applies(x, backend)
+        fused = fused_cpu_applies(x, backend)
+        if fused:  # ops.rope takes each angle once: [N, D/2] (the torch path's values, so the same bits)
+            cos, sin = cos[:, 0, : d // 2].contiguous(), sin[:, 0, : d // 2].contiguous()
+        else:
+            sin = signed_sin(sin)
         pending = None  # the last MLP's output, not yet added to x
         for layer, kv_layer in zip(self.decoder_layers, kv_cache.unbind(0)):
             k_cache, v_cache = kv_layer.unbind(0)
             h = add_rms_norm(x, pending, layer.ln1, c.rms_eps, fused)
             qkv = linear(h, layer.qkv, backend)
-            qk = apply_rope_signed(qkv[:, : c.q_size + c.kv_size].view(n, hq + hkv, d), cos, sin)
+            if fused:
+                q = ops.rope(qkv[:, : c.q_size].view(n, hq, d), cos, sin)
+                k = ops.rope(qkv[:, c.q_size : c.q_size + c.kv_size].view(n, hkv, d), cos, sin)
+            else:
+                qk = apply_rope_signed(qkv[:, : c.q_size + c.kv_size].view(n, hq + hkv, d), cos, sin)
+                q, k = qk[:, :hq].contiguous(), qk[:, hq:]
             v = qkv[:, c.q_size + c.kv_size :].view(n, hkv, d)
-            ops.store_kv(qk[:, hq:], v, k_cache, v_cache, meta.out_slots, backend=backend, check=check)
-            attn = self._attention(qk[:, :hq].contiguous(), k_cache, v_cache, meta, backend, check)
+            ops.store_kv(k, v, k_cache, v_cache, meta.out_slots, backend=backend, check=check)
+            attn = self._attention(q, k_cache, v_cache, meta, backend, check)
             o = linear(attn.view(n, c.q_size), layer.o, backend)
             h = add_rms_norm(x, o if tp is None else tp.all_reduce(o), layer.ln2, c.rms_eps, fused)
             gate_up = linear(h, layer.gate_up, backend)
-            gate, up = gate_up.chunk(2, dim=-1)
-            down = linear(F.silu(gate, inplace=True).mul_(up), layer.down, backend)
+            if fused:
+                act = ops.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate, inplace=True).mul_(up)
+            down = linear(act, layer.down, backend)
             pending = down if tp is None else tp.all_reduce(down)
         if pending is not None:
             x += pending

@@ -429,3 +429,30 @@ def rms_norm(
         out = torch.empty_like(x)
     call_op("rms_norm", (x, delta, weight, eps, out), backend)
     return out
+
+
+def silu_and_mul(x: torch.Tensor, *, backend: Backend = "native", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SwiGLU's activation: silu(x[:, :D]) * x[:, D:] for x [M, 2D] (float32; the fused gate_up
+    projection's output). Returns out [M, D]."""
+    if out is None:
+        out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    call_op("silu_and_mul", (x, out), backend)
+    return out
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    backend: Backend = "native",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Half-rotation RoPE of x [N, H, D] (float32; rows may be strided, e.g. the q or k columns of a
+    fused qkv projection) with cos, sin [N, D/2]: out[.., j] = x[.., j] cos_j - x[.., j + D/2] sin_j,
+    out[.., j + D/2] = x[.., j + D/2] cos_j + x[.., j] sin_j. Returns out [N, H, D], contiguous. Native: each
+    product rounded before the sum, bitwise torch's `x * cos + rotate_half(x) * sin` in float32."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    call_op("rope", (x, cos, sin, out), backend)
+    return out

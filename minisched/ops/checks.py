@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from minisched.base.values import cdiv
 
@@ -50,6 +51,24 @@ def check_dim(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
 def check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         _fail(ValueError, op, f"{name} must be contiguous")
+
+
+def check_no_overlap(op: str, out_name: str, out: torch.Tensor, in_name: str, t: torch.Tensor) -> None:
+    """out must not share memory with t, an input read while out is written: the byte spans of two views
+    of one storage must not intersect (csrc/checks.h check_no_overlap). Tensors without data (fake, meta) pass."""
+    if out.numel() == 0 or t.numel() == 0 or out.device.type == "meta" or is_fake(out) or is_fake(t):
+        return
+    if out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        return
+
+    def span(u: torch.Tensor) -> tuple[int, int]:
+        first = int(u.storage_offset())
+        last = first + sum((int(n) - 1) * st for n, st in zip(u.shape, u.stride()))
+        return first * u.element_size(), (last + 1) * u.element_size()
+
+    (a0, a1), (b0, b1) = span(out), span(t)
+    if not (a1 <= b0 or b1 <= a0):
+        _fail(ValueError, op, f"{out_name} overlaps {in_name} (pass a separate output tensor)")
 
 
 def check_device(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -516,3 +535,41 @@ def rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, out: torc
         if t.device != x.device:
             _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
         check_contiguous(op, name, t)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
+    """x [M, 2D] float32 contiguous (gate, then up), out [M, D] contiguous, not overlapping x
+    (csrc/checks.h: check_silu_and_mul)."""
+    op = "silu_and_mul"
+    check_dtype(op, "x", x, (torch.float32, torch.float64))
+    check_dim(op, "x", x, 2)
+    check_contiguous(op, "x", x)
+    if x.shape[1] % 2:
+        _fail(ValueError, op, f"x's last dim must be even (gate and up halves), got {x.shape[1]}")
+    check_same_dtype(op, "out", out, "x", x)
+    check_shape(op, "out", out, (x.shape[0], x.shape[1] // 2))
+    check_contiguous(op, "out", out)
+    check_device(op, "out", out, x.device)
+    check_no_overlap(op, "out", out, "x", x)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """x [N, H, D] float32 (D even; rows may be strided, the last dim not), cos and sin [N, D/2]
+    contiguous, out [N, H, D] contiguous, not overlapping x (csrc/checks.h: check_rope)."""
+    op = "rope"
+    check_dtype(op, "x", x, (torch.float32, torch.float64))
+    check_dim(op, "x", x, 3)
+    if x.shape[2] % 2:
+        _fail(ValueError, op, f"x's head dim must be even, got {x.shape[2]}")
+    if x.shape[2] > 1 and x.stride(2) != 1:
+        _fail(ValueError, op, f"x's last dim must be contiguous (stride 1), got {x.stride(2)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_same_dtype(op, name, t, "x", x)
+        check_shape(op, name, t, (x.shape[0], x.shape[2] // 2))
+        check_contiguous(op, name, t)
+        check_device(op, name, t, x.device)
+    check_same_dtype(op, "out", out, "x", x)
+    check_shape(op, "out", out, tuple(x.shape))
+    check_contiguous(op, "out", out)
+    check_device(op, "out", out, x.device)
+    check_no_overlap(op, "out", out, "x", x)

@@ -148,3 +148,13 @@ def gguf_linear(x: Tensor, w_packed: Tensor, qtype: int, out: Tensor) -> None:
 @torch.library.register_fake("minisched::rms_norm")
 def rms_norm(x: Tensor, delta: Optional[Tensor], weight: Tensor, eps: float, out: Tensor) -> None:
     checks.rms_norm(x, delta, weight, eps, out)
+
+
+@torch.library.register_fake("minisched::silu_and_mul")
+def silu_and_mul(x: Tensor, out: Tensor) -> None:
+    checks.silu_and_mul(x, out)
+
+
+@torch.library.register_fake("minisched::rope")
+def rope(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> None:
+    checks.rope(x, cos, sin, out)

@@ -237,6 +237,20 @@ def rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, out: torc
     out.copy_(weight.double() * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)))
 
 
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = silu(gate) * up for x = [gate | up] [M, 2D], in float64."""
+    g, u = x.double().chunk(2, dim=-1)
+    out.copy_(g / (1 + torch.exp(-g)) * u)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """Half-rotation RoPE, in float64: out = x * [cos, cos] + [-x2, x1] * [sin, sin] for x = [x1 | x2]
+    [N, H, D] and cos, sin [N, D/2] (the same angle for element j and j + D/2)."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    out.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
 # GGUF block formats (GGML type id: bytes per block of 32 input channels): Q4_0, Q4_1, Q8_0.
 GGUF_BLOCK = 32
 GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
