@@ -68,10 +68,22 @@ def pick_quantize(
     (Measured: faster decode at every batch, a level 512-token prefill; benchmarks/RESULTS.md.)
 
     Explicit gguf with --no-pack-weights still runs gguf: the blocks are their own format (gguf_linear),
-    and pack_weights only decides the tensors the file holds as floats, which then stay unpacked."""
+    and pack_weights only decides the tensors the file holds as floats, which then stay unpacked. Explicit
+    gguf needs the GGUF file the model came from: with a model object (not `loaded`), `model` must name
+    that file, else a ValueError here, at construction (an unnamed model object is not assumed to be the
+    bundled SmolLM2, and Engine.fresh's name for it, "custom", is no file)."""
     if quantize != "auto":
         cfg = QuantConfig(quantize)
-        return cfg, weights.gguf_blocks(model) if cfg.mode == "gguf" else None
+        if cfg.mode != "gguf":
+            return cfg, None
+        if not loaded and not names_gguf_file(model):
+            raise ValueError(
+                "--quantize gguf needs a model loaded from a GGUF file with block-quantized projections: "
+                f"this engine was given a model object (model={model!r}), with no file to read the blocks from; "
+                "load the model by its path (Engine('model.gguf', quantize='gguf')), name its file "
+                "(config=EngineConfig(model='model.gguf', quantize='gguf')), or use quantize='none'"
+            )
+        return cfg, weights.gguf_blocks(model)
     none = QuantConfig("none"), None
     if not loaded or not want_packed(pack_weights, device, dtype, backend, False, tensor_parallel):
         return none
@@ -81,6 +93,16 @@ def pick_quantize(
     if not any(name.startswith("model.layers.") for name in blocks):  # float projections (a head alone: no)
         return none
     return QuantConfig("gguf"), blocks
+
+
+def names_gguf_file(model: Optional[str]) -> bool:
+    """`model`, a config's model spec, is a GGUF file (None names none: with a model object, no file)."""
+    if model is None:
+        return False
+    try:
+        return weights.resolve(model)[0] == "gguf"
+    except (weights.ModelNotFound, ValueError):  # no model name at all (Engine.fresh's "custom")
+        return False
 
 
 def available_bytes(device: torch.device, meminfo: str = "/proc/meminfo") -> int:

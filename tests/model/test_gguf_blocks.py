@@ -233,6 +233,28 @@ def test_no_pack_weights_is_the_plain_float32_path(tiny_gguf):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_explicit_gguf_on_a_model_object_needs_its_file(tiny_gguf):
+    """--quantize gguf on a model object reads the blocks of the file config.model names; with none named
+    it is one clear ValueError at construction (the bundled SmolLM2's blocks are not assumed), Engine.fresh
+    included (its name for a model object, "custom", is no file), and the model is left as it was."""
+    model = fp32_model(tiny_gguf)
+    with pytest.raises(ValueError, match="needs a model loaded from a GGUF file"):
+        tiny_engine(model, quantize="gguf")
+    assert isinstance(model.decoder_layers[0].gate_up, torch.Tensor)  # a rejected option changes nothing
+    plain = tiny_engine(model, quantize="none")
+    assert plain.model_name == "custom"
+    with pytest.raises(ValueError, match="needs a model loaded from a GGUF file"):
+        plain.fresh(quantize="gguf")
+    named = Engine(
+        fp32_model(tiny_gguf),
+        config=EngineConfig(model=tiny_gguf, quantize="gguf", num_pages=64),
+        tokenizer=MiniTokenizer.byte_level(512),
+    )
+    assert named.quant.mode == "gguf" and isinstance(named.model.lm_head, GGUFWeight)
+    again = named.fresh()
+    assert again.quant.mode == again.config.quantize == "gguf" and again.model is named.model
+
+
 def test_pick_quantize(tiny_gguf, tmp_path):
     """pick_quantize's cases without an engine: CUDA, safetensors, --tp, the Triton backend, a model passed
     in; explicit modes are themselves (their errors are quantize_model's and gguf_blocks')."""
@@ -270,6 +292,9 @@ def test_pick_quantize(tiny_gguf, tmp_path):
     assert mode == QuantConfig("gguf") and blocks is not None
     mode, blocks = pick("gguf", pack=False)  # --no-pack-weights leaves explicit gguf as it is
     assert mode == QuantConfig("gguf") and blocks is not None
+    for name in (None, "custom", "dummy:tiny"):  # a model object whose file is not named
+        with pytest.raises(ValueError, match="needs a model loaded from a GGUF file"):
+            pick("gguf", loaded=False, model=name)
     with pytest.raises(ValueError, match="needs a GGUF model"):
         pick("gguf", model="dummy:tiny")
     with pytest.raises(ValueError, match="needs a GGUF model"):
