@@ -69,6 +69,10 @@ def test_quantize_auto_is_the_default():
     help_text = " ".join(parser().format_help().split())
     assert QUANTIZE_CHOICES[0] == "auto" and "{" + ",".join(QUANTIZE_CHOICES) + "}" in help_text
     assert "auto (the default): gguf" in help_text and "same bits as fp32" in help_text
+    # --no-pack-weights asks for plain float32: auto is none then; explicit gguf keeps its blocks
+    assert "no --no-pack-weights" in help_text and "with --no-pack-weights the blocks still run" in help_text
+    assert "--quantize auto resolves to none" in help_text
+    assert engine_config(parser().parse_args(["--no-pack-weights"])).quantize == "auto"  # resolved by the engine
     assert engine_config(parser().parse_args([])).quantize == "auto"
     assert engine_config(parser().parse_args(["--quantize", "auto"])) == EngineConfig(model="smollm2")
     assert engine_config(parser().parse_args("--tp 2".split())).quantize == "auto"

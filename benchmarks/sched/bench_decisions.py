@@ -115,7 +115,8 @@ def model_steps() -> dict:
     engine.step_times.clear()
     engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
     decode = statistics.median(b - a for a, b in engine.step_times[-8:])
-    return {"prefill_512_s": prefill, "decode_b64_s": decode}
+    # the weights' format as resolved (the default, auto: gguf for SmolLM2)
+    return {"prefill_512_s": prefill, "decode_b64_s": decode, "quantize": engine.quant.mode}
 
 
 def main() -> None:
@@ -145,6 +146,8 @@ def main() -> None:
         # a bound that noise cannot hide: the whole scheduler step, recording included, against the model step
         out["decode_bound_share"] = out["decode_on"] / out["decode_b64_s"]
         out["prefill_bound_share"] = out["prefill_on"] / out["prefill_512_s"]
+    if "quantize" in out:
+        print(f"model steps: SmolLM2, quantize {out['quantize']}")
     print(
         "| step | scheduler, recording on | off | recording cost | model step | share | bound: whole scheduler step |"
     )

@@ -45,6 +45,8 @@ def main() -> None:
     settings = [{}, {"policy": "fcfs"}, {"chunk_size": 64}, {"num_pages": max(24, args.num_pages // 4)}]
     engine0 = Engine(config=EngineConfig().with_options(**base_cfg))
     rows, out = [], {"load_start": os.getloadavg(), "machine": platform.processor() or platform.machine(), "runs": []}
+    out["quantize"] = engine0.quant.mode  # as resolved (the default, auto: gguf for SmolLM2); fresh() keeps it
+    print(f"{engine0.model_name}: quantize {out['quantize']}, backend {engine0.backend}", flush=True)
     for wl in args.workloads.split(","):
         workload = bw.make_workload(wl, args.num_requests, args.rate, vocab=engine0.cfg.vocab_size, scale=args.scale)
         base = run_once(engine0.fresh(**base_cfg), workload, f"{wl}/base")

@@ -169,6 +169,7 @@ def main() -> int:
     vocab = engine.cfg.vocab_size
     out = {
         "model": args.model,
+        "quantize": engine.quant.mode,  # as resolved (auto: gguf for SmolLM2); the server's engine resolves the same
         "num_pages": args.num_pages,
         "num_requests": args.num_requests,
         "scale": args.scale,
@@ -180,6 +181,7 @@ def main() -> int:
         "in_process_vs_http": [],
         "continuous_vs_static_http": [],
     }
+    print(f"{args.model}: quantize {out['quantize']}, backend {engine.backend}", flush=True)
     server = Server(args)
     try:
         warm = make_workload("poisson", 2, 0, vocab=vocab, seed=99, scale=0.1)

@@ -130,6 +130,7 @@ def main() -> None:
     device_pages = max(8, (args.convs // 4) * conv_tokens // page)  # about a quarter of the conversations
     host_pages = 2 * args.convs * conv_tokens // page
     base = Engine(args.model, page_size=page, num_pages=device_pages)
+    print(f"{args.model}: quantize {base.quant.mode}, backend {base.backend}", flush=True)  # as resolved (auto)
     rounds = chats(args.convs, args.turns, base.cfg.vocab_size)
     rows = []
     for r in range(args.rounds):
@@ -171,6 +172,7 @@ def main() -> None:
                 {
                     "benchmark": "bench_kv_tier",
                     "model": args.model,
+                    "quantize": base.quant.mode,  # as resolved (auto: gguf for SmolLM2); fresh() keeps it
                     "machine": platform.processor(),
                     "device_pages": device_pages,
                     "host_pages": host_pages,

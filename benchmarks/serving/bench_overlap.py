@@ -88,6 +88,10 @@ def main() -> None:
             False: base,
             True: Engine(base.model, tokenizer=base.tokenizer, num_threads=args.threads, overlap=True),
         }
+        # the weights' format as base resolved it (auto: gguf for SmolLM2); the overlap engine runs the same
+        # model object (its own config cannot tell: a model object resolves auto to none)
+        quantize = base.quant.mode
+        print(f"{model}: quantize {quantize}, backend {base.backend}", flush=True)
         spans = {ov: timed(eng) for ov, eng in engines.items()}
         vocab = base.cfg.vocab_size
         for b in args.batch:
@@ -110,6 +114,7 @@ def main() -> None:
             }
             case = dict(
                 model=model,
+                quantize=quantize,
                 batch=b,
                 off=med[False],
                 on=med[True],

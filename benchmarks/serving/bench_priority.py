@@ -109,6 +109,8 @@ def main() -> None:
     args = ap.parse_args()
     result = dict(loadavg_before=loadavg(), args=vars(args), variants={})
     base = Engine(args.model, num_threads=args.threads, max_running_requests=args.max_running)
+    result["quantize"] = base.quant.mode  # as resolved (the default, auto: gguf for SmolLM2); fresh() keeps it
+    print(f"{args.model}: quantize {base.quant.mode}, backend {base.backend}", flush=True)
     variants = {
         "fcfs": (base, False),
         "priority, no preemption": (

@@ -127,6 +127,8 @@ def main() -> None:
     args = ap.parse_args()
     result = dict(loadavg_before=loadavg(), args=vars(args), cases=[])
     base = Engine(args.model, num_threads=args.threads)
+    result["quantize"] = base.quant.mode  # as resolved (the default, auto: gguf for SmolLM2); fresh() keeps it
+    print(f"{args.model}: quantize {base.quant.mode}, backend {base.backend}", flush=True)
     variants = {"off": base}
     for k in args.num_draft_tokens:
         # every draft verified (--no-spec-cost-model)

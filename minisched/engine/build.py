@@ -133,7 +133,9 @@ def _build(
     # the projections' format (model/quant.py; "auto" resolved by pick_quantize), converted in place; a model
     # passed in quantized stays as it is. gguf: the file's block-quantized tensors. The engine's config names
     # the mode it runs, as it does the session's model under tensor parallelism.
-    quant, blocks = pick_quantize(config.quantize, device, model.dtype, backend, tp, config.model, loaded)
+    quant, blocks = pick_quantize(
+        config.quantize, device, model.dtype, backend, tp, config.model, loaded, config.pack_weights
+    )
     quantize_model(model, quant, blocks)
     config = config.with_options(quantize=quant.mode)
     # packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls (with

@@ -86,10 +86,11 @@ class EngineConfig:
         "auto",
         "CPU weights for the projections and LM head. auto (the default): gguf for a float32 model loaded on "
         "the CPU from a GGUF file whose projections are Q4_0/Q4_1/Q8_0 blocks (the bundled SmolLM2's are), "
-        "with the native kernels and no --tp, because it computes the same bits as fp32 from ~1/6 of the "
-        "weight bytes (faster decode, a level prefill); else none. none: float32 weights "
+        "with the native kernels, no --tp and no --no-pack-weights, because it computes the same bits as fp32 "
+        "from ~1/6 of the weight bytes (faster decode, a level prefill); else none. none: float32 weights "
         "(the file dequantized). gguf: the file's Q4_0/Q4_1/Q8_0 tensors kept in its blocks, dequantized in "
-        "registers (an error where it cannot run). int8: group "
+        "registers (an error where it cannot run; with --no-pack-weights the blocks still run and only the "
+        "file's float tensors stay unpacked). int8: group "
         "scales, activations rounded to int16 per row (faster decode and prefill, close to but not bit-equal "
         "with fp32). bf16: half fp32's bytes, float32 activations and sums",
         choices=QUANTIZE_CHOICES,
@@ -97,7 +98,8 @@ class EngineConfig:
     pack_weights: Optional[bool] = flag(  # None: on for a float32 CPU model (model/packed.py)
         None,
         "run the float32 projections through minisched's packed matmul kernel instead of torch's "
-        "(default: on for a float32 model on the CPU without --quantize int8|bf16 or --tp)",
+        "(default: on for a float32 model on the CPU without --quantize int8|bf16 or --tp); "
+        "--no-pack-weights asks for the plain float32 path, so --quantize auto resolves to none",
         type=bool,
     )
     check: bool = False  # ops read index values and check them (slow; tests)

@@ -51,6 +51,7 @@ def pick_quantize(
     tensor_parallel: bool,
     model: Optional[str],
     loaded: bool,
+    pack_weights: Optional[bool] = None,
 ) -> tuple[QuantConfig, Optional[GGUFBlocks]]:
     """The projections' and LM head's format (model/quant.py) and, for gguf, the GGUF file's blocks
     (weights.gguf_blocks of `model`, the config's model spec; `loaded`: the engine loaded the weights
@@ -61,14 +62,30 @@ def pick_quantize(
     dequantized weights) from ~1/6 of the weight bytes: the engine loaded a float32 model from a GGUF
     file whose projections are block-quantized (Q4_0 / Q4_1 / Q8_0), and it runs where float32 weights
     are packed by default (packed.want_packed: the CPU, float32, the native kernels, no tensor
-    parallelism). Anything else is none: a model object, dummy or safetensors weights, CUDA, bfloat16,
-    --tp, the torch or Triton backend, a GGUF file of float tensors. (Measured: faster decode at every
-    batch, a level 512-token prefill; benchmarks/RESULTS.md.)"""
+    parallelism) and `pack_weights` (EngineConfig's; --no-pack-weights is False) did not turn packing off.
+    Anything else is none: a model object, dummy or safetensors weights, CUDA, bfloat16, --tp, the torch or
+    Triton backend, --no-pack-weights (the plain float32 path, asked for), a GGUF file of float tensors.
+    (Measured: faster decode at every batch, a level 512-token prefill; benchmarks/RESULTS.md.)
+
+    Explicit gguf with --no-pack-weights still runs gguf: the blocks are their own format (gguf_linear),
+    and pack_weights only decides the tensors the file holds as floats, which then stay unpacked. Explicit
+    gguf needs the GGUF file the model came from: with a model object (not `loaded`), `model` must name
+    that file, else a ValueError here, at construction (an unnamed model object is not assumed to be the
+    bundled SmolLM2, and Engine.fresh's name for it, "custom", is no file)."""
     if quantize != "auto":
         cfg = QuantConfig(quantize)
-        return cfg, weights.gguf_blocks(model) if cfg.mode == "gguf" else None
+        if cfg.mode != "gguf":
+            return cfg, None
+        if not loaded and not names_gguf_file(model):
+            raise ValueError(
+                "--quantize gguf needs a model loaded from a GGUF file with block-quantized projections: "
+                f"this engine was given a model object (model={model!r}), with no file to read the blocks from; "
+                "load the model by its path (Engine('model.gguf', quantize='gguf')), name its file "
+                "(config=EngineConfig(model='model.gguf', quantize='gguf')), or use quantize='none'"
+            )
+        return cfg, weights.gguf_blocks(model)
     none = QuantConfig("none"), None
-    if not loaded or not want_packed(None, device, dtype, backend, False, tensor_parallel):
+    if not loaded or not want_packed(pack_weights, device, dtype, backend, False, tensor_parallel):
         return none
     if weights.resolve(model)[0] != "gguf":
         return none
@@ -76,6 +93,16 @@ def pick_quantize(
     if not any(name.startswith("model.layers.") for name in blocks):  # float projections (a head alone: no)
         return none
     return QuantConfig("gguf"), blocks
+
+
+def names_gguf_file(model: Optional[str]) -> bool:
+    """`model`, a config's model spec, is a GGUF file (None names none: with a model object, no file)."""
+    if model is None:
+        return False
+    try:
+        return weights.resolve(model)[0] == "gguf"
+    except (weights.ModelNotFound, ValueError):  # no model name at all (Engine.fresh's "custom")
+        return False
 
 
 def available_bytes(device: torch.device, meminfo: str = "/proc/meminfo") -> int:

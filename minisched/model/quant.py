@@ -10,7 +10,8 @@ float32 in registers: the float32 model (which is that file dequantized) compute
 bytes -- SmolLM2's Q4_1 projections and Q8_0 head read ~96 MB per token instead of 540 MB -- with the
 same bits (every output the same FMA chain as packed_linear's), so greedy output is the fp32 path's.
 Tensors in other formats, and a fused projection whose parts differ in format, stay float32
-(packed). It needs the model's GGUF file (`weights.gguf_blocks`), not a model object. Measured
+(packed). It needs the model's GGUF file (`weights.gguf_blocks`): a model object only with its file named
+(EngineConfig.model), else a ValueError at construction (engine/options.py pick_quantize). Measured
 (benchmarks/RESULTS.md): one stream decodes 1.7-2.4x and batches of 8-64 1.1-1.5x faster than fp32;
 the 512-token prefill, where each call dequantizes panels before packed_linear's kernel, is level
 (quiet medians 1.01x and 1.27x, 0.94x under load). `--quantize none` keeps the float32 weights (5.6x

@@ -214,13 +214,56 @@ def test_auto_is_none_elsewhere(tiny_gguf, tmp_path, case):
     assert e.pack_weights == packed and isinstance(e.model.decoder_layers[0].qkv, PackedWeight) == packed
 
 
+@pytest.mark.skipif(not ops.native_available(), reason="auto picks gguf with the native kernels only")
+def test_no_pack_weights_is_the_plain_float32_path(tiny_gguf):
+    """--no-pack-weights asks for the plain float32 path: auto resolves to none there (no blocks, nothing
+    packed). Explicit gguf still runs the blocks (their own format); the file's float tensors stay unpacked,
+    and the logits are the float32 model's up to the unpacked matmuls' rounding."""
+    auto = tiny_engine(tiny_gguf, pack_weights=False)
+    assert auto.quant.mode == auto.config.quantize == "none" and auto.pack_weights is False
+    assert not any(isinstance(w, (GGUFWeight, PackedWeight)) for w in projection_weights(auto.model))
+    q = tiny_engine(tiny_gguf, quantize="gguf", pack_weights=False)
+    assert q.quant.mode == q.config.quantize == "gguf" and q.pack_weights is False
+    layer = q.model.decoder_layers[0]
+    assert isinstance(layer.gate_up, GGUFWeight) and isinstance(q.model.lm_head, GGUFWeight)
+    assert isinstance(layer.qkv, torch.Tensor)  # float in the file (its parts differ), not packed
+    seqs, cached = [[5, 6, 7, 8, 9], list(range(10, 60))], [0, 16]
+    got = paged_logits(q.model, seqs, cached, 16, "native")
+    want = paged_logits(auto.model, seqs, cached, 16, "native")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_explicit_gguf_on_a_model_object_needs_its_file(tiny_gguf):
+    """--quantize gguf on a model object reads the blocks of the file config.model names; with none named
+    it is one clear ValueError at construction (the bundled SmolLM2's blocks are not assumed), Engine.fresh
+    included (its name for a model object, "custom", is no file), and the model is left as it was."""
+    model = fp32_model(tiny_gguf)
+    with pytest.raises(ValueError, match="needs a model loaded from a GGUF file"):
+        tiny_engine(model, quantize="gguf")
+    assert isinstance(model.decoder_layers[0].gate_up, torch.Tensor)  # a rejected option changes nothing
+    plain = tiny_engine(model, quantize="none")
+    assert plain.model_name == "custom"
+    with pytest.raises(ValueError, match="needs a model loaded from a GGUF file"):
+        plain.fresh(quantize="gguf")
+    named = Engine(
+        fp32_model(tiny_gguf),
+        config=EngineConfig(model=tiny_gguf, quantize="gguf", num_pages=64),
+        tokenizer=MiniTokenizer.byte_level(512),
+    )
+    assert named.quant.mode == "gguf" and isinstance(named.model.lm_head, GGUFWeight)
+    again = named.fresh()
+    assert again.quant.mode == again.config.quantize == "gguf" and again.model is named.model
+
+
 def test_pick_quantize(tiny_gguf, tmp_path):
     """pick_quantize's cases without an engine: CUDA, safetensors, --tp, the Triton backend, a model passed
     in; explicit modes are themselves (their errors are quantize_model's and gguf_blocks')."""
     cpu, f32 = torch.device("cpu"), torch.float32
 
-    def pick(quantize="auto", device=cpu, dtype=f32, backend="native", tp=False, model=tiny_gguf, loaded=True):
-        return pick_quantize(quantize, device, dtype, backend, tp, model, loaded)
+    def pick(
+        quantize="auto", device=cpu, dtype=f32, backend="native", tp=False, model=tiny_gguf, loaded=True, pack=None
+    ):
+        return pick_quantize(quantize, device, dtype, backend, tp, model, loaded, pack)
 
     none = (QuantConfig("none"), None)
     if ops.native_available():
@@ -240,12 +283,18 @@ def test_pick_quantize(tiny_gguf, tmp_path):
         dict(loaded=False),
         dict(model="dummy:tiny"),
         dict(model=str(hf)),
+        dict(pack=False),  # --no-pack-weights: the plain float32 path
     ):
         assert pick(**kw) == none, kw
     assert pick("none") == none
     assert pick("int8", backend="torch") == (QuantConfig("int8"), None)
     mode, blocks = pick("gguf", backend="torch", loaded=False)  # explicit gguf: the file's blocks, wherever it can run
     assert mode == QuantConfig("gguf") and blocks is not None
+    mode, blocks = pick("gguf", pack=False)  # --no-pack-weights leaves explicit gguf as it is
+    assert mode == QuantConfig("gguf") and blocks is not None
+    for name in (None, "custom", "dummy:tiny"):  # a model object whose file is not named
+        with pytest.raises(ValueError, match="needs a model loaded from a GGUF file"):
+            pick("gguf", loaded=False, model=name)
     with pytest.raises(ValueError, match="needs a GGUF model"):
         pick("gguf", model="dummy:tiny")
     with pytest.raises(ValueError, match="needs a GGUF model"):
