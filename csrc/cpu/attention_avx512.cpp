@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "cpu/isa_kernels.h"
 
@@ -15,6 +16,8 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on _mm512_undefined_ps (PR 105593)
+
+#include "cpu/vec_math.h"
 
 namespace minisched::cpu::avx512 {
 namespace {
@@ -61,9 +64,11 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// acc_r[off : off + 16 NV] += sum_j P[r][j] v_j[off : off + 16 NV] for R (1..4) rows.
+// acc_r[off : off + 16 NV] += sum_j P[r][j] v_j[off : off + 16 NV] for R (1..4) rows; P[r][j] is at
+// P[r * prs + j * pjs] (row-major scores, or a lane group's key-major probabilities).
 template <int R, int NV>
-inline void pv_tile(float* acc, int64_t d, const float* P, int64_t ldp, const float* const* v, int64_t n, int64_t off) {
+inline void pv_tile(float* acc, int64_t d, const float* P, int64_t prs, int64_t pjs, const float* const* v, int64_t n,
+                    int64_t off) {
   __m512 c[R][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -75,7 +80,7 @@ inline void pv_tile(float* acc, int64_t d, const float* P, int64_t ldp, const fl
     for (int u = 0; u < NV; ++u) vv[u] = _mm512_loadu_ps(v[j] + off + 16 * u);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(P[r * ldp + j]);
+      const __m512 b = _mm512_set1_ps(P[r * prs + j * pjs]);
 #pragma GCC unroll 4
       for (int u = 0; u < NV; ++u) c[r][u] = _mm512_fmadd_ps(b, vv[u], c[r][u]);
     }
@@ -87,11 +92,51 @@ inline void pv_tile(float* acc, int64_t d, const float* P, int64_t ldp, const fl
 }
 
 template <int R>
-inline void pv_rows(float* acc, int64_t d, const float* P, int64_t ldp, const float* const* v, int64_t n) {
+inline void pv_rows(float* acc, int64_t d, const float* P, int64_t prs, int64_t pjs, const float* const* v, int64_t n) {
   int64_t off = 0;
-  for (; off + 64 <= d; off += 64) pv_tile<R, 4>(acc, d, P, ldp, v, n, off);
-  for (; off < d; off += 16) pv_tile<R, 1>(acc, d, P, ldp, v, n, off);
+  for (; off + 64 <= d; off += 64) pv_tile<R, 4>(acc, d, P, prs, pjs, v, n, off);
+  for (; off < d; off += 16) pv_tile<R, 1>(acc, d, P, prs, pjs, v, n, off);
 }
+
+// R rows of accumulators from row r of P (strides prs, pjs), R = rows - r clamped to 1..4.
+inline void pv_rest(float* acc, int64_t rows, int64_t d, const float* P, int64_t prs, int64_t pjs,
+                    const float* const* v, int64_t n) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pv_rows<4>(acc + r * d, d, P + r * prs, prs, pjs, v, n);
+  switch (rows - r) {
+    case 3:
+      pv_rows<3>(acc + r * d, d, P + r * prs, prs, pjs, v, n);
+      break;
+    case 2:
+      pv_rows<2>(acc + r * d, d, P + r * prs, prs, pjs, v, n);
+      break;
+    case 1:
+      pv_rows<1>(acc + r * d, d, P + r * prs, prs, pjs, v, n);
+      break;
+    default:
+      break;
+  }
+}
+
+// The 16-lane intrinsics vec_math.h's exp is written in (silu_and_mul_avx512.cpp has the same set).
+struct Zmm {
+  using F = __m512;
+  using M = __mmask16;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static M unordered(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  static F blend(M m, F if_set, F if_clear) { return _mm512_mask_blend_ps(m, if_clear, if_set); }
+};
 
 }  // namespace
 
@@ -120,21 +165,62 @@ void attn_block_scores(const float* q, int64_t rows, int64_t d, const float* con
 
 void attn_block_accumulate(float* acc, int64_t rows, int64_t d, const float* P, int64_t ldp, const float* const* v,
                            int64_t n) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) pv_rows<4>(acc + r * d, d, P + r * ldp, ldp, v, n);
-  switch (rows - r) {
-    case 3:
-      pv_rows<3>(acc + r * d, d, P + r * ldp, ldp, v, n);
-      break;
-    case 2:
-      pv_rows<2>(acc + r * d, d, P + r * ldp, ldp, v, n);
-      break;
-    case 1:
-      pv_rows<1>(acc + r * d, d, P + r * ldp, ldp, v, n);
-      break;
-    default:
-      break;
+  pv_rest(acc, rows, d, P, ldp, 1, v, n);
+}
+
+void attn_block_lanes(const float* qt, int64_t d, const float* const* k, const float* const* v, int64_t n, int64_t j0,
+                      const int32_t* lim, int64_t rows, float* m, float* l, float* acc, float* pt) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const __m512i limv = _mm512_loadu_si512(lim);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  // -- scores, key-major: pt[j] = the 16 rows' <q_r, k_j>, -inf where row r must not see key j0 + j --
+  __m512 mx = neg_inf;
+  for (int64_t j = 0; j < n; j += 8) {
+    const float* kk[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) kk[u] = k[std::min<int64_t>(j + u, n - 1)];
+    __m512 a[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; ++i) {
+      const __m512 qv = _mm512_loadu_ps(qt + i * 16);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kk[u][i]), a[u]);
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      if (j + u >= n) break;
+      const __mmask16 sees =
+          _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j0 + j + u)), limv, _MM_CMPINT_LE);
+      const __m512 sc = _mm512_mask_mov_ps(neg_inf, sees, a[u]);
+      _mm512_storeu_ps(pt + (j + u) * 16, sc);
+      mx = _mm512_max_ps(mx, sc);
+    }
   }
+  // -- online softmax across the lanes: every row's max, probabilities and sum at once --
+  const __m512 m_old = _mm512_loadu_ps(m);
+  const __m512 m_new = _mm512_max_ps(m_old, mx);
+  // a row that has seen no key yet keeps m = -inf: subtract 0 there (exp(-inf) = 0, no NaN)
+  const __m512 m_sub = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 e = vec::exp<Zmm>(_mm512_sub_ps(_mm512_loadu_ps(pt + j * 16), m_sub));
+    _mm512_storeu_ps(pt + j * 16, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 corr = vec::exp<Zmm>(_mm512_sub_ps(m_old, m_sub));  // 0 for a row's first keys
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), corr, sum));
+  _mm512_storeu_ps(m, m_new);
+  alignas(64) float c[16];
+  _mm512_store_ps(c, corr);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (c[r] == 1.f) continue;
+    const __m512 cr = _mm512_set1_ps(c[r]);
+    for (int64_t i = 0; i < d; i += 16)
+      _mm512_storeu_ps(acc + r * d + i, _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + i), cr));
+  }
+  // -- acc_r += sum_j p_rj v_j --
+  pv_rest(acc, rows, d, pt, 1, 16, v, n);
 }
 
 }  // namespace minisched::cpu::avx512
@@ -148,6 +234,10 @@ void minisched::cpu::avx512::attn_block_scores(const float*, int64_t, int64_t, c
 }
 void minisched::cpu::avx512::attn_block_accumulate(float*, int64_t, int64_t, const float*, int64_t, const float* const*,
                                                    int64_t) {
+  __builtin_trap();
+}
+void minisched::cpu::avx512::attn_block_lanes(const float*, int64_t, const float* const*, const float* const*, int64_t,
+                                              int64_t, const int32_t*, int64_t, float*, float*, float*, float*) {
   __builtin_trap();
 }
 #endif

@@ -13,7 +13,8 @@
 // by at::get_num_threads() workers (dynamic scheduling; causal tiles differ in cost).
 // Inputs are fp32 / bf16 / fp16; 16-bit K/V blocks are widened to fp32 once per block.
 // The block math (scores, softmax step, P.V; AVX2 where available) is in attention_kernels.h; on
-// AVX-512 machines the two block products run attention_avx512.cpp's variants (head_dim % 16 == 0).
+// AVX-512 machines (head_dim % 16 == 0) the two block products run attention_avx512.cpp's variants, and
+// tiles of 16 rows or more its lane-group step (16 rows per zmm: key-major scores, softmax across lanes).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -80,22 +81,31 @@ struct Item {
   int32_t b, t0, h;
 };
 
-// Per-worker buffers, sized once per call.
+// AVX-512 tiles of at least this many query rows run in lane groups of 16 rows (avx512::attn_block_lanes);
+// smaller ones (decode: G rows) in the row-major block products.
+constexpr int64_t kLaneRows = 16;
+
+// Per-worker buffers, sized once per call (rows rounded up to whole lane groups).
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kbuf, vbuf;
+  std::vector<float> q, acc, s, m, l, kbuf, vbuf, qt, pt;
   std::vector<int64_t> lim;
+  std::vector<int32_t> lim32;
   std::vector<const float*> kp, vp;
   Scratch(int64_t rows, int64_t d)
       : q(rows * d),
-        acc(rows * d),
+        acc(lanes(rows) * d),
         s(rows * kBlock),
-        m(rows),
-        l(rows),
+        m(lanes(rows)),
+        l(lanes(rows)),
         kbuf(kBlock * d),
         vbuf(kBlock * d),
+        qt(lanes(rows) * d),
+        pt(kBlock * kLaneRows),
         lim(rows),
+        lim32(lanes(rows)),
         kp(kBlock),
         vp(kBlock) {}
+  static int64_t lanes(int64_t rows) { return (rows + kLaneRows - 1) / kLaneRows * kLaneRows; }
 };
 
 template <typename scalar_t, bool kWide>
@@ -125,6 +135,22 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
     std::fill_n(w.acc.data() + r * d, d, 0.f);
   }
   const int64_t kv_end = std::min(kv_len, w.lim[rows - 1] + 1);
+  // Lane groups (AVX-512, prefill-sized tiles): q transposed per group of 16 rows, lanes past `rows`
+  // zero (they see every key and are never written out).
+  const bool lanes = kWide && rows >= kLaneRows;
+  const int64_t groups = (rows + kLaneRows - 1) / kLaneRows;
+  if (lanes) {
+    for (int64_t r = 0; r < groups * kLaneRows; ++r) {
+      float* qt = w.qt.data() + (r / kLaneRows) * d * kLaneRows + r % kLaneRows;
+      for (int64_t i = 0; i < d; ++i) qt[i * kLaneRows] = r < rows ? w.q[r * d + i] : 0.f;
+      w.lim32[r] = static_cast<int32_t>(r < rows ? w.lim[r] : kv_end);
+      if (r >= rows) {
+        w.m[r] = kNegInf;
+        w.l[r] = 0.f;
+        std::fill_n(w.acc.data() + r * d, d, 0.f);
+      }
+    }
+  }
 
   // -- stream KV blocks through the page table ----------------------------------------------
   for (int64_t j0 = 0; j0 < kv_end; j0 += kBlock) {
@@ -164,6 +190,15 @@ void run_item(const AttnParams& p, const Item& it, int64_t tq, Scratch& w) {
     // Causal rows are ordered by their limit: the rows that see this block are a suffix.
     int64_t r0 = 0;
     while (r0 < rows && w.lim[r0] < j0) ++r0;
+    if (lanes) {
+      for (int64_t gi = r0 / kLaneRows; gi < groups; ++gi) {
+        const int64_t base = gi * kLaneRows;
+        avx512::attn_block_lanes(w.qt.data() + base * d, d, w.kp.data(), w.vp.data(), n, j0, w.lim32.data() + base,
+                                 std::min(kLaneRows, rows - base), w.m.data() + base, w.l.data() + base,
+                                 w.acc.data() + base * d, w.pt.data());
+      }
+      continue;
+    }
     float* S = w.s.data();
     if constexpr (kWide)
       avx512::attn_block_scores(w.q.data() + r0 * d, rows - r0, d, w.kp.data(), n, S + r0 * kBlock, kBlock);

@@ -76,6 +76,14 @@ void attn_block_scores(const float* q, int64_t rows, int64_t d, const float* con
 // acc_r += sum_j P[r * ldp + j] v_j for `rows` accumulator rows [rows, d] and n values; d % 16 == 0.
 void attn_block_accumulate(float* acc, int64_t rows, int64_t d, const float* P, int64_t ldp, const float* const* v,
                            int64_t n);
+// One online-softmax step of a lane group: up to 16 query rows (`rows` valid) against n (<= kBlock) keys
+// at j0.. of a block, the rows in the lanes of one zmm. qt [d][16]: the rows' pre-scaled q, transposed
+// (zeros past `rows`); lim [16]: each row's last visible KV position; m, l [16]: the running max and sum;
+// acc [16][d]: the running output rows; pt [kBlock][16]: scratch for the block's probabilities.
+// Scores come out key-major (one FMA per key per input channel, no horizontal sums), so the softmax's
+// max, exp and sum run across the 16 rows at once. d % 16 == 0.
+void attn_block_lanes(const float* qt, int64_t d, const float* const* k, const float* const* v, int64_t n, int64_t j0,
+                      const int32_t* lim, int64_t rows, float* m, float* l, float* acc, float* pt);
 
 }  // namespace avx512
 
