@@ -1,8 +1,9 @@
 // The AVX-512 variants of the CPU attention loop's two block products (attention_kernels.h has the
 // AVX2 ones; attention_cpu.h the loop): scores of up to 4 query rows x 4 keys as 16 zmm dot products
 // reduced together by one transpose-and-add tree, and the probability-weighted sum of the values with
-// 4 rows x 64 columns of accumulators (16 zmm). For head_dim % 16 == 0 (the loop falls back to AVX2
-// otherwise). Compiled for AVX-512 after every header (cpu_isa.h).
+// 4 rows x 64 columns of accumulators (16 zmm); and, for tiles of 16 rows or more (prefill), a whole
+// online-softmax step on lane groups of 16 rows (attn_block_lanes). For head_dim % 16 == 0 (the loop falls
+// back to AVX2 otherwise). Compiled for AVX-512 after every header but vec_math.h (cpu_isa.h).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on _mm512_undefined_ps (PR 105593)
 
+#define MINISCHED_VEC_ZMM 1  // vec::Zmm: this region is compiled for AVX-512
 #include "cpu/vec_math.h"
 
 namespace minisched::cpu::avx512 {
@@ -118,26 +120,6 @@ inline void pv_rest(float* acc, int64_t rows, int64_t d, const float* P, int64_t
   }
 }
 
-// The 16-lane intrinsics vec_math.h's exp is written in (silu_and_mul_avx512.cpp has the same set).
-struct Zmm {
-  using F = __m512;
-  using M = __mmask16;
-  static F set1(float x) { return _mm512_set1_ps(x); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F min(F a, F b) { return _mm512_min_ps(a, b); }
-  static F max(F a, F b) { return _mm512_max_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-  static F pow2(F n) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-  }
-  static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
-  static M unordered(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
-  static F blend(M m, F if_set, F if_clear) { return _mm512_mask_blend_ps(m, if_clear, if_set); }
-};
-
 }  // namespace
 
 void attn_block_scores(const float* q, int64_t rows, int64_t d, const float* const* k, int64_t n, float* S,
@@ -204,11 +186,11 @@ void attn_block_lanes(const float* qt, int64_t d, const float* const* k, const f
   const __m512 m_sub = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const __m512 e = vec::exp<Zmm>(_mm512_sub_ps(_mm512_loadu_ps(pt + j * 16), m_sub));
+    const __m512 e = vec::exp<vec::Zmm>(_mm512_sub_ps(_mm512_loadu_ps(pt + j * 16), m_sub));
     _mm512_storeu_ps(pt + j * 16, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const __m512 corr = vec::exp<Zmm>(_mm512_sub_ps(m_old, m_sub));  // 0 for a row's first keys
+  const __m512 corr = vec::exp<vec::Zmm>(_mm512_sub_ps(m_old, m_sub));  // 0 for a row's first keys
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), corr, sum));
   _mm512_storeu_ps(m, m_new);
   alignas(64) float c[16];

@@ -1,7 +1,7 @@
 // Elementwise math written once for every vector width: a kernel instantiates these templates with the
-// traits struct of its width's intrinsics (Ymm below for AVX2; silu_and_mul_avx512.cpp's Zmm for
-// AVX-512), so each variant runs the same operations lane by lane and gives the same bits. Users: the
-// attention's online softmax (attention_kernels.h) and silu_and_mul. A file compiled for a wider ISA by
+// traits struct of its width's intrinsics (Ymm below for AVX2, Zmm for AVX-512), so each variant runs
+// the same operations lane by lane and gives the same bits. Users: the attention's online softmax
+// (attention_kernels.h, attention_avx512.cpp) and silu_and_mul. A file compiled for a wider ISA by
 // `#pragma GCC target` includes this after the pragma (the templates have no target of their own).
 #pragma once
 
@@ -63,6 +63,33 @@ struct Ymm {
   static M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
   static M unordered(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
   static F blend(M m, F if_set, F if_clear) { return _mm256_blendv_ps(if_clear, if_set, m); }
+};
+#endif
+
+#if defined(MINISCHED_VEC_ZMM)
+// The 16-lane (AVX-512) intrinsics: only for a file that defines MINISCHED_VEC_ZMM and includes this inside
+// its AVX-512 `#pragma GCC target` region (the *_avx512.cpp variants; the pragma does not define __AVX512F__).
+struct Zmm {
+  using F = __m512;
+  using M = __mmask16;
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static F neg_abs(F a) {
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+  }
+  static F pow2(F n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static M unordered(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  static F blend(M m, F if_set, F if_clear) { return _mm512_mask_blend_ps(m, if_clear, if_set); }
 };
 #endif
 
