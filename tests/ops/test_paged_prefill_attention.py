@@ -57,6 +57,23 @@ def test_matches_reference(t, page_size, head_dim, hq, hkv, causal, gen):
     check(t, qo_lens, kv_lens, page_size, head_dim, hq, hkv, causal, gen)
 
 
+NATIVE_CPU = [p for p in TARGETS if p.values[0].backend == "native" and p.values[0].device == "cpu"]
+
+
+@pytest.mark.parametrize("t", NATIVE_CPU)
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 1), (4, 4), (16, 2)])
+@pytest.mark.parametrize("cached", [0, 5, 40])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tiles_of_every_row_count(t, hq, hkv, cached, causal, gen):
+    """The CPU kernel tiles a request's queries into up to 32 rows (tokens x the q heads of one kv head);
+    on AVX-512 a tile of 16 rows or more runs in lane groups of 16 (csrc/cpu/attention_avx512.cpp,
+    attn_block_lanes), fewer rows in the row-major products. Every tile size from 1 row to 32, whole and
+    partial lane groups, rows whose causal limit falls inside a block and rows that see no key of it."""
+    g = hq // hkv
+    qo_lens = list(range(1, 32 // g + 2)) + [17, 33]
+    check(t, qo_lens, [n + cached for n in qo_lens], 16, 64, hq, hkv, causal, gen)
+
+
 @pytest.mark.parametrize("t", TARGETS)
 def test_requests_with_no_new_tokens(t, gen):
     """qo_len 0 requests produce no rows and do not disturb their neighbours."""
