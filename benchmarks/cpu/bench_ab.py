@@ -9,7 +9,7 @@ resolve 10 %. Here each pair's two requests run back to back (order alternating,
 requests so one process's spinning OpenMP threads do not tax the other's turn), and the report is the
 median and quartiles of the per-pair ratios A / B (> 1: B is faster).
 
-    python benchmarks/cpu/bench_ab.py --a ../base --b . [--quantize none] [--tokens 512] [--new-tokens 1] \\
+    python benchmarks/cpu/bench_ab.py --a ../base --b . [--model smollm2] [--quantize none] [--tokens 512] [--new-tokens 1] \\
         [--pairs 16] [--json F]
 """
 
@@ -28,14 +28,15 @@ import sys, time
 import numpy as np
 from minisched import Engine, SamplingParams
 from minisched.ops.cpu import describe
-quantize, tokens, new_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-engine = Engine("smollm2", num_threads=threads, quantize=quantize)
+model, quantize, tokens, new_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+engine = Engine(model, num_threads=threads, quantize=quantize)
+lo, hi = (100, min(40000, engine.cfg.vocab_size)) if engine.cfg.vocab_size > 1000 else (0, engine.cfg.vocab_size)
 sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 rng = np.random.default_rng(0)  # both processes draw the same prompts, in the same order
-engine.generate([rng.integers(100, 40000, size=tokens).tolist()], sp)  # warm
+engine.generate([rng.integers(lo, hi, size=tokens).tolist()], sp)  # warm
 print(engine.quant.mode, describe(), flush=True)
 for _ in sys.stdin:
-    ids = rng.integers(100, 40000, size=tokens).tolist()  # fresh ids: no prefix-cache hit
+    ids = rng.integers(lo, hi, size=tokens).tolist()  # fresh ids: no prefix-cache hit
     t = time.perf_counter()
     engine.generate([ids], sp)
     print(time.perf_counter() - t, flush=True)
@@ -46,6 +47,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", required=True, help="checkout A (the baseline)")
     p.add_argument("--b", required=True, help="checkout B")
+    p.add_argument("--model", default="smollm2")
     p.add_argument("--quantize", default="none")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=1, help="1: a prefill")
@@ -55,7 +57,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     trees = {"a": os.path.abspath(a.a), "b": os.path.abspath(a.b)}
-    args = [a.quantize, str(a.tokens), str(a.new_tokens), str(a.threads)]
+    args = [a.model, a.quantize, str(a.tokens), str(a.new_tokens), str(a.threads)]
     procs = {
         k: subprocess.Popen(
             [sys.executable, "-c", WORKER, *args],
@@ -91,6 +93,7 @@ def main(argv=None) -> None:
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     out = dict(
         trees=trees,
+        model=a.model,
         engines=heads,
         quantize=a.quantize,
         tokens=a.tokens,
