@@ -34,8 +34,10 @@ template <int QT>
 inline Scales16 load_scales(const uint8_t* blk) {
   Scales16 s;
   s.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-  s.m = QT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
-                    : _mm512_setzero_ps();
+  if constexpr (QT == kQ4_1)
+    s.m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  else
+    s.m = QT == kQ4_0 ? _mm512_mul_ps(s.d, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps();  // -8 d: exact
   return s;
 }
 
@@ -49,13 +51,7 @@ inline __m512 dequant16(const uint8_t* q16, const Scales16& s) {
     __m512i v = _mm512_cvtepu8_epi32(bytes);
     v = kHigh ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0xF));
     const __m512 q = _mm512_cvtepi32_ps(v);
-    if constexpr (QT == kQ4_0) {
-      return _mm512_mul_ps(s.d, _mm512_sub_ps(q, _mm512_set1_ps(8.f)));  // q - 8 is exact
-    } else {
-      __m512 dq = _mm512_mul_ps(s.d, q);
-      asm("" : "+v"(dq));  // two roundings, as gguf's dequantize: GCC would contract this into an FMA
-      return _mm512_add_ps(dq, s.m);
-    }
+    return _mm512_fmadd_ps(s.d, q, s.m);  // one FMA, gguf's bits (gguf_microkernel.h, above Scales)
   }
 }
 
