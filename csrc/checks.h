@@ -517,6 +517,38 @@ inline void check_no_overlap(const char* op, const char* out_name, const at::Ten
                     " (pass a separate output tensor)");
 }
 
+// gguf_a8_linear: as gguf_linear, with w_packed int32 [P, K / 32, 4 x block bytes] (ops.pack_gguf_a8_weight:
+// the same panel-blocks, each row's quant bytes in 32-bit lanes); the dtype tells the two layouts apart.
+inline void check_gguf_a8_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t qtype,
+                                 const at::Tensor& out) {
+  const char* op = "gguf_a8_linear";
+  TORCH_CHECK_VALUE(qtype == 2 || qtype == 3 || qtype == 8, op, ": qtype ", qtype,
+                    " is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)");
+  const int64_t block_bytes = qtype == 2 ? 18 : (qtype == 3 ? 20 : 34);
+  check_dtype(op, "x", x, {at::kFloat});
+  check_dim(op, "x", x, 2);
+  TORCH_CHECK_VALUE(w_packed.scalar_type() == at::kInt, op, ": w_packed has dtype ", w_packed.scalar_type(),
+                    ", expected Int (pack the blocks with minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's "
+                    "uint8 layout is gguf_linear's)");
+  check_dim(op, "w_packed", w_packed, 3);
+  check_dtype(op, "out", out, {at::kFloat});
+  check_dim(op, "out", out, 2);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = (n + 15) / 16;
+  TORCH_CHECK_VALUE(k % 32 == 0, op, ": K=", k, " (x ", shape_str(x.sizes()),
+                    ") is not a multiple of 32, the GGUF block size");
+  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k / 32 && w_packed.size(2) == 4 * block_bytes,
+                    op, ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k / 32,
+                    ", ", 4 * block_bytes, ") for x ", shape_str(x.sizes()), ", out ", shape_str(out.sizes()),
+                    " and qtype ", qtype, " (pack the blocks with minisched.ops.pack_gguf_a8_weight)");
+  check_shape(op, "out", out, {m, n});
+  TORCH_CHECK_VALUE(x.stride(1) == 1 || k <= 1, op, ": x must have contiguous rows (stride(1) == 1)");
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"out", &out}}) {
+    check_device(op, name, *t, x.device());
+    check_contiguous(op, name, *t);
+  }
+  check_no_overlap(op, "out", out, "x", x);
+}
+
 inline void check_silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   const char* op = "silu_and_mul";
   check_dtype(op, "x", x, {at::kFloat});

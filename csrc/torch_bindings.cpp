@@ -44,6 +44,9 @@ TORCH_LIBRARY(minisched, m) {
   // GGUF block matmul (CPU): out [M, N] = x [M, K] @ W.T, W in a GGUF block format (qtype: GGML's type id,
   // 2 Q4_0, 3 Q4_1, 8 Q8_0) repacked in 16-row panels (ops.pack_gguf_weight: [ceil(N/16), K/32, 16 x block bytes])
   m.def("gguf_linear(Tensor x, Tensor w_packed, int qtype, Tensor(a!) out) -> ()");
+  // The same blocks against x rounded to 8 bits per block of 32 channels (ops.pack_gguf_a8_weight: int32
+  // [ceil(N/16), K/32, 4 x block bytes]); integer dot products, close to gguf_linear's result, not its bits
+  m.def("gguf_a8_linear(Tensor x, Tensor w_packed, int qtype, Tensor(a!) out) -> ()");
   // RMSNorm (CPU, float32): with delta, x += delta first (the residual add); out = x / rms(x) * weight
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   // SwiGLU's activation (CPU, float32): out [M, D] = silu(x[:, :D]) * x[:, D:] for x [M, 2D]

@@ -414,6 +414,40 @@ def gguf_linear(
     return out
 
 
+def pack_gguf_a8_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """A GGUF tensor's blocks, uint8 [N, K / 32 * block bytes], in gguf_a8_linear's layout: int32
+    [ceil(N / 16), K / 32, 4 x block bytes], pack_gguf_weight's panel-blocks with each row's quant bytes
+    in 32-bit lanes (reference.pack_gguf_a8_weight). Done once, when the model is loaded."""
+    if qtype not in reference.GGUF_BLOCK_BYTES or isinstance(qtype, bool):
+        raise ValueError(f"pack_gguf_a8_weight: qtype {qtype!r} is not one of {GGUF_QTYPES}")
+    size = reference.GGUF_BLOCK_BYTES[qtype]
+    if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
+        raise ValueError(
+            f"pack_gguf_a8_weight: expected uint8 blocks [N, K / 32 * {size}] for qtype {qtype}, got "
+            f"{blocks.dtype} {tuple(blocks.shape)}"
+        )
+    return reference.pack_gguf_a8_weight(blocks.detach(), qtype)
+
+
+def gguf_a8_linear(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    qtype: int,
+    n: int,
+    *,
+    backend: Backend = "native",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, n] (float32) for the GGUF-block weight W packed by pack_gguf_a8_weight, with
+    each block of 32 activations rounded to 8 bits first (reference.quantize_a8: x^ = dx * round(x /
+    dx), dx = max |x| / 127) and the products summed in int32 (VNNI's vpdpbusd): llama.cpp's Q8 trade,
+    close to gguf_linear's float32 result, not its bits."""
+    if out is None:
+        out = x.new_empty((x.shape[0], n))
+    call_op("gguf_a8_linear", (x, w_packed, qtype, out), backend)
+    return out
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -517,6 +517,50 @@ def gguf_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.
             _fail(ValueError, op, f"{name} must be contiguous")
 
 
+def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """As gguf_linear, with w_packed int32 [ceil(N / 16), K / 32, 4 x block bytes] (pack_gguf_a8_weight's
+    layout) and x float32 (csrc/checks.h: check_gguf_a8_linear)."""
+    op = "gguf_a8_linear"
+    if isinstance(qtype, bool) or qtype not in GGUF_QTYPES:
+        _fail(
+            ValueError, op, f"qtype {qtype!r} is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)"
+        )
+    size = GGUF_QTYPES[qtype][1]
+    check_dtype(op, "x", x, (torch.float32,))
+    if w_packed.dtype != torch.int32:
+        _fail(
+            ValueError,
+            op,
+            f"w_packed has dtype {w_packed.dtype}, expected torch.int32 (pack the blocks with "
+            f"minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's uint8 layout is gguf_linear's)",
+        )
+    check_dtype(op, "out", out, (torch.float32,))
+    for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("out", out, 2)):
+        if t.dim() != dims:
+            _fail(ValueError, op, f"{name} must have {dims} dims (shape {tuple(t.shape)})")
+    (m, k), n = x.shape, out.shape[1]
+    if k % 32:
+        _fail(ValueError, op, f"K={k} (x {tuple(x.shape)}) is not a multiple of 32, the GGUF block size")
+    panels = cdiv(n, 16)
+    if tuple(w_packed.shape) != (panels, k // 32, 4 * size):
+        _fail(
+            ValueError,
+            op,
+            f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k // 32}, {4 * size}) for x "
+            f"{tuple(x.shape)}, out {tuple(out.shape)} and qtype {qtype} (pack the blocks with "
+            f"minisched.ops.pack_gguf_a8_weight)",
+        )
+    check_shape(op, "out", out, (m, n))
+    if x.stride(1) != 1 and k > 1:
+        _fail(ValueError, op, "x must have contiguous rows (stride(1) == 1)")
+    for name, t in (("w_packed", w_packed), ("out", out)):
+        if t.device != x.device:
+            _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
+        if not t.is_contiguous():
+            _fail(ValueError, op, f"{name} must be contiguous")
+    check_no_overlap(op, "out", out, "x", x)
+
+
 def rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     """x [M, D] float32 contiguous (updated in place when delta is given), delta None or [M, D], weight [D],
     eps > 0, out [M, D] (csrc/checks.h: check_rms_norm)."""

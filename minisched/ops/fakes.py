@@ -145,6 +145,11 @@ def gguf_linear(x: Tensor, w_packed: Tensor, qtype: int, out: Tensor) -> None:
     checks.gguf_linear(x, w_packed, qtype, out)
 
 
+@torch.library.register_fake("minisched::gguf_a8_linear")
+def gguf_a8_linear(x: Tensor, w_packed: Tensor, qtype: int, out: Tensor) -> None:
+    checks.gguf_a8_linear(x, w_packed, qtype, out)
+
+
 @torch.library.register_fake("minisched::rms_norm")
 def rms_norm(x: Tensor, delta: Optional[Tensor], weight: Tensor, eps: float, out: Tensor) -> None:
     checks.rms_norm(x, delta, weight, eps, out)

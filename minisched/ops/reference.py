@@ -313,3 +313,68 @@ def gguf_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.
     """out = x @ W.T for the GGUF-block weight W (exactly dequantized), accumulated in float64."""
     w = dequantize_gguf(unpack_gguf_weight(w_packed, qtype, out.shape[1]), qtype, torch.float64)
     out.copy_(x.double() @ w.T)
+
+
+# gguf_a8_linear: the same blocks, against activations rounded to 8 bits per block of 32 channels.
+A8_OFFSET = {2: 8, 3: 0, 8: 128}  # the kernel's unsigned weight byte minus the signed value (Q8_0: w ^ 0x80)
+
+
+def quantize_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (float32, K a multiple of 32) rounded to 8 bits per block of 32 channels, in float32 as
+    gguf_a8_linear computes it: amax = max |x| of the block, dx = amax / 127, xq = round(x * (127 /
+    amax)) (half to even; 0 where amax is 0). A block holding inf or NaN gets xq = 0 and dx = NaN, so
+    every output of its row is NaN. Returns (xq int8 [M, K], dx float32 [M, K / 32]); the activation
+    the products see is x^ = dx * xq."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // GGUF_BLOCK, GGUF_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    finite = torch.isfinite(xb).all(dim=-1)
+    dx = torch.where(finite, amax / 127, torch.full_like(amax, float("nan")))
+    inv = torch.where(finite & (amax > 0), 127 / amax, torch.zeros_like(amax))
+    xq = torch.round(torch.where(finite[..., None], xb, 0) * inv[..., None]).clamp(-127, 127)
+    return xq.to(torch.int8).reshape(m, k), dx
+
+
+def pack_gguf_a8_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """gguf_a8_linear's layout: pack_gguf_weight's panel-blocks (16 rows x 32 channels, the 16 rows' d,
+    then m for Q4_1) with the quants in 32-bit lanes, one row per lane: Q4 [4][16 rows][4 bytes], lane
+    g of row r holding its bytes 4g..4g+3 (channels 4g..4g+3 in the low nibbles, 16+4g.. in the high);
+    Q8 [8][16][4], channels 4g..4g+3. Returns int32 [ceil(N / 16), K / 32, 4 x block bytes]: one
+    vpdpbusd operand per 64 bytes (the dtype also tells it apart from pack_gguf_weight's uint8)."""
+    n, nbytes = blocks.shape
+    size = GGUF_BLOCK_BYTES[qtype]
+    nb, panels = nbytes // size, cdiv(n, 16)
+    padded = blocks.new_zeros(panels * 16, nb, size)
+    padded[:n] = blocks.reshape(n, nb, size)
+    b = padded.view(panels, 16, nb, size).permute(0, 2, 1, 3)  # [P, KB, 16 rows, size]
+    head = 4 if qtype == 3 else 2
+    parts = [b[..., 0:2].reshape(panels, nb, 32)]
+    if qtype == 3:
+        parts.append(b[..., 2:4].reshape(panels, nb, 32))
+    qs = b[..., head:]  # [P, KB, 16, Q] with Q = 16 or 32
+    parts.append(qs.reshape(panels, nb, 16, -1, 4).transpose(2, 3).reshape(panels, nb, -1))
+    return torch.cat(parts, dim=-1).contiguous().view(torch.int32)
+
+
+def unpack_gguf_a8_weight(w_packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+    """The inverse of pack_gguf_a8_weight: the GGUF blocks [N, K / 32 * block bytes]."""
+    panels, nb, _ = w_packed.shape
+    size = GGUF_BLOCK_BYTES[qtype]
+    head = 4 if qtype == 3 else 2
+    w8 = w_packed.contiguous().view(torch.uint8)
+    rows = [w8[..., 0:32].reshape(panels, nb, 16, 2)]
+    if qtype == 3:
+        rows.append(w8[..., 32:64].reshape(panels, nb, 16, 2))
+    rows.append(w8[..., 16 * head :].reshape(panels, nb, -1, 16, 4).transpose(2, 3).reshape(panels, nb, 16, -1))
+    b = torch.cat(rows, dim=-1)  # [P, KB, 16 rows, size]
+    return b.permute(0, 2, 1, 3).reshape(panels * 16, nb * size)[:n]
+
+
+def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """out = x^ @ W.T in float64: W the exactly dequantized blocks, x^ = dx * xq the activations rounded
+    by quantize_a8 (float32 x; a float64 x is rounded to float32 first)."""
+    xq, dx = quantize_a8(x.float())
+    m, k = xq.shape
+    xh = xq.double().reshape(m, k // GGUF_BLOCK, GGUF_BLOCK) * dx.double()[..., None]
+    w = dequantize_gguf(unpack_gguf_a8_weight(w_packed, qtype, out.shape[1]), qtype, torch.float64)
+    out.copy_(xh.reshape(m, k) @ w.T)

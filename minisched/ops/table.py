@@ -38,6 +38,9 @@ OPS: dict[str, OpSpec] = {
         OpSpec("packed_linear", "packed_linear", reads_indices=False, triton=False, cuda=False),
         # CPU only: a GGUF file's own 4/8-bit blocks, dequantized in registers (the fp32 model from ~1/6 the bytes).
         OpSpec("gguf_linear", "gguf_linear", reads_indices=False, triton=False, cuda=False),
+        # CPU only: the same blocks against activations rounded to 8 bits per block of 32 (llama.cpp's
+        # trade: integer dot products, not float32's bits), for single-stream decode.
+        OpSpec("gguf_a8_linear", "gguf_a8_linear", reads_indices=False, triton=False, cuda=False),
         OpSpec("rms_norm", "rms_norm", reads_indices=False, triton=False, cuda=False),
         # CPU only: the elementwise tail of a layer in one pass each (SwiGLU's silu * up; RoPE writing the
         # contiguous q and k the attention takes), where torch runs 2-6 kernels and temporaries.
