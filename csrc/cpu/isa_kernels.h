@@ -10,6 +10,16 @@
 
 namespace minisched::cpu {
 
+// gguf_a8_linear's activations (gguf_a8_microkernel.h): rows of x rounded to int8 per block of 32
+// channels, q [M, K], with the blocks' scales dx [M, K / 32] and sums of q, sq [M, K / 32].
+struct A8Rows {
+  const int8_t* q;
+  const float* dx;
+  const int32_t* sq;
+  int64_t K;
+  A8Rows from_row(int64_t m) const { return {q + m * K, dx + m * (K / 32), sq + m * (K / 32), K}; }
+};
+
 namespace avx512 {
 
 // -- packed_linear (packed_linear_avx512.cpp) --
@@ -53,6 +63,22 @@ constexpr int gguf_panels_per_call(int64_t m) { return gguf_rows_per_block(m) <=
 void gguf_panel_rows(int qtype, const float* x, int64_t M, int64_t ldx, const uint8_t* wp, int64_t np_here, int64_t KB,
                      float* out, int64_t ldo, int64_t ncols);
 
+// -- gguf_a8_linear (gguf_a8_linear_avx512.cpp; arithmetic and layout in gguf_a8_microkernel.h) --
+constexpr int64_t kA8MaxRows = 4;  // activation rows per micro-kernel call
+
+constexpr int64_t a8_rows_per_block(int64_t m) {
+  const int64_t blocks = (m + kA8MaxRows - 1) / kA8MaxRows;
+  return blocks == 0 ? 1 : (m + blocks - 1) / blocks;
+}
+
+// Panels per call: 4 at one or two rows (up to 8 int32 sums and 8 float accumulators), 2 from three on.
+constexpr int a8_panels_per_call(int64_t m) { return a8_rows_per_block(m) <= 2 ? 4 : 2; }
+
+// Rows [0, M) of a against np_here (<= a8_panels_per_call(M)) consecutive panels of format qtype at wp,
+// KB blocks each; the first ncols columns go to out (row stride ldo).
+void gguf_a8_panel_rows(int qtype, const A8Rows& a, int64_t M, const uint8_t* wp, int64_t np_here, int64_t KB,
+                        float* out, int64_t ldo, int64_t ncols);
+
 // -- rms_norm (rms_norm_avx512.cpp) --
 // Rows [m0, m1) of x [M, D]: x += delta (when not null), then out = x / rms(x) * w.
 void rms_norm_rows(float* x, const float* delta, const float* w, float eps, float* out, int64_t D, int64_t m0,
@@ -93,6 +119,11 @@ namespace avx2vnni {
 // int8k::panels_per_call (int8_microkernel.h).
 void int8_panel_rows(const int16_t* q, int64_t M, int64_t ldq, const float* sx, const int8_t* w, const float* ws,
                      int64_t np_here, int64_t K, int64_t G, float* out, int64_t ldo, int64_t ncols);
+
+// gguf_a8_linear's ymm micro-kernel with AVX-VNNI (gguf_a8_linear_avx2vnni.cpp); panels per call as
+// a8k::panels_per_call (gguf_a8_microkernel.h).
+void gguf_a8_panel_rows(int qtype, const A8Rows& a, int64_t M, const uint8_t* wp, int64_t np_here, int64_t KB,
+                        float* out, int64_t ldo, int64_t ncols);
 
 }  // namespace avx2vnni
 
