@@ -527,7 +527,7 @@ inline void check_gguf_a8_linear(const at::Tensor& x, const at::Tensor& w_packed
   const int64_t block_bytes = qtype == 2 ? 18 : (qtype == 3 ? 20 : 34);
   check_dtype(op, "x", x, {at::kFloat});
   check_dim(op, "x", x, 2);
-  TORCH_CHECK_VALUE(w_packed.scalar_type() == at::kInt, op, ": w_packed has dtype ", w_packed.scalar_type(),
+  TORCH_CHECK_TYPE(w_packed.scalar_type() == at::kInt, op, ": w_packed has dtype ", w_packed.scalar_type(),
                     ", expected Int (pack the blocks with minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's "
                     "uint8 layout is gguf_linear's)");
   check_dim(op, "w_packed", w_packed, 3);

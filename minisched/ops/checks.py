@@ -529,7 +529,7 @@ def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: tor
     check_dtype(op, "x", x, (torch.float32,))
     if w_packed.dtype != torch.int32:
         _fail(
-            ValueError,
+            TypeError,
             op,
             f"w_packed has dtype {w_packed.dtype}, expected torch.int32 (pack the blocks with "
             f"minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's uint8 layout is gguf_linear's)",
