@@ -2,7 +2,7 @@
 on the same dequantized weights, on SmolLM2-135M's projection shapes and formats -- not a test.
 
     python benchmarks/kernels/bench_gguf_linear.py [--rows 1 8 32 512] [--threads 2] [--rounds 3]
-        [--layers 30] [--isa avx2 ...] [--json out.json]
+        [--layers 30] [--isa avx2 ...] [--a8] [--json out.json]
     python benchmarks/kernels/bench_gguf_linear.py --bytes [--json out.json]
 
 `--bytes`: the weight bytes one decode step reads in SmolLM2 (the projections and the LM head; the
@@ -18,6 +18,10 @@ gguf_linear (per --isa variant) run alternately (A, B, B, A, ...) for --rounds r
 each on fresh random inputs; reported: median microseconds per call, the weight bytes read per
 call over the time (GB/s), and the speedup (median of per-round ratios). The outputs are checked
 equal bit for bit first. /proc/loadavg is recorded before and after.
+
+`--a8`: one more column, gguf_a8_linear on the same blocks (activations rounded to 8 bits per block of
+32, integer dot products; the machine's default ISA variant), timed in the same alternation, with its
+speed against the last gguf_linear column (a8_x_gguf = that column's time / a8's).
 """
 
 from __future__ import annotations
@@ -95,6 +99,9 @@ def main() -> None:
     p.add_argument("--isa", nargs="+", default=None, help="gguf_linear's ISA variants (default: all supported)")
     p.add_argument("--json", default=None)
     p.add_argument("--bytes", action="store_true", help="bytes per decode step and the read bandwidth only")
+    p.add_argument(
+        "--a8", action="store_true", help="also gguf_a8_linear (8-bit activations; the default ISA), x the gguf column"
+    )
     args = p.parse_args()
     if args.bytes:
         res = {"load_before": loadavg(), "bytes_per_token": bytes_per_token(), "read_gbps": read_bandwidth()}
@@ -110,19 +117,22 @@ def main() -> None:
     print(
         f"{'thr':>3} {'M':>4} {'shape':>8} {'fmt':>4} {'fp32 us':>9} {'GB/s':>6} "
         + " ".join(f"{isa + ' us':>11} {'GB/s':>6} {'x fp32':>7}" for isa in isas)
+        + (f" {'a8 us':>9} {'GB/s':>6} {'x ' + isas[-1]:>10}" if args.a8 else "")
     )
     weights = {}
     for name in args.shapes:
         n, k, qtype = SHAPES[name]
         copies = 1 if name == "lm_head" else args.layers
         g = torch.Generator().manual_seed(n + k)
-        packed, fp32 = [], []
+        packed, fp32, a8 = [], [], []
         for _ in range(copies):
             w = torch.randn(n, k, generator=g) * 0.05
             blocks = torch.from_numpy(gguf_quantize(w.numpy(), GGMLQuantizationType(qtype)).view(np.uint8))
             packed.append(ops.pack_gguf_weight(blocks.reshape(n, -1), qtype))
             fp32.append(ops.pack_linear_weight(reference.dequantize_gguf(blocks.reshape(n, -1), qtype)))
-        weights[name] = (packed, fp32)
+            if args.a8:
+                a8.append(ops.pack_gguf_a8_weight(blocks.reshape(n, -1), qtype))
+        weights[name] = (packed, fp32, a8)
     for threads in args.threads:
         torch.set_num_threads(threads)
         for m in args.rows:
@@ -130,13 +140,15 @@ def main() -> None:
                 n, k, qtype = SHAPES[name]
                 if name == "lm_head" and m > 64:
                     continue  # prefill computes logits for the last row only
-                packed, fp32 = weights[name]
+                packed, fp32, a8 = weights[name]
                 copies = len(packed)
                 g = torch.Generator().manual_seed(m * 7 + n)
                 x, out = torch.randn(m, k, generator=g), torch.empty(m, n)
                 assert torch.equal(ops.gguf_linear(x, packed[0], qtype, n), ops.packed_linear(x, fp32[0], n))
                 fns = [("fp32", None, lambda i: ops.packed_linear(x, fp32[i], n, out=out))]
                 fns += [(isa, isa, lambda i: ops.gguf_linear(x, packed[i], qtype, n, out=out)) for isa in isas]
+                if args.a8:
+                    fns.append(("a8", None, lambda i: ops.gguf_a8_linear(x, a8[i], qtype, n, out=out)))
                 times: dict[str, list[float]] = {label: [] for label, _, _ in fns}
                 for r in range(args.rounds):
                     x.copy_(torch.randn(m, k, generator=g))
@@ -162,13 +174,16 @@ def main() -> None:
                     bytes_fp32=bytes_fp32,
                     bytes_gguf=bytes_gguf,
                 )
+                if args.a8:
+                    row.update(a8_us=med["a8"], a8_gbps=bytes_gguf / med["a8"] / 1e3, a8_x_gguf=ratio(isas[-1], "a8"))
                 results["runs"].append(row)
                 fmt = "Q8_0" if qtype == 8 else "Q4_1"
                 print(
                     f"{threads:>3} {m:>4} {name:>8} {fmt:>4} {med['fp32']:>9.1f} {row['fp32_gbps']:>6.1f} "
                     + " ".join(
                         f"{med[isa]:>11.1f} {row['gguf_gbps'][isa]:>6.1f} {row['speedup'][isa]:>6.2f}x" for isa in isas
-                    ),
+                    )
+                    + (f" {med['a8']:>9.1f} {row['a8_gbps']:>6.1f} {row['a8_x_gguf']:>9.2f}x" if args.a8 else ""),
                     flush=True,
                 )
     results["load_after"] = loadavg()
