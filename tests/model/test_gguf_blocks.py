@@ -247,7 +247,7 @@ def test_auto_with_tp_is_no_error():
     """auto resolves to none under --tp (the ranks shard float32 weights); only an explicit mode is an error."""
     assert EngineConfig(tp=2).quantize == "auto"
     assert EngineConfig(tp=2, quantize="none").tp == 2
-    for mode in ("int8", "bf16", "gguf"):
+    for mode in ("int8", "bf16", "gguf", "gguf-a8"):
         with pytest.raises(ValueError, match="quantize with tensor parallelism"):
             EngineConfig(tp=2, quantize=mode)
 
