@@ -80,6 +80,23 @@ def test_quantize_auto_is_the_default():
         engine_config(parser().parse_args("--tp 2 --quantize gguf".split()))
 
 
+def test_quantize_choices_are_the_modes():
+    """--quantize's choices are auto and model/quant.py's modes, gguf-a8 among them: parsed to the config as
+    given (the engine resolves nothing for it), its help says what it trades and that auto never picks it."""
+    from minisched.engine.config import QUANTIZE_CHOICES
+    from minisched.model.quant import QUANT_MODES
+
+    assert QUANTIZE_CHOICES == ("auto", *QUANT_MODES) and "gguf-a8" in QUANT_MODES
+    assert engine_config(parser().parse_args(["--quantize", "gguf-a8"])).quantize == "gguf-a8"
+    help_text = " ".join(parser().format_help().split())
+    assert "gguf-a8: gguf's blocks with the activations rounded to 8 bits" in help_text
+    assert "never picked by auto" in help_text
+    with pytest.raises(CLIError, match="--quantize with --tp"):
+        engine_config(parser().parse_args("--tp 2 --quantize gguf-a8".split()))
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--quantize", "a8"])
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [

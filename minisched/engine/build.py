@@ -131,16 +131,17 @@ def _build(
         tokenizer = tokenizer or load_tokenizer(config.model)
     backend = pick_backend(config.backend, device)
     # the projections' format (model/quant.py; "auto" resolved by pick_quantize), converted in place; a model
-    # passed in quantized stays as it is. gguf: the file's block-quantized tensors. The engine's config names
-    # the mode it runs, as it does the session's model under tensor parallelism.
+    # passed in quantized stays as it is. gguf, gguf-a8: the file's block-quantized tensors. The engine's
+    # config names the mode it runs, as it does the session's model under tensor parallelism.
     quant, blocks = pick_quantize(
         config.quantize, device, model.dtype, backend, tp, config.model, loaded, config.pack_weights
     )
     quantize_model(model, quant, blocks)
     config = config.with_options(quantize=quant.mode)
     # packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls (with
-    # gguf: the tensors the file holds as floats)
-    pack = want_packed(config.pack_weights, device, model.dtype, backend, quant.enabled and quant.mode != "gguf", tp)
+    # gguf and gguf-a8: the tensors the file holds as floats)
+    converted = quant.enabled and not quant.keeps_gguf_blocks  # int8, bf16: no float32 projection is left
+    pack = want_packed(config.pack_weights, device, model.dtype, backend, converted, tp)
     if pack:
         pack_model(model)
     cuda_graph = want_cuda_graph(config.cuda_graph, device, backend, config.check, tp)

@@ -23,12 +23,13 @@ from typing import Any, Optional
 
 from minisched.base.flags import flag
 from minisched.base.values import is_int, is_real
+from minisched.model.quant import QUANT_MODES
 from minisched.sched.config import SchedulerConfig
 from minisched.sched.spec import SPECULATIVE
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "native", "triton", "torch")
-QUANTIZE_CHOICES = ("auto", "none", "int8", "bf16", "gguf")  # model/quant.py; auto: engine/options.py pick_quantize
+QUANTIZE_CHOICES = ("auto", *QUANT_MODES)  # the modes are model/quant.py's; auto: engine/options.py pick_quantize
 
 
 def default_scheduler() -> SchedulerConfig:
@@ -90,7 +91,9 @@ class EngineConfig:
         "from ~1/6 of the weight bytes (faster decode, a level prefill); else none. none: float32 weights "
         "(the file dequantized). gguf: the file's Q4_0/Q4_1/Q8_0 tensors kept in its blocks, dequantized in "
         "registers (an error where it cannot run; with --no-pack-weights the blocks still run and only the "
-        "file's float tensors stay unpacked). int8: group "
+        "file's float tensors stay unpacked). gguf-a8: gguf's blocks with the activations rounded to 8 bits per "
+        "32 channels, summed in int32 (llama.cpp's trade: close to but not bit-equal with fp32; never picked by "
+        "auto). int8: group "
         "scales, activations rounded to int16 per row (faster decode and prefill, close to but not bit-equal "
         "with fp32). bf16: half fp32's bytes, float32 activations and sums",
         choices=QUANTIZE_CHOICES,

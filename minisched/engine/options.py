@@ -53,7 +53,7 @@ def pick_quantize(
     loaded: bool,
     pack_weights: Optional[bool] = None,
 ) -> tuple[QuantConfig, Optional[GGUFBlocks]]:
-    """The projections' and LM head's format (model/quant.py) and, for gguf, the GGUF file's blocks
+    """The projections' and LM head's format (model/quant.py) and, for gguf and gguf-a8, the GGUF file's blocks
     (weights.gguf_blocks of `model`, the config's model spec; `loaded`: the engine loaded the weights
     from it, rather than being given a model object or a tensor-parallel session's).
 
@@ -67,21 +67,24 @@ def pick_quantize(
     Triton backend, --no-pack-weights (the plain float32 path, asked for), a GGUF file of float tensors.
     (Measured: faster decode at every batch, a level 512-token prefill; benchmarks/RESULTS.md.)
 
-    Explicit gguf with --no-pack-weights still runs gguf: the blocks are their own format (gguf_linear),
-    and pack_weights only decides the tensors the file holds as floats, which then stay unpacked. Explicit
-    gguf needs the GGUF file the model came from: with a model object (not `loaded`), `model` must name
-    that file, else a ValueError here, at construction (an unnamed model object is not assumed to be the
-    bundled SmolLM2, and Engine.fresh's name for it, "custom", is no file)."""
+    Never gguf-a8: its 8-bit activations are not fp32's bits, so it is asked for or not run.
+
+    Explicit gguf (and gguf-a8, alike here) with --no-pack-weights still runs its blocks: they are their
+    own format (gguf_linear, gguf_a8_linear), and pack_weights only decides the tensors the file holds as
+    floats, which then stay unpacked. Explicit gguf needs the GGUF file the model came from: with a model
+    object (not `loaded`), `model` must name that file, else a ValueError here, at construction (an unnamed
+    model object is not assumed to be the bundled SmolLM2, and Engine.fresh's name for it, "custom", is no
+    file)."""
     if quantize != "auto":
         cfg = QuantConfig(quantize)
-        if cfg.mode != "gguf":
+        if not cfg.keeps_gguf_blocks:
             return cfg, None
         if not loaded and not names_gguf_file(model):
             raise ValueError(
-                "--quantize gguf needs a model loaded from a GGUF file with block-quantized projections: "
+                f"--quantize {cfg.mode} needs a model loaded from a GGUF file with block-quantized projections: "
                 f"this engine was given a model object (model={model!r}), with no file to read the blocks from; "
-                "load the model by its path (Engine('model.gguf', quantize='gguf')), name its file "
-                "(config=EngineConfig(model='model.gguf', quantize='gguf')), or use quantize='none'"
+                f"load the model by its path (Engine('model.gguf', quantize='{cfg.mode}')), name its file "
+                f"(config=EngineConfig(model='model.gguf', quantize='{cfg.mode}')), or use quantize='none'"
             )
         return cfg, weights.gguf_blocks(model)
     none = QuantConfig("none"), None

@@ -2,7 +2,7 @@
 
 A weight is a float tensor [N, K] (torch's F.linear), or a module with `linear(x, backend)`:
 `PackedWeight` (packed.py: float32 on the CPU, or `--quantize bf16`), `Int8Weight` (quant.py, `--quantize int8`) or
-`GGUFWeight` (quant.py, `--quantize gguf`: the CPU default for a block-quantized GGUF file).
+`GGUFWeight` (quant.py, `--quantize gguf`: the CPU default for a block-quantized GGUF file, or `gguf-a8`).
 A new weight kind implements `linear`, `shape` and, for the tied embedding, `rows`.
 """
 

@@ -1,8 +1,9 @@
 """The projections' and the LM head's weights on the CPU (`--quantize`): none (float32, packed:
-model/packed.py), gguf, int8 or bf16; norms, the embedding lookup and the KV cache stay float32. The
+model/packed.py), gguf, gguf-a8, int8 or bf16; norms, the embedding lookup and the KV cache stay float32. The
 default, `auto`, is resolved in one place, engine/options.py `pick_quantize`: gguf for a float32 model
 the engine loads from a GGUF file whose projections are block-quantized (the bundled SmolLM2's Q4_1),
-on the CPU with the native kernels and no tensor parallelism -- where it loses nothing --, else none.
+on the CPU with the native kernels and no tensor parallelism -- where it loses nothing --, else none
+(never gguf-a8, below).
 
 `--quantize gguf` keeps a GGUF model's own block-quantized tensors (Q4_0, Q4_1, Q8_0) in their
 blocks, repacked for minisched's `gguf_linear` (csrc/cpu/gguf_linear.cpp), which dequantizes them to
@@ -16,6 +17,15 @@ Tensors in other formats, and a fused projection whose parts differ in format, s
 the 512-token prefill, where each call dequantizes panels before packed_linear's kernel, is level
 (quiet medians 1.01x and 1.27x, 0.94x under load). `--quantize none` keeps the float32 weights (5.6x
 the weight bytes).
+
+`--quantize gguf-a8` keeps the same blocks (the same projections, the same `weights.gguf_blocks`) in
+the layout of `gguf_a8_linear` (csrc/cpu/gguf_a8_linear.cpp), which rounds each block of 32 input
+channels of the activations to 8 bits (one float32 scale, max |x| / 127) and sums their products with
+the weights' quants in int32 (VNNI's vpdpbusd): llama.cpp's Q8 trade. The weights are still the file's, but the
+activations are not fp32's, so the logits are close to the float32 model's, not its bits, and greedy
+output can differ where two tokens nearly tie (the speed and the agreement are measured in
+benchmarks/RESULTS.md). It is opt-in only: `auto` never picks it, because auto loses nothing against
+fp32 and this does.
 
 int8 (`--quantize int8`): the projections and the LM head hold int8 values with one float32 scale
 per group of input channels, in 16-column panels (the layout of minisched's `int8_linear`,
@@ -45,7 +55,8 @@ from minisched.model.linear import plain
 from minisched.model.llama import LlamaModel
 from minisched.model.packed import PackedWeight
 
-QUANT_MODES = ("none", "int8", "bf16", "gguf")  # the resolved modes: EngineConfig's "auto" is pick_quantize's
+# the resolved modes (EngineConfig's choices, with "auto", which engine/options.py pick_quantize resolves)
+QUANT_MODES = ("none", "int8", "bf16", "gguf", "gguf-a8")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -63,6 +74,12 @@ class QuantConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def keeps_gguf_blocks(self) -> bool:
+        """gguf and gguf-a8: the file's blocks kept (keep_gguf_blocks), not the float32 weights converted;
+        they need the model's GGUF file, and the file's float tensors are packed as fp32's are."""
+        return self.mode in ("gguf", "gguf-a8")
 
 
 class Int8Weight(nn.Module):
@@ -96,31 +113,42 @@ class Int8Weight(nn.Module):
 
 
 class GGUFWeight(nn.Module):
-    """An [N, K] weight kept in GGUF blocks (qtype: GGML's type id, ops.GGUF_QTYPES), packed for
-    gguf_linear; `linear(x)` is x @ W.T in float32 on the weight dequantized as gguf does."""
+    """An [N, K] weight kept in GGUF blocks (qtype: GGML's type id, ops.GGUF_QTYPES); `linear(x)` is
+    x @ W.T in float32 on the weight dequantized as gguf does. `a8`, fixed when it is built, picks the op
+    and so the packing: False (`--quantize gguf`) gguf_linear, float32 activations, the fp32 path's
+    bits; True (`--quantize gguf-a8`) gguf_a8_linear, activations rounded to 8 bits per 32 channels."""
 
     w_packed: torch.Tensor
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, k: int):
+    def __init__(self, blocks: torch.Tensor, qtype: int, k: int, a8: bool = False):
         super().__init__()
-        self.n, self.k, self.qtype = blocks.shape[0], k, qtype
-        self.register_buffer("w_packed", ops.pack_gguf_weight(blocks, qtype))
+        self.n, self.k, self.qtype, self.a8 = blocks.shape[0], k, qtype, a8
+        pack = ops.pack_gguf_a8_weight if a8 else ops.pack_gguf_weight
+        self.register_buffer("w_packed", pack(blocks, qtype))
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.n, self.k))
 
+    @property
+    def mode(self) -> str:
+        """The --quantize mode that runs this weight."""
+        return _gguf_mode(self.a8)
+
+    def blocks(self) -> torch.Tensor:
+        """The GGUF blocks, uint8 [N, K / 32 * block bytes], as weights.gguf_blocks gave them."""
+        unpack = ops.reference.unpack_gguf_a8_weight if self.a8 else ops.reference.unpack_gguf_weight
+        return unpack(self.w_packed, self.qtype, self.n)
+
     def unpacked(self) -> torch.Tensor:
-        """The float32 [N, K] weight the blocks hold (gguf's dequantization)."""
-        blocks = ops.reference.unpack_gguf_weight(self.w_packed, self.qtype, self.n)
-        return ops.reference.dequantize_gguf(blocks, self.qtype)
+        """The float32 [N, K] weight the blocks hold (gguf's dequantization), whichever the layout."""
+        return ops.reference.dequantize_gguf(self.blocks(), self.qtype)
 
     def linear(self, x: torch.Tensor, backend: str) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return ops.gguf_linear(
-            x, self.w_packed, self.qtype, self.n, backend="native" if backend == "native" else "torch"
-        )
+        op = ops.gguf_a8_linear if self.a8 else ops.gguf_linear
+        return op(x, self.w_packed, self.qtype, self.n, backend="native" if backend == "native" else "torch")
 
 
 # The HF names of each fused projection's parts, in the order LlamaModel.load_hf_state_dict concatenates them.
@@ -132,7 +160,7 @@ _PARTS = {
 }
 
 
-def _gguf_weight(blocks: dict[str, tuple[int, torch.Tensor]], names: list[str], shape: torch.Size):
+def _gguf_weight(blocks: dict[str, tuple[int, torch.Tensor]], names: list[str], shape: torch.Size, a8: bool):
     """The GGUFWeight of the parts `names` concatenated (rows), or None when one is not in blocks or
     their formats differ (the projection stays float32)."""
     found = [blocks[n] for n in names if n in blocks]
@@ -143,31 +171,49 @@ def _gguf_weight(blocks: dict[str, tuple[int, torch.Tensor]], names: list[str], 
     size = ops.reference.GGUF_BLOCK_BYTES[qtype]
     if rows.shape != (shape[0], shape[1] // ops.reference.GGUF_BLOCK * size) or shape[1] % ops.reference.GGUF_BLOCK:
         raise ValueError(
-            f"--quantize gguf: the blocks of {names} have shape {tuple(rows.shape)}, which does not hold the "
-            f"model's {tuple(shape)} weight (a model other than the file?)"
+            f"--quantize {_gguf_mode(a8)}: the blocks of {names} have shape {tuple(rows.shape)}, "
+            f"which does not hold the model's {tuple(shape)} weight (a model other than the file?)"
         )
-    return GGUFWeight(rows, qtype, shape[1])
+    return GGUFWeight(rows, qtype, shape[1], a8)
+
+
+def _gguf_mode(a8: bool) -> str:
+    return "gguf-a8" if a8 else "gguf"
+
+
+def _kept(w, a8: bool) -> bool:
+    """w is a GGUFWeight of this layout already (a model converted before: left as it is). One of the
+    other layout is an error, not repacked: the model is converted in place, and an engine built on it
+    before would run the new layout while its config names the old one."""
+    if not isinstance(w, GGUFWeight):
+        return False
+    if w.a8 != a8:
+        raise ValueError(
+            f"--quantize {_gguf_mode(a8)}: the model's weights are --quantize {w.mode}'s blocks already (a model "
+            f"is converted once, in place); load the model again for --quantize {_gguf_mode(a8)}"
+        )
+    return True
 
 
 @torch.no_grad()
-def keep_gguf_blocks(model: LlamaModel, blocks: dict[str, tuple[int, torch.Tensor]]) -> LlamaModel:
-    """`--quantize gguf`: replace the projections and the LM head whose tensors the file holds in a
-    block format (weights.gguf_blocks) by GGUFWeight, in place; the rest stays as it is (float32, packed
-    later). A tied model keeps its float32 embedding for the lookup, the head runs on the blocks."""
+def keep_gguf_blocks(model: LlamaModel, blocks: dict[str, tuple[int, torch.Tensor]], a8: bool = False) -> LlamaModel:
+    """`--quantize gguf` (gguf-a8 with `a8`): replace the projections and the LM head whose tensors the file
+    holds in a block format (weights.gguf_blocks) by GGUFWeight, in place; the rest stays as it is (float32,
+    packed later). A tied model keeps its float32 embedding for the lookup, the head runs on the blocks."""
     for idx, layer in enumerate(model.decoder_layers):
         for name, parts in _PARTS.items():
             w = getattr(layer, name)
-            if isinstance(w, GGUFWeight):
+            if _kept(w, a8):
                 continue
-            q = _gguf_weight(blocks, [f"model.layers.{idx}.{p}.weight" for p in parts], w.shape)
+            q = _gguf_weight(blocks, [f"model.layers.{idx}.{p}.weight" for p in parts], w.shape, a8)
             if q is not None:
                 delattr(layer, name)
                 setattr(layer, name, q)
-    if isinstance(model.lm_head, GGUFWeight):
+    if _kept(model.lm_head, a8):
         return model
     tied = model.lm_head is None
     head_shape = model.embed.shape if tied else model.lm_head.shape  # type: ignore[union-attr]
-    q = _gguf_weight(blocks, ["model.embed_tokens.weight" if tied else "lm_head.weight"], head_shape)
+    q = _gguf_weight(blocks, ["model.embed_tokens.weight" if tied else "lm_head.weight"], head_shape, a8)
     if q is not None:
         if isinstance(model.embed, PackedWeight):  # a packed tied model: the lookup needs its own fp32 table
             table = plain(model.embed).clone()
@@ -203,17 +249,18 @@ def quantize_model(
     PackedWeight (`bf16`: the weights rounded to bfloat16, half the bytes of float32, activations and
     sums still float32; on AMX machines 16 rows and more sum in tile order, not the FMA chain's, so a
     row's last bits there can depend on its batch: csrc/cpu/packed_linear_amx.cpp), in place (after the weights are loaded). The fp32 embedding stays for the
-    token lookup; a tied LM head gets its own copy as `model.lm_head`."""
+    token lookup; a tied LM head gets its own copy as `model.lm_head`. gguf and gguf-a8 keep the file's
+    `blocks` instead (keep_gguf_blocks)."""
     if not cfg.enabled:
         return model
     if model.device.type != "cpu" or model.embed.dtype != torch.float32:
         raise ValueError(
             f"--quantize {cfg.mode} runs on the CPU with a float32 model (got {model.device.type}, {model.dtype})"
         )
-    if cfg.mode == "gguf":
+    if cfg.keeps_gguf_blocks:
         if blocks is None:
-            raise ValueError("--quantize gguf needs the model's GGUF blocks (weights.gguf_blocks of its file)")
-        return keep_gguf_blocks(model, blocks)
+            raise ValueError(f"--quantize {cfg.mode} needs the model's GGUF blocks (weights.gguf_blocks of its file)")
+        return keep_gguf_blocks(model, blocks, a8=cfg.mode == "gguf-a8")
     for layer in model.decoder_layers:
         for name in PROJECTIONS:
             w = getattr(layer, name)

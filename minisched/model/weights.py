@@ -194,7 +194,7 @@ def gguf_blocks(spec: str | None) -> dict[str, tuple[int, torch.Tensor]]:
 
     kind, where = resolve(spec)
     if kind != "gguf":
-        raise ValueError(f"--quantize gguf needs a GGUF model, got {spec!r} ({kind})")
+        raise ValueError(f"--quantize gguf / gguf-a8 needs a GGUF model, got {spec!r} ({kind})")
     gf = GGUFFile(where)
     cfg = config_from_gguf(gf.metadata)
     out: dict[str, tuple[int, torch.Tensor]] = {}
