@@ -528,18 +528,18 @@ inline void check_gguf_a8_linear(const at::Tensor& x, const at::Tensor& w_packed
   check_dtype(op, "x", x, {at::kFloat});
   check_dim(op, "x", x, 2);
   TORCH_CHECK_TYPE(w_packed.scalar_type() == at::kInt, op, ": w_packed has dtype ", w_packed.scalar_type(),
-                    ", expected Int (pack the blocks with minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's "
-                    "uint8 layout is gguf_linear's)");
+                   ", expected Int (pack the blocks with minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's "
+                   "uint8 layout is gguf_linear's)");
   check_dim(op, "w_packed", w_packed, 3);
   check_dtype(op, "out", out, {at::kFloat});
   check_dim(op, "out", out, 2);
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = (n + 15) / 16;
   TORCH_CHECK_VALUE(k % 32 == 0, op, ": K=", k, " (x ", shape_str(x.sizes()),
                     ") is not a multiple of 32, the GGUF block size");
-  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k / 32 && w_packed.size(2) == 4 * block_bytes,
-                    op, ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k / 32,
-                    ", ", 4 * block_bytes, ") for x ", shape_str(x.sizes()), ", out ", shape_str(out.sizes()),
-                    " and qtype ", qtype, " (pack the blocks with minisched.ops.pack_gguf_a8_weight)");
+  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k / 32 && w_packed.size(2) == 4 * block_bytes, op,
+                    ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k / 32, ", ",
+                    4 * block_bytes, ") for x ", shape_str(x.sizes()), ", out ", shape_str(out.sizes()), " and qtype ",
+                    qtype, " (pack the blocks with minisched.ops.pack_gguf_a8_weight)");
   check_shape(op, "out", out, {m, n});
   TORCH_CHECK_VALUE(x.stride(1) == 1 || k <= 1, op, ": x must have contiguous rows (stride(1) == 1)");
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"out", &out}}) {

@@ -44,8 +44,7 @@ using a8k::kPanel;
 // Rows [m0, m1) of x [M, K] (row stride ldx) to xq [M, K], dx and sq [M, K / 32] (quantize_a8's float32
 // steps: dx = amax / 127, xq = round half to even of x * (127 / amax); a block holding inf or NaN: xq = 0,
 // dx = NaN).
-void quantize_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
-                   int32_t* sq) {
+void quantize_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx, int32_t* sq) {
   const int64_t KB = K / kBlock;
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < KB; ++b) {

@@ -26,8 +26,8 @@ void gguf_a8_panel_rows(int qtype, const A8Rows& a, int64_t M, const uint8_t* wp
 
 #pragma GCC pop_options
 #else  // not x86: never called
-void minisched::cpu::avx2vnni::gguf_a8_panel_rows(int, const A8Rows&, int64_t, const uint8_t*, int64_t, int64_t,
-                                                  float*, int64_t, int64_t) {
+void minisched::cpu::avx2vnni::gguf_a8_panel_rows(int, const A8Rows&, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                                                  int64_t, int64_t) {
   __builtin_trap();
 }
 #endif
