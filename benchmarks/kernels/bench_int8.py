@@ -1,6 +1,7 @@
 """int8 weights (`--quantize int8`) against fp32 -- not a test.
 
     python benchmarks/kernels/bench_int8.py [--rounds 3] [--threads 1 2] [--cpu-isa avx2] [--json benchmarks/results/int8.json]
+    python benchmarks/kernels/bench_int8.py --quantize gguf-a8 --skip kernels   # another mode's decode and agreement
 
 Three parts, each interleaving fp32 and int8 (A, B, A, B) so both see the same machine load:
   kernels    F.linear (fp32 sgemm/sgemv), packed_linear (fp32, the engine default) and
@@ -114,14 +115,14 @@ def run_decode(args, engines) -> list[dict]:
         row = dict(
             batch=batch,
             fp32_tok_s=statistics.median(speeds["fp32"]),
-            int8_tok_s=statistics.median(speeds["int8"]),
+            quant_tok_s=statistics.median(speeds["quant"]),
             rounds=speeds,
             loadavg=loadavg(),
         )
-        row["speedup"] = row["int8_tok_s"] / row["fp32_tok_s"]
+        row["speedup"] = row["quant_tok_s"] / row["fp32_tok_s"]
         rows.append(row)
         print(
-            f"decode B={batch:3d}  fp32 {row['fp32_tok_s']:7.1f} tok/s  int8 {row['int8_tok_s']:7.1f} tok/s  "
+            f"decode B={batch:3d}  fp32 {row['fp32_tok_s']:7.1f} tok/s  {args.quantize} {row['quant_tok_s']:7.1f} tok/s  "
             f"x{row['speedup']:.2f}  load {row['loadavg']}",
             flush=True,
         )
@@ -172,7 +173,7 @@ def run_emulated_activations(args, fp32, q) -> list[dict]:
 
 
 def run_agreement(args, engines) -> dict:
-    fp32, q = engines["fp32"], engines["int8"]
+    fp32, q = engines["fp32"], engines["quant"]
     sp = SamplingParams(max_new_tokens=args.new_tokens)
     ref = fp32.generate(PROMPTS, sp, chat=True)
     got = q.generate(PROMPTS, sp, chat=True)
@@ -191,6 +192,7 @@ def run_agreement(args, engines) -> dict:
         prefix += n
         identical += a.token_ids == b.token_ids
     out = dict(
+        quantize=args.quantize,
         prompts=len(PROMPTS),
         tokens=total,
         teacher_forced_top1=forced / total,
@@ -222,6 +224,12 @@ def main(argv=None):
         default=[],
         help="also the agreement with activations rounded to N bits per row, emulated in torch (e.g. 8 12)",
     )
+    p.add_argument(
+        "--quantize",
+        default="int8",
+        choices=["int8", "bf16", "gguf", "gguf-a8"],
+        help="the mode the decode and agreement parts compare with fp32 (the kernels part is int8's)",
+    )
     p.add_argument("--cpu-isa", default=None, help="the CPU kernels' ISA variant (default: the best supported)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -234,13 +242,13 @@ def main(argv=None):
         threads = args.engine_threads
         engines = {
             "fp32": Engine(num_threads=threads, quantize="none"),  # the default (auto) is gguf here
-            "int8": Engine(num_threads=threads, quantize="int8"),
+            "quant": Engine(num_threads=threads, quantize=args.quantize),
         }
         result["engine_threads"] = threads or "tuned"
         if "agreement" not in args.skip:
             result["agreement"] = run_agreement(args, engines)
         if args.emulate_act_bits:
-            result["emulated_activations"] = run_emulated_activations(args, engines["fp32"], engines["int8"])
+            result["emulated_activations"] = run_emulated_activations(args, engines["fp32"], engines["quant"])
         if "decode" not in args.skip:
             result["decode"] = run_decode(args, engines)
     result["loadavg_end"] = loadavg()

@@ -2,8 +2,7 @@
 layout, which rounds the activations to 8 bits per block of 32 channels (llama.cpp's Q8 trade). The
 logits are close to the float32 model's, not its bits; the mode is asked for, never what `auto` picks.
 
-The numbers run on the torch reference (ops.reference.gguf_a8_linear) wherever the native kernel is not
-built; the native variants run once the extension has a CPU kernel for gguf_a8_linear."""
+Each numeric test runs on the torch reference (ops.reference.gguf_a8_linear) and on the native kernel."""
 
 from __future__ import annotations
 
@@ -27,11 +26,8 @@ from minisched.model.quant import PROJECTIONS, GGUFWeight, QuantConfig, quantize
 from minisched.model.tokenizer import MiniTokenizer
 from minisched.sched.sampling_params import SamplingParams
 
-A8_KERNEL = ops.native_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "minisched::gguf_a8_linear", "CPU"
-)
-needs_a8_kernel = pytest.mark.skipif(not A8_KERNEL, reason="the extension has no CPU kernel for gguf_a8_linear yet")
-A8_BACKENDS = ["torch", pytest.param("native", marks=needs_a8_kernel)]
+needs_native = pytest.mark.skipif(not ops.native_available(), reason=str(ops.NATIVE_ERROR))
+A8_BACKENDS = ["torch", pytest.param("native", marks=needs_native)]
 
 
 @pytest.fixture(scope="module")
