@@ -418,6 +418,32 @@ def growth(samples: list[tuple[float, int]], ref: tuple[float, float], last: tup
     return {"ref_mb": round(ma / 1024, 1), "last_mb": round(mb / 1024, 1), "growth": round(mb / ma - 1, 4)}
 
 
+def engine_growth(samples: list[tuple[float, Optional[int], int]], args) -> Optional[dict]:
+    """The engine's RSS growth from (t, engine pid, RSS kB) samples: within each incarnation (a restart
+    is a fresh process that warms up again), from --settle s after its pid appeared and from --warmup
+    on, the median of its earliest samples against its latest ones; the largest growth of the
+    incarnations with enough samples (a leak shows in any of them). Two incarnations are never compared
+    with each other: a restarted engine's size is not growth. None: no incarnation lived long enough."""
+    by_pid: dict[int, list[int]] = {}
+    since, pid = 0.0, None
+    for t, epid, ekb in samples:
+        if epid != pid:
+            pid, since = epid, t
+        if epid and ekb and t - since >= args.settle and t >= args.warmup:
+            by_pid.setdefault(epid, []).append(ekb)
+    k = max(3, int(min(args.window, 60) / args.rss_every))
+    worst = None
+    for settled in by_pid.values():
+        if len(settled) < 2 * 3:
+            continue
+        n = min(k, len(settled) // 2)
+        a, b = statistics.median(settled[:n]), statistics.median(settled[-n:])
+        g = {"ref_mb": round(a / 1024, 1), "last_mb": round(b / 1024, 1), "growth": round(b / a - 1, 4)}
+        if worst is None or g["growth"] > worst["growth"]:
+            worst = g
+    return worst
+
+
 def summarize(run: Run, args, pages: dict, load: list) -> dict:
     recs = run.recs
     outage = [(f.at, f.at + f.recovered_s if f.recovered_s is not None else run.end) for f in run.faults]
@@ -452,20 +478,7 @@ def summarize(run: Run, args, pages: dict, load: list) -> dict:
     ref = (args.warmup, args.warmup + args.window)
     last = (max(args.warmup, run.end - args.window), run.end)
     server = growth([(t, s) for t, s, *_ in run.rss], ref, last)
-    # the engine: samples from --settle s after its pid changed on (a restarted engine warms up again);
-    # a fresh process after each restart, so: its earliest settled samples after warm-up against the last ones
-    settled, since, pid = [], 0.0, None
-    for t, _, epid, ekb, *_ in run.rss:
-        if epid != pid:
-            pid, since = epid, t
-        if epid and ekb and t - since >= args.settle and t >= args.warmup:
-            settled.append(ekb)
-    k = max(3, int(min(args.window, 60) / args.rss_every))
-    engine = None
-    if len(settled) >= 2 * 3:
-        k = min(k, len(settled) // 2)
-        a, b = statistics.median(settled[:k]), statistics.median(settled[-k:])
-        engine = {"ref_mb": round(a / 1024, 1), "last_mb": round(b / 1024, 1), "growth": round(b / a - 1, 4)}
+    engine = engine_growth([(t, epid, ekb) for t, _, epid, ekb, *_ in run.rss], args)
     procs = [row[4] for row in run.rss if row[0] >= args.warmup]
     loads = [row[5] for row in run.rss]
     return {

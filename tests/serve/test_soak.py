@@ -59,3 +59,19 @@ def test_two_minutes_of_mixed_traffic_with_a_kill_and_a_stop(tmp_path):
     others = [v for v in s["violations"] if not v.startswith("rss_engine: too few samples")]
     assert not others, s["violations"]
     assert rc == (1 if s["violations"] else 0)
+
+
+def test_engine_growth_is_measured_within_each_incarnation():
+    """A restarted engine is a fresh process: its size against the one before it is not growth (that
+    comparison made the two-minute soak flaky). Growth inside any incarnation is still caught."""
+    soak = bench_soak()
+    args = type("A", (), {"settle": 4.0, "warmup": 10.0, "window": 30.0, "rss_every": 2.0})()
+    flat = [(float(t), 101, 1_700_000) for t in range(0, 60, 2)] + [
+        (float(t), 202, 1_950_000) for t in range(60, 120, 2)
+    ]
+    g = soak.engine_growth(flat, args)
+    assert g is not None and g["growth"] == 0.0, g
+    leaking = flat[:30] + [(float(t), 202, 1_950_000 + 10_000 * (t - 60)) for t in range(60, 120, 2)]
+    g = soak.engine_growth(leaking, args)
+    assert g is not None and g["growth"] > 0.05, g  # the soak's limit
+    assert soak.engine_growth([(float(t), 303, 1_000_000) for t in range(0, 14, 2)], args) is None  # too short
