@@ -447,34 +447,40 @@ inline void check_packed_linear(const at::Tensor& x, const at::Tensor& w_packed,
   }
 }
 
-// GGUF block linear: x [M, K] float32 (rows may be strided, elements contiguous; K a multiple of 32,
-// GGUF's block), w_packed [P, K / 32, 16 x block bytes] uint8 (ops.pack_gguf_weight: panels of 16
-// rows, P = ceil(N / 16)), qtype a GGML type id of a supported block format (2 Q4_0, 3 Q4_1, 8 Q8_0),
-// out [M, N] float32.
-inline void check_gguf_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t qtype, const at::Tensor& out) {
-  const char* op = "gguf_linear";
+// The GGUF block linears (gguf_linear, gguf_a8_linear): x [M, K] float32 (rows may be strided, elements
+// contiguous; K a multiple of 32, GGUF's block), w_packed [P, K / 32, width x block bytes] of w_dtype (made
+// by ops.<pack>: panels of 16 rows, P = ceil(N / 16)), qtype a GGML type id of a supported block format
+// (2 Q4_0, 3 Q4_1, 8 Q8_0), out [M, N] float32.
+inline void check_gguf_blocks(const char* op, const at::Tensor& x, const at::Tensor& w_packed, int64_t qtype,
+                              const at::Tensor& out, at::ScalarType w_dtype, int64_t width, const char* pack) {
   TORCH_CHECK_VALUE(qtype == 2 || qtype == 3 || qtype == 8, op, ": qtype ", qtype,
                     " is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)");
   const int64_t block_bytes = qtype == 2 ? 18 : (qtype == 3 ? 20 : 34);
   check_dtype(op, "x", x, {at::kFloat});
   check_dim(op, "x", x, 2);
-  check_dtype(op, "w_packed", w_packed, {at::kByte});
+  TORCH_CHECK_TYPE(w_packed.scalar_type() == w_dtype, op, ": w_packed has dtype ", w_packed.scalar_type(),
+                   ", expected ", w_dtype, " (pack the blocks with minisched.ops.", pack, ")");
   check_dim(op, "w_packed", w_packed, 3);
   check_dtype(op, "out", out, {at::kFloat});
   check_dim(op, "out", out, 2);
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = (n + 15) / 16;
   TORCH_CHECK_VALUE(k % 32 == 0, op, ": K=", k, " (x ", shape_str(x.sizes()),
                     ") is not a multiple of 32, the GGUF block size");
-  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k / 32 && w_packed.size(2) == 16 * block_bytes,
+  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k / 32 && w_packed.size(2) == width * block_bytes,
                     op, ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k / 32,
-                    ", ", 16 * block_bytes, ") for x ", shape_str(x.sizes()), ", out ", shape_str(out.sizes()),
-                    " and qtype ", qtype, " (pack the blocks with minisched.ops.pack_gguf_weight)");
+                    ", ", width * block_bytes, ") for x ", shape_str(x.sizes()), ", out ", shape_str(out.sizes()),
+                    " and qtype ", qtype, " (pack the blocks with minisched.ops.", pack, ")");
   check_shape(op, "out", out, {m, n});
   TORCH_CHECK_VALUE(x.stride(1) == 1 || k <= 1, op, ": x must have contiguous rows (stride(1) == 1)");
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"out", &out}}) {
     check_device(op, name, *t, x.device());
     check_contiguous(op, name, *t);
   }
+}
+
+// gguf_linear: w_packed uint8 [P, K / 32, 16 x block bytes] (ops.pack_gguf_weight).
+inline void check_gguf_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t qtype, const at::Tensor& out) {
+  check_gguf_blocks("gguf_linear", x, w_packed, qtype, out, at::kByte, 16, "pack_gguf_weight");
 }
 
 inline void check_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
@@ -517,35 +523,12 @@ inline void check_no_overlap(const char* op, const char* out_name, const at::Ten
                     " (pass a separate output tensor)");
 }
 
-// gguf_a8_linear: as gguf_linear, with w_packed int32 [P, K / 32, 4 x block bytes] (ops.pack_gguf_a8_weight:
-// the same panel-blocks, each row's quant bytes in 32-bit lanes); the dtype tells the two layouts apart.
+// gguf_a8_linear: w_packed int32 [P, K / 32, 4 x block bytes] (ops.pack_gguf_a8_weight: the same panel-blocks,
+// each row's quant bytes in 32-bit lanes; the dtype tells the two layouts apart); out must not overlap x.
 inline void check_gguf_a8_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t qtype,
                                  const at::Tensor& out) {
   const char* op = "gguf_a8_linear";
-  TORCH_CHECK_VALUE(qtype == 2 || qtype == 3 || qtype == 8, op, ": qtype ", qtype,
-                    " is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)");
-  const int64_t block_bytes = qtype == 2 ? 18 : (qtype == 3 ? 20 : 34);
-  check_dtype(op, "x", x, {at::kFloat});
-  check_dim(op, "x", x, 2);
-  TORCH_CHECK_TYPE(w_packed.scalar_type() == at::kInt, op, ": w_packed has dtype ", w_packed.scalar_type(),
-                   ", expected Int (pack the blocks with minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's "
-                   "uint8 layout is gguf_linear's)");
-  check_dim(op, "w_packed", w_packed, 3);
-  check_dtype(op, "out", out, {at::kFloat});
-  check_dim(op, "out", out, 2);
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = (n + 15) / 16;
-  TORCH_CHECK_VALUE(k % 32 == 0, op, ": K=", k, " (x ", shape_str(x.sizes()),
-                    ") is not a multiple of 32, the GGUF block size");
-  TORCH_CHECK_VALUE(w_packed.size(0) == panels && w_packed.size(1) == k / 32 && w_packed.size(2) == 4 * block_bytes, op,
-                    ": w_packed has shape ", shape_str(w_packed.sizes()), ", expected (", panels, ", ", k / 32, ", ",
-                    4 * block_bytes, ") for x ", shape_str(x.sizes()), ", out ", shape_str(out.sizes()), " and qtype ",
-                    qtype, " (pack the blocks with minisched.ops.pack_gguf_a8_weight)");
-  check_shape(op, "out", out, {m, n});
-  TORCH_CHECK_VALUE(x.stride(1) == 1 || k <= 1, op, ": x must have contiguous rows (stride(1) == 1)");
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"w_packed", &w_packed}, {"out", &out}}) {
-    check_device(op, name, *t, x.device());
-    check_contiguous(op, name, *t);
-  }
+  check_gguf_blocks(op, x, w_packed, qtype, out, at::kInt, 4, "pack_gguf_a8_weight");
   check_no_overlap(op, "out", out, "x", x);
 }
 

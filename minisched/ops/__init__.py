@@ -380,19 +380,23 @@ def packed_linear(
 GGUF_QTYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 
+def _check_gguf_blocks(fn: str, blocks: torch.Tensor, qtype: int) -> None:
+    """A GGUF tensor's blocks as the pack functions take them: uint8 [N, K / 32 * block bytes] of a supported qtype."""
+    if qtype not in reference.GGUF_BLOCK_BYTES or isinstance(qtype, bool):
+        raise ValueError(f"{fn}: qtype {qtype!r} is not one of {GGUF_QTYPES}")
+    size = reference.GGUF_BLOCK_BYTES[qtype]
+    if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
+        raise ValueError(
+            f"{fn}: expected uint8 blocks [N, K / 32 * {size}] for qtype {qtype}, got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+
+
 def pack_gguf_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """A GGUF tensor's blocks, uint8 [N, K / 32 * block bytes] (one row per output row, as the file
     holds them), in gguf_linear's layout: panels of 16 rows, [ceil(N / 16), K / 32, 16 x block bytes]
     (zero past N), each block's scales of the 16 rows first, then their quants with the rows innermost.
     Done once, when the model is loaded."""
-    if qtype not in reference.GGUF_BLOCK_BYTES or isinstance(qtype, bool):
-        raise ValueError(f"pack_gguf_weight: qtype {qtype!r} is not one of {GGUF_QTYPES}")
-    size = reference.GGUF_BLOCK_BYTES[qtype]
-    if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
-        raise ValueError(
-            f"pack_gguf_weight: expected uint8 blocks [N, K / 32 * {size}] for qtype {qtype}, got "
-            f"{blocks.dtype} {tuple(blocks.shape)}"
-        )
+    _check_gguf_blocks("pack_gguf_weight", blocks, qtype)
     return reference.pack_gguf_weight(blocks.detach(), qtype)
 
 
@@ -418,14 +422,7 @@ def pack_gguf_a8_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """A GGUF tensor's blocks, uint8 [N, K / 32 * block bytes], in gguf_a8_linear's layout: int32
     [ceil(N / 16), K / 32, 4 x block bytes], pack_gguf_weight's panel-blocks with each row's quant bytes
     in 32-bit lanes (reference.pack_gguf_a8_weight). Done once, when the model is loaded."""
-    if qtype not in reference.GGUF_BLOCK_BYTES or isinstance(qtype, bool):
-        raise ValueError(f"pack_gguf_a8_weight: qtype {qtype!r} is not one of {GGUF_QTYPES}")
-    size = reference.GGUF_BLOCK_BYTES[qtype]
-    if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
-        raise ValueError(
-            f"pack_gguf_a8_weight: expected uint8 blocks [N, K / 32 * {size}] for qtype {qtype}, got "
-            f"{blocks.dtype} {tuple(blocks.shape)}"
-        )
+    _check_gguf_blocks("pack_gguf_a8_weight", blocks, qtype)
     return reference.pack_gguf_a8_weight(blocks.detach(), qtype)
 
 

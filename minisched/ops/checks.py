@@ -479,62 +479,23 @@ def packed_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) ->
 GGUF_QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}  # GGML type id: (name, bytes per block)
 
 
-def gguf_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-    """x [M, K] float32 (rows may be strided; K a multiple of 32, the GGUF block), w_packed [ceil(N / 16),
-    K / 32, 16 x block bytes] uint8 (pack_gguf_weight's layout), qtype 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0),
-    out [M, N] float32 (csrc/checks.h: check_gguf_linear)."""
-    op = "gguf_linear"
+def _gguf(op: str, x, w_packed, qtype, out, *, floats: tuple, w_dtype: torch.dtype, width: int, pack: str) -> None:
+    """gguf_linear's and gguf_a8_linear's checks: x [M, K] (rows may be strided; K a multiple of 32, the
+    GGUF block), w_packed [ceil(N / 16), K / 32, width x block bytes] of w_dtype (made by ops.`pack`),
+    qtype 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), out [M, N]; x and out of `floats`."""
     if isinstance(qtype, bool) or qtype not in GGUF_QTYPES:
         _fail(
             ValueError, op, f"qtype {qtype!r} is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)"
         )
     size = GGUF_QTYPES[qtype][1]
-    check_dtype(op, "x", x, (torch.float32, torch.float64))
-    check_dtype(op, "w_packed", w_packed, (torch.uint8,))
-    check_dtype(op, "out", out, (torch.float32, torch.float64))
-    for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("out", out, 2)):
-        if t.dim() != dims:
-            _fail(ValueError, op, f"{name} must have {dims} dims (shape {tuple(t.shape)})")
-    (m, k), n = x.shape, out.shape[1]
-    if k % 32:
-        _fail(ValueError, op, f"K={k} (x {tuple(x.shape)}) is not a multiple of 32, the GGUF block size")
-    panels = cdiv(n, 16)
-    if tuple(w_packed.shape) != (panels, k // 32, 16 * size):
-        _fail(
-            ValueError,
-            op,
-            f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k // 32}, {16 * size}) for x "
-            f"{tuple(x.shape)}, out {tuple(out.shape)} and qtype {qtype} (pack the blocks with "
-            f"minisched.ops.pack_gguf_weight)",
-        )
-    check_shape(op, "out", out, (m, n))
-    if x.stride(1) != 1 and k > 1:
-        _fail(ValueError, op, "x must have contiguous rows (stride(1) == 1)")
-    for name, t in (("w_packed", w_packed), ("out", out)):
-        if t.device != x.device:
-            _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
-        if not t.is_contiguous():
-            _fail(ValueError, op, f"{name} must be contiguous")
-
-
-def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-    """As gguf_linear, with w_packed int32 [ceil(N / 16), K / 32, 4 x block bytes] (pack_gguf_a8_weight's
-    layout) and x float32 (csrc/checks.h: check_gguf_a8_linear)."""
-    op = "gguf_a8_linear"
-    if isinstance(qtype, bool) or qtype not in GGUF_QTYPES:
-        _fail(
-            ValueError, op, f"qtype {qtype!r} is not a supported block format (GGML type ids: 2 Q4_0, 3 Q4_1, 8 Q8_0)"
-        )
-    size = GGUF_QTYPES[qtype][1]
-    check_dtype(op, "x", x, (torch.float32,))
-    if w_packed.dtype != torch.int32:
+    check_dtype(op, "x", x, floats)
+    if w_packed.dtype != w_dtype:
         _fail(
             TypeError,
             op,
-            f"w_packed has dtype {w_packed.dtype}, expected torch.int32 (pack the blocks with "
-            f"minisched.ops.pack_gguf_a8_weight; pack_gguf_weight's uint8 layout is gguf_linear's)",
+            f"w_packed has dtype {w_packed.dtype}, expected {w_dtype} (pack the blocks with minisched.ops.{pack})",
         )
-    check_dtype(op, "out", out, (torch.float32,))
+    check_dtype(op, "out", out, floats)
     for name, t, dims in (("x", x, 2), ("w_packed", w_packed, 3), ("out", out, 2)):
         if t.dim() != dims:
             _fail(ValueError, op, f"{name} must have {dims} dims (shape {tuple(t.shape)})")
@@ -542,13 +503,13 @@ def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: tor
     if k % 32:
         _fail(ValueError, op, f"K={k} (x {tuple(x.shape)}) is not a multiple of 32, the GGUF block size")
     panels = cdiv(n, 16)
-    if tuple(w_packed.shape) != (panels, k // 32, 4 * size):
+    if tuple(w_packed.shape) != (panels, k // 32, width * size):
         _fail(
             ValueError,
             op,
-            f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k // 32}, {4 * size}) for x "
+            f"w_packed has shape {tuple(w_packed.shape)}, expected ({panels}, {k // 32}, {width * size}) for x "
             f"{tuple(x.shape)}, out {tuple(out.shape)} and qtype {qtype} (pack the blocks with "
-            f"minisched.ops.pack_gguf_a8_weight)",
+            f"minisched.ops.{pack})",
         )
     check_shape(op, "out", out, (m, n))
     if x.stride(1) != 1 and k > 1:
@@ -558,6 +519,23 @@ def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: tor
             _fail(ValueError, op, f"{name} is on device {t.device}, expected {x.device}")
         if not t.is_contiguous():
             _fail(ValueError, op, f"{name} must be contiguous")
+
+
+def gguf_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """x, out float32 (float64 for the reference), w_packed uint8 [ceil(N / 16), K / 32, 16 x block bytes]
+    (pack_gguf_weight's layout); the rest as _gguf (csrc/checks.h: check_gguf_linear)."""
+    floats = (torch.float32, torch.float64)
+    _gguf("gguf_linear", x, w_packed, qtype, out, floats=floats, w_dtype=torch.uint8, width=16, pack="pack_gguf_weight")
+
+
+def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """x, out float32, w_packed int32 [ceil(N / 16), K / 32, 4 x block bytes] (pack_gguf_a8_weight's layout:
+    the dtype tells it from gguf_linear's), out not overlapping x; the rest as _gguf (csrc/checks.h:
+    check_gguf_a8_linear)."""
+    op = "gguf_a8_linear"
+    _gguf(
+        op, x, w_packed, qtype, out, floats=(torch.float32,), w_dtype=torch.int32, width=4, pack="pack_gguf_a8_weight"
+    )
     check_no_overlap(op, "out", out, "x", x)
 
 

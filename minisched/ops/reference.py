@@ -277,21 +277,29 @@ def dequantize_gguf(blocks: torch.Tensor, qtype: int, dtype: torch.dtype = torch
     return w.reshape(n, -1)
 
 
-def pack_gguf_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """gguf_linear's layout: panels of 16 rows (zero blocks past N), per panel and block of 32 channels
-    one panel-block of 16 x block bytes: the 16 rows' d (fp16), their m (Q4_1), then the quants with
-    the rows innermost (Q4: [16 bytes][16 rows], byte j holding channels j and j + 16; Q8: [32][16]).
-    Returns uint8 [ceil(N / 16), K / 32, 16 x block bytes]."""
+def _panel_scales(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The blocks [N, K / 32 * block bytes] in panels of 16 rows (zero blocks past N), [P, KB, 16 rows, block
+    bytes], and the head of each panel-block: the 16 rows' d, then their m (Q4_1), [P, KB, 32] each."""
     n, nbytes = blocks.shape
     size = GGUF_BLOCK_BYTES[qtype]
     nb, panels = nbytes // size, cdiv(n, 16)
     padded = blocks.new_zeros(panels * 16, nb, size)
     padded[:n] = blocks.reshape(n, nb, size)
-    b = padded.view(panels, 16, nb, size).permute(0, 2, 1, 3)  # [P, KB, 16 rows, size]
-    head = 4 if qtype == 3 else 2
+    b = padded.view(panels, 16, nb, size).permute(0, 2, 1, 3)
     parts = [b[..., 0:2].reshape(panels, nb, 32)]
     if qtype == 3:
         parts.append(b[..., 2:4].reshape(panels, nb, 32))
+    return b, parts
+
+
+def pack_gguf_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """gguf_linear's layout: panels of 16 rows (zero blocks past N), per panel and block of 32 channels
+    one panel-block of 16 x block bytes: the 16 rows' d (fp16), their m (Q4_1), then the quants with
+    the rows innermost (Q4: [16 bytes][16 rows], byte j holding channels j and j + 16; Q8: [32][16]).
+    Returns uint8 [ceil(N / 16), K / 32, 16 x block bytes]."""
+    b, parts = _panel_scales(blocks, qtype)
+    panels, nb = b.shape[:2]
+    head = 4 if qtype == 3 else 2
     parts.append(b[..., head:].transpose(-1, -2).reshape(panels, nb, -1))
     return torch.cat(parts, dim=-1).contiguous()
 
@@ -341,16 +349,9 @@ def pack_gguf_a8_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     g of row r holding its bytes 4g..4g+3 (channels 4g..4g+3 in the low nibbles, 16+4g.. in the high);
     Q8 [8][16][4], channels 4g..4g+3. Returns int32 [ceil(N / 16), K / 32, 4 x block bytes]: one
     vpdpbusd operand per 64 bytes (the dtype also tells it apart from pack_gguf_weight's uint8)."""
-    n, nbytes = blocks.shape
-    size = GGUF_BLOCK_BYTES[qtype]
-    nb, panels = nbytes // size, cdiv(n, 16)
-    padded = blocks.new_zeros(panels * 16, nb, size)
-    padded[:n] = blocks.reshape(n, nb, size)
-    b = padded.view(panels, 16, nb, size).permute(0, 2, 1, 3)  # [P, KB, 16 rows, size]
+    b, parts = _panel_scales(blocks, qtype)
+    panels, nb = b.shape[:2]
     head = 4 if qtype == 3 else 2
-    parts = [b[..., 0:2].reshape(panels, nb, 32)]
-    if qtype == 3:
-        parts.append(b[..., 2:4].reshape(panels, nb, 32))
     qs = b[..., head:]  # [P, KB, 16, Q] with Q = 16 or 32
     parts.append(qs.reshape(panels, nb, 16, -1, 4).transpose(2, 3).reshape(panels, nb, -1))
     return torch.cat(parts, dim=-1).contiguous().view(torch.int32)
