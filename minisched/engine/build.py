@@ -30,7 +30,7 @@ from minisched.engine.threads import ThreadTuner
 from minisched.model import weights
 from minisched.model.llama import LlamaModel
 from minisched.model.packed import pack_model, want_packed
-from minisched.model.quant import QuantConfig, quantize_model
+from minisched.model.quant import QuantConfig, held_mode, quantize_model
 from minisched.model.tokenizer import MiniTokenizer, load_tokenizer
 from minisched.parallel.launch import TPSession
 from minisched.parallel.source import ModelSource
@@ -133,10 +133,12 @@ def _build(
     # the projections' format (model/quant.py; "auto" resolved by pick_quantize), converted in place; a model
     # passed in quantized stays as it is. gguf, gguf-a8: the file's block-quantized tensors. The engine's
     # config names the mode it runs, as it does the session's model under tensor parallelism.
+    held = held_mode(model)
     quant, blocks = pick_quantize(
-        config.quantize, device, model.dtype, backend, tp, config.model, loaded, config.pack_weights
+        config.quantize, device, model.dtype, backend, tp, config.model, loaded, config.pack_weights, held
     )
-    quantize_model(model, quant, blocks)
+    if quant.mode != held:
+        quantize_model(model, quant, blocks)
     config = config.with_options(quantize=quant.mode)
     # packed float32 projections (model/packed.py): the CPU default, for the small-batch matmuls (with
     # gguf and gguf-a8: the tensors the file holds as floats)

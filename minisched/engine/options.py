@@ -52,6 +52,7 @@ def pick_quantize(
     model: Optional[str],
     loaded: bool,
     pack_weights: Optional[bool] = None,
+    held: str = "none",
 ) -> tuple[QuantConfig, Optional[GGUFBlocks]]:
     """The projections' and LM head's format (model/quant.py) and, for gguf and gguf-a8, the GGUF file's blocks
     (weights.gguf_blocks of `model`, the config's model spec; `loaded`: the engine loaded the weights
@@ -69,12 +70,23 @@ def pick_quantize(
 
     Never gguf-a8: its 8-bit activations are not fp32's bits, so it is asked for or not run.
 
+    `held` (quant.held_mode of a model object): weights converted before, by an engine built on the same
+    object, stay what they are; auto is that mode, and any other explicit mode is a ValueError (converting
+    again would fail or leave the engine naming a mode it does not run).
+
     Explicit gguf (and gguf-a8, alike here) with --no-pack-weights still runs its blocks: they are their
     own format (gguf_linear, gguf_a8_linear), and pack_weights only decides the tensors the file holds as
     floats, which then stay unpacked. Explicit gguf needs the GGUF file the model came from: with a model
     object (not `loaded`), `model` must name that file, else a ValueError here, at construction (an unnamed
     model object is not assumed to be the bundled SmolLM2, and Engine.fresh's name for it, "custom", is no
     file)."""
+    if held != "none":  # a model object converted before (quant.held_mode): it runs as it is, or not at all
+        if quantize not in ("auto", held):
+            raise ValueError(
+                f"quantize={quantize!r}: this model object's weights are --quantize {held}'s already (an engine "
+                f"converted them in place); use quantize={held!r} or 'auto', or load the model again"
+            )
+        return QuantConfig(held), None
     if quantize != "auto":
         cfg = QuantConfig(quantize)
         if not cfg.keeps_gguf_blocks:

@@ -224,6 +224,19 @@ def keep_gguf_blocks(model: LlamaModel, blocks: dict[str, tuple[int, torch.Tenso
     return model
 
 
+def held_mode(model: LlamaModel) -> str:
+    """The --quantize mode the model's projections and LM head are in now (quantize_model converts them in
+    place, so a model object an engine was built on keeps its mode): "none" for float32 weights."""
+    for w in [getattr(layer, n) for layer in model.decoder_layers for n in PROJECTIONS] + [model.lm_head]:
+        if isinstance(w, GGUFWeight):
+            return w.mode
+        if isinstance(w, Int8Weight):
+            return "int8"
+        if isinstance(w, PackedWeight) and w.dtype == torch.bfloat16:
+            return "bf16"
+    return "none"
+
+
 def group_size_for(k: int, group_size: int) -> int:
     """The configured group size when it divides K, else one group per row (per-channel scales)."""
     return group_size if k % group_size == 0 else k

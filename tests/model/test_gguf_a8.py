@@ -127,8 +127,26 @@ def test_engine_gguf_a8_option(tiny_gguf, backend):
     again = e.fresh()  # the same loaded model, the resolved mode kept
     assert again.quant.mode == again.config.quantize == "gguf-a8" and again.model is e.model
     assert [o.token_ids for o in again.generate(prompts, params)] == outs
-    with pytest.raises(ValueError, match="--quantize gguf: the model's weights are --quantize gguf-a8's blocks"):
+    with pytest.raises(ValueError, match="quantize='gguf': this model object's weights are --quantize gguf-a8's"):
         e.fresh(quantize="gguf")
+
+
+@pytest.mark.parametrize("mode", ["gguf", "gguf-a8"])
+def test_a_converted_model_object_keeps_its_mode(tiny_gguf, mode):
+    """A model object an engine converted in place: a new engine on it (auto, or fresh()) names the mode its
+    weights are in, not none; asking for another mode is one clear ValueError (none used to run the blocks
+    while the engine said none; int8 failed inside quantize_model with a TypeError)."""
+    e = tiny_engine(tiny_gguf, quantize=mode)
+    again = tiny_engine(e.model)  # the default, auto
+    assert again.quant.mode == again.config.quantize == mode
+    for other in ("none", "int8", "bf16", "gguf" if mode == "gguf-a8" else "gguf-a8"):
+        with pytest.raises(
+            ValueError, match=f"quantize='{other}': this model object's weights are --quantize {mode}'s"
+        ):
+            e.fresh(quantize=other)
+    assert isinstance(e.model.lm_head, GGUFWeight) and e.model.lm_head.mode == mode  # nothing was touched
+    out = e.fresh().generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))[0].token_ids
+    assert len(out) == 4
 
 
 def test_explicit_gguf_a8_needs_the_gguf_file(tiny_gguf):
