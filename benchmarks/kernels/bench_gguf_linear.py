@@ -61,18 +61,17 @@ def per_call(fn, seconds: float, copies: int) -> float:
 
 
 def bytes_per_token() -> dict:
-    """Weight bytes of a SmolLM2 decode step: fp32 (packed) and gguf (the file's blocks)."""
+    """Weight bytes of a SmolLM2 decode step: fp32 (packed), gguf and gguf-a8 (the file's blocks, in two
+    layouts of the same bytes)."""
     from minisched.engine.build import build_parts
     from minisched.engine.config import EngineConfig
 
     out = {}
-    for mode in ("none", "gguf"):
+    for mode, name in (("none", "fp32"), ("gguf", "gguf"), ("gguf-a8", "gguf-a8")):
         model = build_parts(EngineConfig(quantize=mode, num_pages=64)).model
         heads = [model.lm_head] if model.lm_head is not None else [model.embed]
         weights = [getattr(layer, n) for layer in model.decoder_layers for n in ("qkv", "o", "gate_up", "down")]
-        out["fp32" if mode == "none" else "gguf"] = sum(
-            b.numel() * b.element_size() for w in weights + heads for b in w.buffers()
-        )
+        out[name] = sum(b.numel() * b.element_size() for w in weights + heads for b in w.buffers())
     return out
 
 

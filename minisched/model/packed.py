@@ -68,12 +68,13 @@ def want_packed(
     quantized: bool,
     tensor_parallel: bool,
 ) -> bool:
-    """None: packed on the CPU for a float32 model with the native kernels, unless int8 or tensor
-    parallel (the ranks shard plain weights); True where that cannot be is an error."""
+    """None: packed on the CPU for a float32 model with the native kernels, unless its projections were
+    converted (`quantized`: --quantize int8 or bf16) or tensor parallel (the ranks shard plain weights); True
+    where that cannot be is an error."""
     if pack_weights is not None and not isinstance(pack_weights, bool):
         raise ValueError(f"pack_weights must be True, False or None (the device's default), got {pack_weights!r}")
     why = (
-        "the weights are int8 (--quantize)"
+        "the projections are quantized (--quantize int8 / bf16)"
         if quantized
         else "tensor-parallel ranks shard plain weights"
         if tensor_parallel

@@ -127,3 +127,6 @@ def test_engine_packs_by_default_on_cpu():
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     with pytest.raises(ValueError, match="pack_weights=True needs"):
         Engine(model_of(True), tokenizer=tok, num_pages=64, backend="torch", pack_weights=True)
+    for mode in ("int8", "bf16"):  # the reason names the mode asked for (it said "int8" for bf16 too)
+        with pytest.raises(ValueError, match=r"pack_weights=True needs .*quantized \(--quantize int8 / bf16\)"):
+            Engine(model_of(True), tokenizer=tok, num_pages=64, quantize=mode, pack_weights=True)
