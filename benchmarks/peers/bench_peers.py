@@ -62,6 +62,9 @@ Each worker reports the instruction set its kernels use (`isa` in the JSON's inf
 ops.cpu_isa(), ATen's CPU capability in vLLM's environment, ggml's CPU features for llama.cpp.
 `--minisched 'minisched-avx2={"cpu_isa": "avx2"}'` runs minisched's AVX2 kernels on a newer machine
 (what an AVX2-only machine would run; `cpu_isa` is not an engine option: the worker sets it first).
+A variant's `"env": {"VAR": "value"}` is environment for that worker alone, e.g.
+`'minisched-spin={"env": {"GOMP_SPINCOUNT": "3000"}}'` (libgomp spins ~30 us before a thread sleeps,
+instead of minisched's default OMP_WAIT_POLICY=PASSIVE: minisched/__init__.py says why).
 
 minisched runs with this tree (PYTHONPATH) and --minisched-python (default: this interpreter).
 `--minisched NAME[@TREE]=ENGINE_KW_JSON` (repeatable) adds minisched variants as more columns,
@@ -145,6 +148,8 @@ class MinischedWorker:
             thread_tuner=getattr(self.engine.runner, "thread_tuner", None) is not None,
             backend=self.engine.backend,
             isa=_minisched_isa(),
+            gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),  # a variant's "env" (libgomp's spin before sleeping)
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
         )
 
 
@@ -501,7 +506,14 @@ def main(argv=None):
     for name, tree, kw in variants:
         tree = os.path.abspath(tree) if tree else ROOT
         env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        specs.append((name, "minisched", args.minisched_python, {"engine_kw": kw, "tree": tree}, env, None))
+        # "env" in a variant's JSON: environment for that worker only (e.g. {"GOMP_SPINCOUNT": "3000"}: libgomp's
+        # spin before a thread sleeps, read when torch loads), not an engine option
+        extra = kw.pop("env", {})
+        if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
+            p.error(f"--minisched {name}: env must be an object of strings, got {extra!r}")
+        env.update(extra)
+        opts = {"engine_kw": kw, "tree": tree} | ({"env": extra} if extra else {})
+        specs.append((name, "minisched", args.minisched_python, opts, env, None))
     not_measured = {}
     if args.llama_python:
         specs.append(
