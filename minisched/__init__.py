@@ -29,7 +29,10 @@ from typing import TYPE_CHECKING
 # (every entry point -- the CLI, the server, `from minisched import Engine` -- passes here) and
 # never overrides a value the user set. If torch was imported before minisched, it has no
 # effect; `CPU_WAIT_POLICY_APPLIED` says whether it did. Thread counts are an Engine option
-# (`num_threads`), not an environment variable.
+# (`num_threads`), not an environment variable. The price is a wake-up per region: on a machine of its
+# own, libgomp's GOMP_SPINCOUNT=3000 (a ~30 us spin first; it overrides the policy) measured 1.33x at one
+# stream, and 0.48x beside a busy process with fixed threads (benchmarks/RESULTS.md, Peers), so it is the
+# user's to set.
 CPU_WAIT_POLICY_APPLIED = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
