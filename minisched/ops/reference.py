@@ -292,6 +292,23 @@ def _panel_scales(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, list[
     return b, parts
 
 
+def _head(qtype: int) -> int:
+    """Bytes before the quants in a GGUF block: d, and m for Q4_1."""
+    return 4 if qtype == 3 else 2
+
+
+def _from_panels(w8: torch.Tensor, qtype: int, n: int, quants: torch.Tensor) -> torch.Tensor:
+    """The GGUF blocks [N, K / 32 * block bytes] of packed panel-blocks w8 (uint8 [P, KB, 16 x block bytes],
+    the rows' d, then m for Q4_1, then the quants), with `quants` [P, KB, 16 rows, quant bytes] the latter
+    already put back in row order (each layout has its own)."""
+    panels, nb, _ = w8.shape
+    rows = [w8[..., 0:32].reshape(panels, nb, 16, 2)]
+    if qtype == 3:
+        rows.append(w8[..., 32:64].reshape(panels, nb, 16, 2))
+    b = torch.cat(rows + [quants], dim=-1)  # [P, KB, 16 rows, block bytes]
+    return b.permute(0, 2, 1, 3).reshape(panels * 16, -1)[:n]
+
+
 def pack_gguf_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """gguf_linear's layout: panels of 16 rows (zero blocks past N), per panel and block of 32 channels
     one panel-block of 16 x block bytes: the 16 rows' d (fp16), their m (Q4_1), then the quants with
@@ -299,22 +316,15 @@ def pack_gguf_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     Returns uint8 [ceil(N / 16), K / 32, 16 x block bytes]."""
     b, parts = _panel_scales(blocks, qtype)
     panels, nb = b.shape[:2]
-    head = 4 if qtype == 3 else 2
-    parts.append(b[..., head:].transpose(-1, -2).reshape(panels, nb, -1))
+    parts.append(b[..., _head(qtype) :].transpose(-1, -2).reshape(panels, nb, -1))
     return torch.cat(parts, dim=-1).contiguous()
 
 
 def unpack_gguf_weight(w_packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
     """The inverse of pack_gguf_weight: the GGUF blocks [N, K / 32 * block bytes]."""
     panels, nb, _ = w_packed.shape
-    size = GGUF_BLOCK_BYTES[qtype]
-    head = 4 if qtype == 3 else 2
-    rows = [w_packed[..., 0:32].reshape(panels, nb, 16, 2)]
-    if qtype == 3:
-        rows.append(w_packed[..., 32:64].reshape(panels, nb, 16, 2))
-    rows.append(w_packed[..., 16 * head :].reshape(panels, nb, size - head, 16).transpose(-1, -2))
-    b = torch.cat(rows, dim=-1)  # [P, KB, 16 rows, size]
-    return b.permute(0, 2, 1, 3).reshape(panels * 16, nb * size)[:n]
+    quants = w_packed[..., 16 * _head(qtype) :].reshape(panels, nb, -1, 16).transpose(-1, -2)
+    return _from_panels(w_packed, qtype, n, quants)
 
 
 def gguf_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
@@ -351,8 +361,7 @@ def pack_gguf_a8_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     vpdpbusd operand per 64 bytes (the dtype also tells it apart from pack_gguf_weight's uint8)."""
     b, parts = _panel_scales(blocks, qtype)
     panels, nb = b.shape[:2]
-    head = 4 if qtype == 3 else 2
-    qs = b[..., head:]  # [P, KB, 16, Q] with Q = 16 or 32
+    qs = b[..., _head(qtype) :]  # [P, KB, 16, Q] with Q = 16 or 32
     parts.append(qs.reshape(panels, nb, 16, -1, 4).transpose(2, 3).reshape(panels, nb, -1))
     return torch.cat(parts, dim=-1).contiguous().view(torch.int32)
 
@@ -360,15 +369,9 @@ def pack_gguf_a8_weight(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 def unpack_gguf_a8_weight(w_packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
     """The inverse of pack_gguf_a8_weight: the GGUF blocks [N, K / 32 * block bytes]."""
     panels, nb, _ = w_packed.shape
-    size = GGUF_BLOCK_BYTES[qtype]
-    head = 4 if qtype == 3 else 2
     w8 = w_packed.contiguous().view(torch.uint8)
-    rows = [w8[..., 0:32].reshape(panels, nb, 16, 2)]
-    if qtype == 3:
-        rows.append(w8[..., 32:64].reshape(panels, nb, 16, 2))
-    rows.append(w8[..., 16 * head :].reshape(panels, nb, -1, 16, 4).transpose(2, 3).reshape(panels, nb, 16, -1))
-    b = torch.cat(rows, dim=-1)  # [P, KB, 16 rows, size]
-    return b.permute(0, 2, 1, 3).reshape(panels * 16, nb * size)[:n]
+    quants = w8[..., 16 * _head(qtype) :].reshape(panels, nb, -1, 16, 4).transpose(2, 3).reshape(panels, nb, 16, -1)
+    return _from_panels(w8, qtype, n, quants)
 
 
 def gguf_a8_linear(x: torch.Tensor, w_packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
