@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "cpu/cpu_isa.h"
+#include "cpu/thread_pool.h"
 
 TORCH_LIBRARY(minisched, m) {
   // The fakes (FakeTensor/meta kernels: torch.compile, opcheck) are registered in Python, one per op;
@@ -55,10 +56,13 @@ TORCH_LIBRARY(minisched, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
 }
 
-// `import minisched.ops._C` loads this library (and so the registrations above). Its two Python
-// functions are the CPU kernels' ISA dispatch (csrc/cpu/cpu_isa.h; wrapped by minisched.ops):
+// `import minisched.ops._C` loads this library (and so the registrations above). Its Python functions
+// are the CPU kernels' ISA dispatch (csrc/cpu/cpu_isa.h) and thread pool (csrc/cpu/thread_pool.h),
+// wrapped by minisched.ops.cpu:
 //   cpu_features() -> dict    what cpuid and the OS allow, the supported variants, the active one
 //   set_cpu_isa(name | None)  use variant `name` (None: the best supported); ValueError otherwise
+//   cpu_pool() -> dict        the pool's spin_us and started workers
+//   set_cpu_spin_us(int)      how long an idle worker spins before it sleeps (the caller checks >= 0)
 namespace {
 
 using minisched::cpu::Isa;
@@ -132,9 +136,23 @@ PyObject* py_set_cpu_isa(PyObject*, PyObject* arg) {
   return nullptr;
 }
 
+PyObject* py_cpu_pool(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:L,s:i}", "spin_us", static_cast<long long>(minisched::cpu::spin_us()), "workers",
+                       minisched::cpu::pool_workers());
+}
+
+PyObject* py_set_cpu_spin_us(PyObject*, PyObject* arg) {
+  const long long us = PyLong_AsLongLong(arg);
+  if (us == -1 && PyErr_Occurred()) return nullptr;
+  minisched::cpu::set_spin_us(us);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"cpu_features", py_cpu_features, METH_NOARGS, "CPU features, supported kernel variants, the active one"},
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "Use the CPU kernel variant `name` (None: the best supported)"},
+    {"cpu_pool", py_cpu_pool, METH_NOARGS, "The CPU kernels' thread pool: spin_us, workers"},
+    {"set_cpu_spin_us", py_set_cpu_spin_us, METH_O, "How long an idle pool worker spins before it sleeps"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -23,16 +23,15 @@ from typing import TYPE_CHECKING
 # torch's CPU kernels and MKL run on libgomp, which reads OMP_WAIT_POLICY once, when torch is
 # first imported, and by default spins on every fork/join barrier. On a machine whose cores are
 # shared (another busy process, a laptop), a spinning thread holds a core that the descheduled
-# thread it waits for needs, and each of a step's ~150 parallel regions waits a scheduler tick:
-# SmolLM2 decode fell tenfold (27 -> 1.9 tok/s). PASSIVE makes idle threads sleep.
+# thread it waits for needs, and each parallel region waits a scheduler tick: SmolLM2 decode fell
+# tenfold (27 -> 1.9 tok/s) when its kernels still ran on OpenMP. PASSIVE makes idle threads sleep.
 # It must be in the environment before torch loads, so it is set on importing this package
 # (every entry point -- the CLI, the server, `from minisched import Engine` -- passes here) and
 # never overrides a value the user set. If torch was imported before minisched, it has no
 # effect; `CPU_WAIT_POLICY_APPLIED` says whether it did. Thread counts are an Engine option
-# (`num_threads`), not an environment variable. The price is a wake-up per region: on a machine of its
-# own, libgomp's GOMP_SPINCOUNT=3000 (a ~30 us spin first; it overrides the policy) measured 1.33x at one
-# stream, and 0.48x beside a busy process with fixed threads (benchmarks/RESULTS.md, Peers), so it is the
-# user's to set.
+# (`num_threads`), not an environment variable. minisched's own kernels do not use OpenMP's threads:
+# their pool (csrc/cpu/thread_pool.h) spins briefly before sleeping and never waits for a thread
+# that has not started its share, which is what a decode step's ~150 back-to-back ops need.
 CPU_WAIT_POLICY_APPLIED = "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

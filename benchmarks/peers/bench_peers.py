@@ -61,7 +61,8 @@ used for benchmarks/RESULTS.md (Python 3.11, x86-64, AVX2):
 Each worker reports the instruction set its kernels use (`isa` in the JSON's info): minisched's
 ops.cpu_isa(), ATen's CPU capability in vLLM's environment, ggml's CPU features for llama.cpp.
 `--minisched 'minisched-avx2={"cpu_isa": "avx2"}'` runs minisched's AVX2 kernels on a newer machine
-(what an AVX2-only machine would run; `cpu_isa` is not an engine option: the worker sets it first).
+(what an AVX2-only machine would run; `cpu_isa` is not an engine option: the worker sets it first), and
+`"cpu_spin_us": 0` makes the kernels' idle pool threads sleep at once (csrc/cpu/thread_pool.h).
 A variant's `"env": {"VAR": "value"}` is environment for that worker alone, e.g.
 `'minisched-spin={"env": {"GOMP_SPINCOUNT": "3000"}}'` (libgomp spins ~30 us before a thread sleeps,
 instead of minisched's default OMP_WAIT_POLICY=PASSIVE: minisched/__init__.py says why).
@@ -109,11 +110,15 @@ class MinischedWorker:
         from minisched.sched.sampling_params import SamplingParams
 
         kw = dict(opts.get("engine_kw") or {})
-        isa = kw.pop("cpu_isa", None)  # not an engine option: the process's CPU kernel variant
-        if isa:
+        # Not engine options: the process's CPU kernel variant and its thread pool's spin (microseconds).
+        isa, spin = kw.pop("cpu_isa", None), kw.pop("cpu_spin_us", None)
+        if isa or spin is not None:
             from minisched import ops
 
-            ops.set_cpu_isa(isa)
+            if isa:
+                ops.set_cpu_isa(isa)
+            if spin is not None:
+                ops.set_cpu_spin_us(spin)
         try:
             self.engine = Engine("smollm2", **kw)
             quant = getattr(self.engine, "quant", None)  # the resolved mode (a tree with --quantize auto)
@@ -148,9 +153,16 @@ class MinischedWorker:
             thread_tuner=getattr(self.engine.runner, "thread_tuner", None) is not None,
             backend=self.engine.backend,
             isa=_minisched_isa(),
+            cpu_spin_us=_minisched_spin(),
             gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),  # a variant's "env" (libgomp's spin before sleeping)
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
         )
+
+
+def _minisched_spin() -> int | None:
+    from minisched import ops
+
+    return ops.cpu_spin_us() if hasattr(ops, "cpu_spin_us") else None  # None: a tree before the pool
 
 
 def _minisched_isa() -> str:

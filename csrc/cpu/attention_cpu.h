@@ -26,6 +26,7 @@
 #include "cpu/attention_kernels.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/isa_kernels.h"
+#include "cpu/thread_pool.h"
 
 #include <atomic>
 #include <cmath>
@@ -272,7 +273,7 @@ void paged_attention(const AttnParams& p) {
   const int64_t workers = work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
   std::atomic<int64_t> next{0};
   const bool wide = use_avx512() && p.d % 16 == 0;
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(rows, p.d);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       if (wide)

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/gguf_a8_microkernel.h"
 #include "cpu/isa_kernels.h"
@@ -155,7 +156,7 @@ void gguf_a8_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t qty
   std::vector<float> dx(static_cast<size_t>(M * KB));
   std::vector<int32_t> sq(static_cast<size_t>(M * KB));
   const float* xp = x.const_data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+  parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     quantize_rows(xp, x.stride(0), K, m0, m1, xq.data(), dx.data(), sq.data());
   });
   const A8Rows a{xq.data(), dx.data(), sq.data(), K};
@@ -174,7 +175,7 @@ void gguf_a8_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t qty
   // At least ~256K products per task (4x gguf_linear's FMAs: a product costs a quarter), so a thread
   // wake-up is paid for.
   const int64_t grain = std::max<int64_t>(1, 262144 / (np * kPanel * K * M));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * np, np_here = std::min<int64_t>(np, P - p);
       const int64_t ncols = std::min(np_here * kPanel, N - p * kPanel);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/gguf_microkernel.h"
 #include "cpu/isa_kernels.h"
@@ -63,7 +64,7 @@ void run(const at::Tensor& x, const uint8_t* w, int64_t P, float* o, int64_t N) 
   // At least ~64K FMAs per task, so a thread wake-up is paid for.
   const int64_t grain = std::max<int64_t>(1, 65536 / (np * kPanel * K * M));
   constexpr int64_t S = ggufk::panel_block_bytes(QT);
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     std::vector<float> buf(widen_first ? static_cast<size_t>(np * K * kPanel) : 0);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * np;

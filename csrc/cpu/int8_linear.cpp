@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/isa_kernels.h"
 #include "cpu/work_split.h"
@@ -107,10 +108,10 @@ void run_amx(const int16_t* q, const float* sx, int64_t M, int64_t K, int64_t N,
   const int64_t mp = (M + amx::kMinRows - 1) / amx::kMinRows * amx::kMinRows, ng = K / G;
   std::vector<int8_t> hi(static_cast<size_t>(mp * K));
   std::vector<uint8_t> lo(static_cast<size_t>(mp * K));
-  at::parallel_for(0, mp, std::max<int64_t>(1, 65536 / K),
-                   [&](int64_t m0, int64_t m1) { amx::int8_split_rows(q, M, K, m0, m1, hi.data(), lo.data()); });
+  parallel_for(0, mp, std::max<int64_t>(1, 65536 / K),
+               [&](int64_t m0, int64_t m1) { amx::int8_split_rows(q, M, K, m0, m1, hi.data(), lo.data()); });
   const int64_t np = amx::kPanelsPerTask, groups = (P + np - 1) / np;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int8_t> wbuf(static_cast<size_t>(np * K * kPanel));
     // Row blocks outer: a block's activations stay in L2 while the task's panels pass.
     for (int64_t mb = 0; mb < M; mb += amx::kRowBlock) {
@@ -136,8 +137,8 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
   std::vector<int16_t> q(static_cast<size_t>(M * K));
   std::vector<float> sx(static_cast<size_t>(M));
   const float* xp = x.const_data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K),
-                   [&](int64_t m0, int64_t m1) { quantize_rows(xp, x.stride(0), K, m0, m1, q.data(), sx.data()); });
+  parallel_for(0, M, std::max<int64_t>(1, 65536 / K),
+               [&](int64_t m0, int64_t m1) { quantize_rows(xp, x.stride(0), K, m0, m1, q.data(), sx.data()); });
 
   const int8_t* w = w_packed.const_data_ptr<int8_t>();
   const float* ws = s_packed.const_data_ptr<float>();
@@ -158,7 +159,7 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
   const int64_t groups = (P + np - 1) / np, ng = K / G;
   // At least ~64K multiply-adds per task, so a thread wake-up is paid for.
   const int64_t grain = std::max<int64_t>(1, 65536 / (np * kPanel * K * M));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * np, np_here = std::min<int64_t>(np, P - p);
       const int64_t ncols = std::min(np_here * kPanel, N - p * kPanel);

@@ -5,13 +5,13 @@
 //   scatter_kv_pages kv_cache[:, :, pages[i]] = src[:, :, i]
 // Work is split over the 2L (layer, K/V) slices; inside a slice pages go in order, so repeated
 // or chained page indices behave exactly as the reference's sequential loop.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstring>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 
 namespace minisched::cpu {
 namespace {
@@ -23,7 +23,7 @@ void move_pages(const char* src, int64_t src_pages_per_slice, char* dst, int64_t
                 int64_t n, int64_t page_bytes, SrcIdx src_idx, DstIdx dst_idx) {
   if (n == 0 || slices == 0 || page_bytes == 0) return;
   // Split slices (each in page order) first; a single-slice pool still moves in order.
-  at::parallel_for(0, slices, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, slices, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const char* sb = src + s * src_pages_per_slice * page_bytes;
       char* db = dst + s * dst_pages_per_slice * page_bytes;

@@ -3,7 +3,6 @@
 //   m = max(lse_a, lse_b) (0 when infinite), w = exp(lse - m),
 //   v_out = (v_a w_a + v_b w_b) / (w_a + w_b or 1), lse_out = m + log(w_a + w_b).
 // An empty side (lse = -inf) gets weight 0; both empty gives v_out = 0, lse_out = -inf.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -11,6 +10,7 @@
 #include <limits>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "cpu/attention_cpu.h"
 
 namespace minisched::cpu {
@@ -19,7 +19,7 @@ namespace {
 template <typename scalar_t>
 void merge_rows(const scalar_t* va, const float* la, const scalar_t* vb, const float* lb, scalar_t* vo, float* lo,
                 int64_t rows, int64_t d) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float a = la[r], b = lb[r];
       float m = (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<float>::quiet_NaN() : std::max(a, b);

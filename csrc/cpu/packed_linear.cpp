@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/isa_kernels.h"
 #include "cpu/work_split.h"
@@ -55,10 +56,10 @@ void run_amx_bf16(const at::Tensor& x, const packed::bf16_t* w, int64_t P, float
   std::vector<uint16_t> terms(static_cast<size_t>(3 * mp * K));
   uint16_t *hi = terms.data(), *mid = hi + mp * K, *lo = mid + mp * K;
   const float* xp = x.const_data_ptr<float>();
-  at::parallel_for(0, mp, std::max<int64_t>(1, 16384 / K),
-                   [&](int64_t m0, int64_t m1) { amx::bf16_split_rows(xp, x.stride(0), M, K, m0, m1, hi, mid, lo); });
+  parallel_for(0, mp, std::max<int64_t>(1, 16384 / K),
+               [&](int64_t m0, int64_t m1) { amx::bf16_split_rows(xp, x.stride(0), M, K, m0, m1, hi, mid, lo); });
   const int64_t np = amx::kPanelsPerTask, groups = (P + np - 1) / np;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint16_t> wbuf(static_cast<size_t>(np * K * kPanel));
     // Row blocks outer: a block's activations stay in L2 while the task's panels pass.
     for (int64_t mb = 0; mb < M; mb += amx::kRowBlock) {
@@ -89,7 +90,7 @@ void run(const at::Tensor& x, const W* w, int64_t P, float* o, int64_t N) {
   const int64_t grain = std::max<int64_t>(1, 65536 / (np * kPanel * K * M));
   constexpr bool kBf16 = std::is_same_v<W, packed::bf16_t>;
   const bool widen_first = kBf16 && M >= kWidenRows;
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     std::vector<float> buf(widen_first ? static_cast<size_t>(np * K * kPanel) : 0);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * np;

@@ -7,7 +7,6 @@
 // product. A row's result does not depend on the other rows (batch-invariant). AVX-512 machines run the
 // 16-wide variant in rms_norm_avx512.cpp.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #endif
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/isa_kernels.h"
 
@@ -73,7 +73,7 @@ void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta, const
   // ~64K elements per task: below that a thread wake-up costs more than the row work.
   const int64_t grain = std::max<int64_t>(1, 65536 / D);
   const bool wide = use_avx512();
-  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+  parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     if (wide) return avx512::rms_norm_rows(xp, dp, w, e, o, D, m0, m1);
     for (int64_t m = m0; m < m1; ++m) norm_row(xp + m * D, dp == nullptr ? nullptr : dp + m * D, w, e, o + m * D, D);
   });

@@ -8,7 +8,6 @@
 // Each product is rounded before the sum (no FMA contraction: the pragma below), so the result is
 // bitwise torch's x * cos + rotate_half(x) * sin in float32, on every ISA variant.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 #endif
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -55,7 +55,7 @@ void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, con
   const int64_t sn = x.stride(0), sh = x.stride(1);
   // ~32K outputs per task: below that a thread wake-up costs more than the work.
   const int64_t grain = std::max<int64_t>(1, 32768 / (H * D));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t h = 0; h < H; ++h)
         rope_head(xp + n * sn + h * sh, cp + n * half, sp + n * half, o + (n * H + h) * D, half);

@@ -9,7 +9,6 @@
 // rows around it.
 // Measured: within 3.7 x 2^-24 relative of float64 (tests/ops/test_silu_and_mul.py).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,6 +20,7 @@
 #endif
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/isa_kernels.h"
 #include "cpu/vec_math.h"
@@ -59,7 +59,7 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   // ~32K outputs per task: below that a thread wake-up costs more than the row work.
   const int64_t grain = std::max<int64_t>(1, 32768 / D);
   const bool wide = use_avx512();
-  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+  parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     if (wide) return avx512::silu_and_mul_rows(xp, o, D, m0, m1);
     for (int64_t m = m0; m < m1; ++m) silu_mul_row(xp + m * 2 * D, xp + m * 2 * D + D, o + m * D, D);
   });

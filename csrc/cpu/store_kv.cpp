@@ -1,13 +1,13 @@
 // store_kv on the CPU: write N tokens' K/V [N, Hkv, D] into one layer's paged caches
 // [num_pages, page_size, Hkv, D] at slot_mapping[t] (slot = page * page_size + offset; < 0 skips).
 // k and v may be strided views (e.g. slices of a fused qkv projection); the caches are contiguous.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstring>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 
 namespace minisched::cpu {
 namespace {
@@ -39,7 +39,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   char* vc = static_cast<char*>(v_cache.data_ptr());
   // Tokens are independent (two tokens sharing a slot is a caller bug; within one chunk of
   // 256 tokens the last one wins, as in the reference).
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;

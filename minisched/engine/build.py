@@ -107,8 +107,8 @@ def _build(
         model, tokenizer = session.model, tokenizer or session.source.tokenizer()
     tp = session is not None
     # CPU threads (process-wide in torch). An int: that many, fixed. None: between 1 and the cores this
-    # process may use, chosen while serving by measuring (engine/threads.py). The OpenMP wait policy that
-    # goes with it is set in minisched/__init__.py.
+    # process may use, chosen while serving by measuring (engine/threads.py). The kernels' thread pool
+    # follows the count (csrc/cpu/thread_pool.h); torch's OpenMP wait policy is set in minisched/__init__.py.
     num_threads = config.num_threads or default_num_threads()
     tuner = ThreadTuner(num_threads) if config.num_threads is None and num_threads > 1 else None
     if num_threads != torch.get_num_threads():

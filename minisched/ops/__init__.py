@@ -24,11 +24,13 @@ from typing import Literal, Optional
 import torch
 
 from minisched.ops import checks, reference
-from minisched.ops.cpu import (  # noqa: F401  (re-exported: the CPU kernels' ISA dispatch)
+from minisched.ops.cpu import (  # noqa: F401  (re-exported: the CPU kernels' ISA dispatch and pool)
     CPU_ISAS,
     cpu_features,
     cpu_isa,
+    cpu_spin_us,
     set_cpu_isa,
+    set_cpu_spin_us,
     supported_cpu_isas,
     use_cpu_isa,
 )

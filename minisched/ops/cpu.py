@@ -1,4 +1,5 @@
-"""Which variant the CPU kernels run: the ISA dispatch of the native extension (csrc/cpu/cpu_isa.h).
+"""Which variant the CPU kernels run (the ISA dispatch of the native extension, csrc/cpu/cpu_isa.h), and
+how their thread pool waits (csrc/cpu/thread_pool.h).
 
 The extension is built for x86-64-v3 (AVX2 + FMA); its hot kernels also have variants for newer
 instruction sets, chosen once at load from cpuid and the OS's XSAVE state (the best the machine
@@ -11,6 +12,10 @@ Variants (CPU_ISAS, each using more of the machine than the one before):
   "avx2-vnni"  + AVX-VNNI: int16 dot products on ymm for the int8 weights
   "avx512"     AVX-512 F/BW/VL/DQ + AVX512-VNNI: 16 floats per instruction, 32 registers
   "amx"        + AMX tiles (and Linux's permission for them): the int8 and bf16 linears from 16 rows on
+
+The kernels split their work over a pool of minisched's own threads (as many as torch.get_num_threads()).
+An idle worker spins `cpu_spin_us()` microseconds before it sleeps, so the next op of a decode step finds
+it awake; `set_cpu_spin_us(0)` makes it sleep at once (the setting for benchmarks that compare the two).
 """
 
 from __future__ import annotations
@@ -69,6 +74,25 @@ def use_cpu_isa(isa: Optional[str]) -> Iterator[None]:
         yield
     finally:
         set_cpu_isa(before)
+
+
+def cpu_spin_us() -> int:
+    """How long an idle thread-pool worker spins before it sleeps, in microseconds."""
+    if _ext is None:
+        raise RuntimeError(_ERROR)
+    return int(_ext.cpu_pool()["spin_us"])
+
+
+def set_cpu_spin_us(us: int) -> int:
+    """Let idle pool workers spin `us` microseconds before they sleep (0: at once), process-wide;
+    returns the previous value. ValueError for a negative or non-integer value."""
+    if _ext is None:
+        raise RuntimeError(_ERROR)
+    if isinstance(us, bool) or not isinstance(us, int) or us < 0:
+        raise ValueError(f"spin must be a non-negative number of microseconds, got {us!r}")
+    before = cpu_spin_us()
+    _ext.set_cpu_spin_us(us)
+    return before
 
 
 def describe() -> str:
