@@ -10,7 +10,7 @@ requests so one process's spinning OpenMP threads do not tax the other's turn), 
 median and quartiles of the per-pair ratios A / B (> 1: B is faster).
 
     python benchmarks/cpu/bench_ab.py --a ../base --b . [--model smollm2] [--quantize none] [--tokens 512] [--new-tokens 1] \\
-        [--pairs 16] [--json F]
+        [--threads 2 (0: tuned)] [--pairs 16] [--json F]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 from minisched import Engine, SamplingParams
 from minisched.ops.cpu import describe
 model, quantize, tokens, new_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-engine = Engine(model, num_threads=threads, quantize=quantize)
+engine = Engine(model, num_threads=threads or None, quantize=quantize)  # 0: tuned (the default)
 lo, hi = (100, min(40000, engine.cfg.vocab_size)) if engine.cfg.vocab_size > 1000 else (0, engine.cfg.vocab_size)
 sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 rng = np.random.default_rng(0)  # both processes draw the same prompts, in the same order
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     p.add_argument("--quantize", default="none")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=1, help="1: a prefill")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="0: the engine's default (tuned while it runs)")
     p.add_argument("--pairs", type=int, default=16)
     p.add_argument("--pause", type=float, default=0.5, help="seconds before each request")
     p.add_argument("--json", default=None)

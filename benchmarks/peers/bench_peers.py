@@ -65,7 +65,8 @@ ops.cpu_isa(), ATen's CPU capability in vLLM's environment, ggml's CPU features 
 `"cpu_spin_us": 0` makes the kernels' idle pool threads sleep at once (csrc/cpu/thread_pool.h).
 A variant's `"env": {"VAR": "value"}` is environment for that worker alone, e.g.
 `'minisched-spin={"env": {"GOMP_SPINCOUNT": "3000"}}'` (libgomp spins ~30 us before a thread sleeps,
-instead of minisched's default OMP_WAIT_POLICY=PASSIVE: minisched/__init__.py says why).
+instead of minisched's default OMP_WAIT_POLICY=PASSIVE: minisched/__init__.py says why; since the kernels
+have their own pool it touches only torch's ops).
 
 minisched runs with this tree (PYTHONPATH) and --minisched-python (default: this interpreter).
 `--minisched NAME[@TREE]=ENGINE_KW_JSON` (repeatable) adds minisched variants as more columns,

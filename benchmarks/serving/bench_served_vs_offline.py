@@ -15,7 +15,10 @@ server (own process) driven by vLLM's own benchmark client (`vllm.benchmarks.ser
 sends none by default -- vLLM 0.32 warns it no longer sets greedy -- so the server would sample at 1.0),
 --max-concurrency S), its output throughput. Ratio: served / offline of the same round. TTFT: each
 client's first streamed chunk (chat, where a role chunk at admission used to arrive before prefill)
-against the server's own histogram (`/metrics`, admission to first token); target: within 10 %.
+against the server's own histogram (`/metrics`, admission to first token); target: within 10 %. The
+light-client runs also record who used the cores (`cpu_share`: this process as the client, the server's
+HTTP process, its engine process, from /proc/PID/stat), since all of them share the machine; the offline
+runs, the engine's share.
 """
 
 from __future__ import annotations
@@ -55,14 +58,39 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(PROMPT)] for _ in range(n)]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (/proc/PID/stat), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of a process (the server's engine process)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
 def offline(model: str, streams: int, ps: list[list[int]], threads: int | None) -> dict:
     from minisched import Engine, SamplingParams
 
     engine = Engine(model, max_running_requests=streams, num_threads=threads)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(ps, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     dt = time.perf_counter() - t0
-    return {"output_tok_s": sum(len(o.token_ids) for o in outs) / dt, "seconds": dt}
+    share = (time.process_time() - c0) / (dt * len(os.sched_getaffinity(0)))  # every thread of this process
+    return {"output_tok_s": sum(len(o.token_ids) for o in outs) / dt, "seconds": dt, "cpu_share": {"engine": share}}
 
 
 async def stream_client(c: httpx.AsyncClient, mine: list[list[int]], chat: bool, ttfts: list) -> int:
@@ -167,8 +195,16 @@ def served(
             if res.get("output_throughput") is None or res.get("failed"):
                 raise RuntimeError(f"vLLM's client failed: {res}")
             return {"output_tok_s": res["output_throughput"], "client": "vllm", "completed": res["completed"]}
+        # Who used the cores during the run, as a share of all of them: the light client (this process), the
+        # server's HTTP process and its engine process. Offline, the engine has them to itself.
+        # (The engine: every child of the server, e.g. with multiprocessing's resource tracker, which is idle.)
+        pids = {"client": [os.getpid()], "http": [server.pid], "engine": children(server.pid)}
+        used = lambda k: sum(cpu_seconds(pid) for pid in pids[k])  # noqa: E731
+        before = {k: used(k) for k in pids}
         tokens, dt, _ = asyncio.run(run(False, ps))
-        out = {"output_tok_s": tokens / dt, "seconds": dt}
+        cores = len(os.sched_getaffinity(0))
+        share = {k: (used(k) - before[k]) / (dt * cores) for k in pids}
+        out = {"output_tok_s": tokens / dt, "seconds": dt, "cpu_share": share}
         if chat_ttft:
             text = httpx.get(url + "/metrics", timeout=5).text
             s0 = float(re.search(r"^minisched_time_to_first_token_seconds_sum (\S+)", text, re.M).group(1))
@@ -247,6 +283,16 @@ def main() -> None:
             + "".join(f"{ratio[m]:>22.3f}" for m in served_modes)
             + f"{'-' if ttft is None else f'{ttft:.3f}':>20}"
         )
+    shares = [x for x in rows if "cpu_share" in x]
+    if shares:
+        print("\nshare of the cores during the runs (light client), median of rounds: client / HTTP process / engine")
+        for s in args.streams:
+            for mode in ("offline", "process", "thread"):
+                got = [x["cpu_share"] for x in shares if x["streams"] == s and x["mode"] == mode]
+                if got:
+                    med = {k: statistics.median(g.get(k, 0.0) for g in got) for k in ("client", "http", "engine")}
+                    summary[s][f"cpu_share_{mode}"] = med
+                    print(f"{s:>7} {mode:>8}: " + " / ".join(f"{med[k]:.1%}" for k in ("client", "http", "engine")))
     Path(args.json).write_text(
         json.dumps(
             {"benchmark": "bench_served_vs_offline", "model": args.model, "rows": rows, "summary": summary}, indent=1
