@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from minisched.observe.fleet import descendants
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))  # the sibling script with vLLM's client wrapper
 from openai_clients import vllm_client  # noqa: E402
@@ -66,20 +68,6 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of a process (the server's engine process)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return kids
 
 
 def offline(model: str, streams: int, ps: list[list[int]], threads: int | None) -> dict:
@@ -197,8 +185,8 @@ def served(
             return {"output_tok_s": res["output_throughput"], "client": "vllm", "completed": res["completed"]}
         # Who used the cores during the run, as a share of all of them: the light client (this process), the
         # server's HTTP process and its engine process. Offline, the engine has them to itself.
-        # (The engine: every child of the server, e.g. with multiprocessing's resource tracker, which is idle.)
-        pids = {"client": [os.getpid()], "http": [server.pid], "engine": children(server.pid)}
+        # (The engine: every descendant of the server, e.g. with multiprocessing's resource tracker, which is idle.)
+        pids = {"client": [os.getpid()], "http": [server.pid], "engine": descendants(server.pid)}
         used = lambda k: sum(cpu_seconds(pid) for pid in pids[k])  # noqa: E731
         before = {k: used(k) for k in pids}
         tokens, dt, _ = asyncio.run(run(False, ps))
