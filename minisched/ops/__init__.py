@@ -105,10 +105,7 @@ def call_op(name: str, args: tuple, backend: Backend = "native", check: bool = T
     spec = OPS[name]
     if backend == "triton" and not spec.triton:
         raise ValueError(f"{name} has no triton kernel: it runs on the native (CPU) or torch backend")
-    if spec.reads_indices:
-        getattr(checks, name)(*args, values=check)
-    else:
-        getattr(checks, name)(*args)
+    spec.input_checks(values=check)(*args)
     if backend == "torch":
         getattr(reference, name)(*args)
     else:

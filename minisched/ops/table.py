@@ -5,17 +5,21 @@ csrc/cpu/<family>.cpp, a CUDA kernel in csrc/cuda/<family>.cu (if `cuda`), a Tri
 `name` in triton_kernels/<family>.py (if `triton`; the module minisched.triton_kernels.<family>),
 the reference `reference.<name>`, the input checks `checks.<name>` (with a `values=` switch if
 `reads_indices`), its sample inputs `samples` (ops/samples.py) and its tests in
-tests/ops/test_<family>.py. Its fake is `fakes.<name>`.
+tests/ops/test_<family>.py. The schema's argument list is the one signature: the checks, the
+reference and the Triton launcher take it as it is (tests/ops/test_op_table.py), and the fake is
+the checks themselves (ops/fakes.py registers `input_checks(values=False)` for every entry).
 docs/architecture.md ("Adding an op") lists the steps.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from minisched.ops import samples
+from minisched.ops import checks, samples
 from minisched.ops.samples import Sampler
 
 # The floating dtypes the native kernels take: the paged-KV ops every float (checks.h), the CPU-only ops float32.
@@ -32,6 +36,12 @@ class OpSpec:
     triton: bool = True  # has a Triton kernel
     cuda: bool = True  # has a CUDA kernel (the CPU-only ops serve the CPU's own bottlenecks)
     dtypes: tuple[torch.dtype, ...] = ANY_FLOAT  # the samples' dtypes: those its native kernels take
+
+    def input_checks(self, values: bool = True) -> Callable[..., None]:
+        """checks.<name>, taking the op's own argument list; with values=False, without the checks that
+        read index values (what a FakeTensor cannot give; an op whose checks read none runs them all)."""
+        check = getattr(checks, self.name)
+        return functools.partial(check, values=values) if self.reads_indices else check
 
 
 def _cpu_only(name: str, sampler: Sampler) -> OpSpec:
