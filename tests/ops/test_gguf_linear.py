@@ -197,12 +197,3 @@ def test_triton_backend_is_a_clear_error(gen):
     w_packed = ops.pack_gguf_weight(random_blocks(8, 64, 8, gen), 8)
     with pytest.raises(ValueError, match="no triton kernel"):
         ops.call_op("gguf_linear", (torch.randn(2, 64), w_packed, 8, torch.empty(2, 8)), "triton")
-
-
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    w_packed = ops.pack_gguf_weight(random_blocks(8, 64, 3, gen), 3)
-    torch.library.opcheck(
-        torch.ops.minisched.gguf_linear.default, (torch.randn(3, 64, generator=gen), w_packed, 3, torch.empty(3, 8))
-    )

@@ -209,16 +209,6 @@ def test_triton_backend_is_a_clear_error(gen):
         ops.call_op("int8_linear", (torch.randn(2, 64), w_packed, s_packed, torch.empty(2, 8)), "triton")
 
 
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    w_packed, s_packed = random_weights(8, 64, 32, gen)
-    torch.library.opcheck(
-        torch.ops.minisched.int8_linear.default,
-        (torch.randn(3, 64, generator=gen), w_packed, s_packed, torch.empty(3, 8)),
-    )
-
-
 def test_amx_split_and_tiles_give_the_exact_int32_sums(gen):
     """The AMX variant's arithmetic, emulated (so it is checked on machines without AMX too): int16
     rows split into signed high and unsigned low bytes, a panel relaid out into B-tile rows, and the

@@ -56,14 +56,3 @@ def test_gather_to_host_buffer(t, gen):
     fresh = torch.zeros_like(kv)
     ops.scatter_kv_pages(host, fresh, pages, backend=t.backend)
     assert torch.equal(fresh.cpu()[:, :, [5, 0, 3]], host)
-
-
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    kv = torch.randn(2, 2, 6, 16, 2, 64, generator=gen)
-    src, dst = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.minisched.copy_kv_pages.default, (kv, src, dst))
-    out = torch.empty(2, 2, 2, 16, 2, 64)
-    torch.library.opcheck(torch.ops.minisched.gather_kv_pages.default, (kv, src, out))
-    torch.library.opcheck(torch.ops.minisched.scatter_kv_pages.default, (out, kv, dst))

@@ -60,14 +60,3 @@ def test_empty_batch(t, gen):
     lse = torch.empty((0, 4), device=t.device)
     v_out, lse_out = ops.merge_attention_states(v, lse, v, lse, backend=t.backend)
     assert v_out.shape == (0, 4, 64) and lse_out.shape == (0, 4)
-
-
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    v_a, v_b = torch.randn(5, 3, 64, generator=gen), torch.randn(5, 3, 64, generator=gen)
-    lse_a, lse_b = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
-    torch.library.opcheck(
-        torch.ops.minisched.merge_attention_states.default,
-        (v_a, lse_a, v_b, lse_b, torch.empty_like(v_a), torch.empty_like(lse_a)),
-    )

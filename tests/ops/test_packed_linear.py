@@ -212,12 +212,3 @@ def test_bad_input(backend, case, exc, words, gen):
         w = torch.randn(2, 16, 64, generator=gen).transpose(1, 2)
     with pytest.raises(exc, match=words):
         ops.call_op("packed_linear", (x, w, out), backend)
-
-
-@pytest.mark.parametrize("m,n,k", [(3, 17, 40), (1, 16, 64)])
-def test_opcheck(m, n, k, gen):
-    """Schema, fake (minisched.ops.fakes), autograd registration and torch.compile agree with the kernel."""
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-    torch.library.opcheck(torch.ops.minisched.packed_linear.default, (x, ops.pack_linear_weight(w), torch.empty(m, n)))

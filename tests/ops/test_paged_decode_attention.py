@@ -80,15 +80,3 @@ def test_wrapper_allocates_and_matches(t, gen):
     q = randn((3, 9, 64), t.dtype, t.device, gen)
     out = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, *kv.table, backend=t.backend)
     torch.testing.assert_close(out.cpu().double(), expected(q, kv, 64**-0.5)[0], **t.tol)
-
-
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    kv = make_paged_kv([5, 20], 16, 2, 64, torch.float32, "cpu", gen=gen)
-    q = torch.randn(2, 4, 64, generator=gen)
-    out, lse = torch.empty_like(q), torch.empty(2, 4)
-    for l in (lse, None):
-        torch.library.opcheck(
-            torch.ops.minisched.paged_decode_attention.default, (q, kv.k_cache, kv.v_cache, *kv.table, 0.125, out, l)
-        )

@@ -101,17 +101,3 @@ def test_empty_batch(t, gen):
     empty = torch.zeros(0, dtype=torch.int32, device=t.device)
     out = ops.paged_prefill_attention(q, zero, kv.k_cache, kv.v_cache, zero, empty, empty, backend=t.backend)
     assert out.shape == (0, 4, 64)
-
-
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    kv = make_paged_kv([5, 20], 16, 2, 64, torch.float32, "cpu", gen=gen)
-    q = torch.randn(9, 4, 64, generator=gen)
-    qo = qo_indptr_of([4, 5], "cpu")
-    out, lse = torch.empty_like(q), torch.empty(9, 4)
-    for causal, l in ((True, lse), (False, None)):
-        torch.library.opcheck(
-            torch.ops.minisched.paged_prefill_attention.default,
-            (q, qo, kv.k_cache, kv.v_cache, *kv.table, causal, 0.125, out, l),
-        )

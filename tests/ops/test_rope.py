@@ -148,13 +148,3 @@ def test_bad_input(backend, case, exc, words, gen):
         out = x
     with pytest.raises(exc, match=words):
         ops.call_op("rope", (x, cos, sin, out), backend)
-
-
-def test_opcheck(gen):
-    """Schema (out mutated), fake (minisched.ops.fakes), autograd registration and torch.compile agree
-    with the kernel, on a strided view."""
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    _, q, _ = qkv_views(5, 3, 1, 8, gen)
-    cos, sin = angles(5, 8, gen)
-    torch.library.opcheck(torch.ops.minisched.rope.default, (q, cos, sin, torch.empty(5, 3, 8)))

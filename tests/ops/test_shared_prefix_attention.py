@@ -114,15 +114,3 @@ def test_cascade_equals_plain_decode(t, page_size, gen):
     ref = torch.empty_like(q64)
     reference.paged_decode_attention(q64, k64, v64, *[x.cpu() for x in full_t], d**-0.5, ref)
     torch.testing.assert_close(cascade.cpu().double(), ref, **t.tol)
-
-
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    kv = make_paged_kv([16, 5], 16, 2, 64, torch.float32, "cpu", gen=gen)
-    q = torch.randn(4, 4, 64, generator=gen)
-    out, lse = torch.empty_like(q), torch.empty(4, 4)
-    torch.library.opcheck(
-        torch.ops.minisched.shared_prefix_attention.default,
-        (q, indptr_of([3, 1], "cpu"), kv.k_cache, kv.v_cache, *kv.table, 0.125, out, lse),
-    )

@@ -27,12 +27,3 @@ def test_matches_reference(t, page_size, hkv, d, n, gen):
     assert torch.equal(k_cache.cpu(), ref_k) and torch.equal(v_cache.cpu(), ref_v)
     if n > 2:
         assert not torch.equal(ref_k, k_cache.new_zeros(ref_k.shape).cpu())
-
-
-def test_opcheck(gen):
-    if not ops.native_available():
-        pytest.skip(ops.NATIVE_ERROR)
-    k_cache, v_cache = torch.randn(4, 16, 2, 64, generator=gen), torch.randn(4, 16, 2, 64, generator=gen)
-    k, v = torch.randn(5, 2, 64, generator=gen), torch.randn(5, 2, 64, generator=gen)
-    slots = torch.tensor([0, 17, -1, 40, 63], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.minisched.store_kv.default, (k, v, k_cache, v_cache, slots))
