@@ -35,7 +35,13 @@ def _indptr(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def _paged_kv(
-    kv_lens: Sequence[int], page_size: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype, gen
+    kv_lens: Sequence[int],
+    page_size: int,
+    hkv: int,
+    d: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    gen: torch.Generator,
 ) -> tuple[torch.Tensor, ...]:
     """One layer's random (k_cache, v_cache) with the page table (kv_indptr, kv_indices, kv_last_page_len)
     of requests of kv_lens tokens, their pages shuffled over the pool (one page spare)."""
@@ -141,7 +147,7 @@ def _gguf_blocks(n: int, k: int, qtype: int, gen: torch.Generator) -> torch.Tens
 
 
 def _gguf_cases(
-    pack: Callable[[torch.Tensor, int], torch.Tensor], device: torch.device, dtype: torch.dtype, gen
+    pack: Callable[[torch.Tensor, int], torch.Tensor], device: torch.device, dtype: torch.dtype, gen: torch.Generator
 ) -> list[tuple]:
     """One case per block format, N = 17 (a full panel of 16 rows and a partial one), K = 64."""
     return [
