@@ -207,9 +207,10 @@ class MiniTokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str) -> MiniTokenizer:
-        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        with open(os.path.join(path, "tokenizer.json")) as f:
-            byte_fallback = bool(json.load(f).get("model", {}).get("byte_fallback"))
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+            text = f.read()
+        tok = Tokenizer.from_str(text)
+        byte_fallback = bool(json.loads(text).get("model", {}).get("byte_fallback"))  # SentencePiece's spelling
 
         def read(name: str) -> dict:
             file = os.path.join(path, name)

@@ -132,8 +132,35 @@ def test_tokenizer_chat_template_and_stops(tiny):
         want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
         assert tok.encode_chat(msgs) == list(want)  # the template's own BOS, not a second one
         assert tok.eos_token_id == ids[tiny.family.eos] and set(tok.stop_token_ids) >= {ids[tiny.family.eos]}
+        # the bytes of each token (structured outputs' vocabulary): SentencePiece's "\u2581" is a space, and
+        # its text starts with one (the Metaspace prefix that decoding strips)
+        text = "héllo wörld 🙂 ok"
+        pieces = b"".join(tok.token_bytes(i) for i in tok.encode(text, add_special_tokens=False))
+        assert pieces == (b" " if tiny.family.split == F.SPM else b"") + text.encode()
     folder = MiniTokenizer.from_hf_dir(tiny.hf_dir)
     assert set(folder.stop_token_ids) == {ids[t] for t in (tiny.family.eos, *tiny.family.stops)}
+
+
+FEATURE_TEMPLATE = (  # what real templates use: Qwen's tools | tojson and enable_thinking, Llama-3.2's strftime_now
+    "{%- set ns = namespace(n=0) %}{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+    "{%- for m in messages %}{%- set ns.n = ns.n + 1 %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant {{ ns.n }} {{ strftime_now('%Y') }}\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_features_render_as_transformers(tmp_path):
+    fam = F.build("qwen3", tmp_path)
+    (tmp_path / "hf" / "chat_template.jinja").write_text(FEATURE_TEMPLATE)
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = MiniTokenizer.from_hf_dir(fam.hf_dir)
+    msgs = [{"role": "user", "content": "Weather <in> 'Paris' & Köln?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "description": "<now> & 'later' in Köln"}}]
+    for kw in ({}, {"enable_thinking": False}, {"tools": tools}):
+        want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
+        assert ours.apply_chat_template(msgs, True, **kw) == want, kw
 
 
 def test_engine_stops_at_every_stop_token(tiny, tmp_path):
