@@ -11,7 +11,7 @@ architecture or option and a tensor the model would not read are one-line errors
 tests/parallel/test_families_tp.py.)
 
 Before the families' pieces existed, a Qwen2 folder loaded without a word and ignored its q/k/v biases, and a
-Qwen3 folder its q/k norms: test_greedy_equals_transformers[hf-*-qwen2/qwen3] failed from the first token.
+Qwen3 folder its q/k norms: test_greedy_equals_transformers[qwen2-hf-*] and [qwen3-hf-*] failed from the first token.
 """
 
 from __future__ import annotations
