@@ -7,7 +7,7 @@
 Each `step()` is the whole story: the scheduler picks a batch, the `ModelRunner` computes
 it and samples, the scheduler records the tokens and finishes requests. Prompts are text,
 token-id lists, or chat message lists (rendered with the model's chat template). The model's
-EOS is added to every request's stop tokens (unless `ignore_eos`); stop strings are checked
+stop tokens (its EOS and end-of-turn tokens) are added to every request's (unless `ignore_eos`); stop strings are checked
 on the decoded tail after each token and cut from the final text.
 
 A bad request (empty or over-long prompt, invalid sampling) raises `InvalidRequest` from
@@ -151,12 +151,14 @@ class Engine:
         raise InvalidRequest("a prompt must be a string, a list of token ids or a list of chat messages")
 
     def _with_eos(self, sampling: SamplingParams) -> SamplingParams:
-        eos = self.tokenizer.eos_token_id
-        if eos is None:
-            eos = self.cfg.eos_token_id
-        if eos is None or sampling.ignore_eos or eos in sampling.stop_token_ids:
+        """The model's stop tokens (the tokenizer's EOS and end-of-turn tokens, else the config's EOS) added."""
+        stops = self.tokenizer.stop_token_ids
+        if not stops and self.cfg.eos_token_id is not None:
+            stops = (self.cfg.eos_token_id,)
+        missing = tuple(t for t in stops if t not in sampling.stop_token_ids)
+        if not missing or sampling.ignore_eos:
             return sampling
-        return dataclasses.replace(sampling, stop_token_ids=sampling.stop_token_ids + (eos,))
+        return dataclasses.replace(sampling, stop_token_ids=sampling.stop_token_ids + missing)
 
     def add_request(
         self,

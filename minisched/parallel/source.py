@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,25 +32,9 @@ class ModelSource:
 
     def model_config(self) -> ModelConfig:
         """The config alone, cheaply (a GGUF header, a config.json): to validate --tp before loading."""
-        import json
-
         from minisched.model import weights
-        from minisched.model.config import preset
 
-        if self.config is not None:
-            return self.config
-        kind, where = weights.resolve(self.spec)
-        if kind == "dummy":
-            return preset(where)
-        try:
-            if kind == "hf":
-                with open(os.path.join(where, "config.json")) as f:
-                    return weights.config_from_hf(json.load(f))
-            from minisched.model.gguf_file import GGUFFile
-
-            return weights.config_from_gguf(GGUFFile(where).metadata)
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise weights.ModelLoadError(f"cannot load the model: {where}: {type(exc).__name__}: {exc}") from None
+        return self.config if self.config is not None else weights.load_config(self.spec)
 
     def load(self) -> LlamaModel:
         """The full model on the CPU."""

@@ -9,9 +9,11 @@ What the router reads (sglang-router 0.3.2, `core/steps/worker/local/discover_me
 - GET /server_info (404 -> /get_server_info): `served_model_name` (the router's model id for
   the worker: /v1/models, a request's `model`), `dp_size`, `version`. No `model_path`: the router
   would try to load a tokenizer from it (a GGUF file is no tokenizer it can read). SGLang's
-  limits are here too, under SGLang's names, for SGLang's clients and for people.
-- GET /model_info (404 -> /get_model_info): `model_type`, `architectures` (labels); SGLang's
-  clients read `model_path` (here the served name) and `is_generation`.
+  limits are here too, under SGLang's names, for SGLang's clients and for people, and the model's
+  own `chat_template` (SGLang's field of that name is an override's name).
+- GET /model_info (404 -> /get_model_info): `model_type`, `architectures` (the model's family, e.g.
+  qwen2 / Qwen2ForCausalLM; labels for the router); SGLang's clients read `model_path` (here the
+  served name) and `is_generation`.
 - GET /get_load: `[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]`, one row per
   engine replica; the router sums `num_tokens` (its `power_of_two` policy and `/get_loads`).
 - POST /flush_cache (GET too, as SGLang): every replica's radix cache and, with --dp, the
@@ -30,6 +32,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from minisched.model.families import hf_architecture
 from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.generate import generate, sglang_error
 from minisched.serve.loop import ServingLoop
@@ -66,6 +69,7 @@ def server_info(state: ServerState, loop: ServingLoop) -> dict:
         "max_queued_requests": state.max_queued_requests,
         "schedule_policy": cfg.policy,
         "disable_radix_cache": not cfg.enable_radix_cache,
+        "chat_template": state.tokenizer.chat_template,  # the model's own (SGLang's field names an override)
     }
 
 
@@ -74,8 +78,8 @@ def model_info(state: ServerState) -> dict:
         "model_path": state.model_name,
         "tokenizer_path": None,
         "is_generation": True,
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": state.model_config.architecture,
+        "architectures": [hf_architecture(state.model_config.architecture)],
         "preferred_sampling_params": None,
         "weight_version": "default",
         "has_image_understanding": False,

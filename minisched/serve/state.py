@@ -139,6 +139,7 @@ class ServerState:
             raise ValueError("max_queued_requests must be >= 0")
         self.engine_loop = engine_loop
         self.tokenizer = engine.tokenizer
+        self.model_config = engine.cfg  # the model's family and shapes (/model_info); frozen
         self.vocab_size = engine.cfg.vocab_size
         cfg = self.sched_config = engine.sched_config  # frozen: safe to read from this thread
         self.max_context_len = cfg.max_context_len
