@@ -109,3 +109,54 @@ def test_quantize_choices_are_the_modes():
 def test_errors_name_the_flag(argv, flag):
     with pytest.raises(CLIError, match=flag):
         engine_config(parser().parse_args(argv.split()))
+
+
+# -- what the user typed, and profiles -----------------------------------------------------------------
+def test_the_options_typed_are_known_even_at_their_default():
+    from minisched.base.flags import given, given_flag_values
+    from minisched.sched.config import SchedulerConfig
+
+    args = parser().parse_args("--chunk-size 512 --no-radix-cache --policy fcfs".split())
+    assert {"chunk_size", "enable_radix_cache", "policy"} <= given(args)
+    assert given_flag_values(args, SchedulerConfig) == {
+        "chunk_size": 512,
+        "enable_radix_cache": False,
+        "policy": "fcfs",
+    }
+    assert given_flag_values(parser().parse_args([]), SchedulerConfig) == {}
+
+
+def test_what_the_user_typed_wins_over_a_profile(monkeypatch):
+    """A profile's values stand where no flag was typed; a typed flag wins, also at its default value (the
+    profile merge used to treat a flag equal to its default as not typed)."""
+    from minisched.sched import config
+
+    monkeypatch.setitem(config.PRESETS, "toy", {"chunk_size": 256, "max_running_requests": 8})
+    s = engine_config(parser().parse_args("--sched-profile toy --chunk-size 512".split())).scheduler
+    assert (s.chunk_size, s.max_running_requests) == (512, 8)
+    s = engine_config(parser().parse_args("--sched-profile toy --max-running-requests 64".split())).scheduler
+    assert (s.chunk_size, s.max_running_requests) == (256, 64)
+    s = engine_config(parser().parse_args("--sched-profile toy".split())).scheduler
+    assert (s.chunk_size, s.max_running_requests) == (256, 8)
+
+
+# -- the sampling options: SamplingParams' fields ------------------------------------------------------
+def sampling_parser() -> argparse.ArgumentParser:
+    from minisched.cli.common import sampling_args
+
+    p = argparse.ArgumentParser()
+    sampling_args(p)
+    return p
+
+
+def test_sampling_defaults_are_sampling_params():
+    from minisched.cli.common import sampling_from
+    from minisched.sched.sampling_params import SamplingParams
+
+    assert sampling_from(sampling_parser().parse_args([])) == SamplingParams()
+    got = sampling_from(
+        sampling_parser().parse_args("--stop a --stop bc --seed 7 --temperature 0.5 --ignore-eos".split())
+    )
+    assert got == SamplingParams(stop=("a", "bc"), seed=7, temperature=0.5, ignore_eos=True)
+    with pytest.raises(CLIError, match="top_p"):
+        sampling_from(sampling_parser().parse_args(["--top-p", "0"]))
