@@ -160,3 +160,68 @@ def test_sampling_defaults_are_sampling_params():
     assert got == SamplingParams(stop=("a", "bc"), seed=7, temperature=0.5, ignore_eos=True)
     with pytest.raises(CLIError, match="top_p"):
         sampling_from(sampling_parser().parse_args(["--top-p", "0"]))
+
+
+# -- minisched serve's options: ServeConfig ------------------------------------------------------------
+def serve_args(argv: list[str]):
+    from minisched.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_defaults_are_the_configs(monkeypatch):
+    from minisched.cli.serve import ServeConfig, serve_config
+
+    monkeypatch.delenv("MINISCHED_API_KEY", raising=False)
+    assert serve_config(serve_args([])) == ServeConfig()
+    monkeypatch.setenv("MINISCHED_API_KEY", "from-env")
+    assert serve_config(serve_args([])).api_key == "from-env"
+    cfg = serve_config(
+        serve_args(
+            "--port 0 --max-stop-chars 9 --router round-robin --router-balance-abs-threshold 3 "
+            "--engine-max-restarts 0 --record-keep 2 --record runs/x.json --dp 2".split()
+        )
+    )
+    assert (cfg.port, cfg.dp, cfg.limits.max_stop_chars, cfg.router.policy) == (0, 2, 9, "round-robin")
+    assert (cfg.router.balance_abs_threshold, cfg.supervision.max_restarts) == (3, 0)
+    assert (cfg.recording.path, cfg.recording.keep) == ("runs/x.json", 2)
+
+
+def test_the_choice_bound_follows_the_queue():
+    """`serve --max-queued-requests 6` used to exit with "--max-choices-per-request must be <=
+    --max-queued-requests" though --max-choices-per-request was never typed: its default now follows."""
+    from minisched.cli.serve import serve_config
+    from minisched.serve.limits import MAX_CHOICES
+
+    assert serve_config(serve_args(["--max-queued-requests", "6"])).limits.choices == 6
+    assert serve_config(serve_args(["--max-queued-requests", "0"])).limits.choices == 1
+    assert serve_config(serve_args([])).limits.choices == MAX_CHOICES
+    assert (
+        serve_config(serve_args(["--max-queued-requests", "6", "--max-choices-per-request", "4"])).limits.choices == 4
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            "--max-queued-requests 6 --max-choices-per-request 7",
+            "--max-choices-per-request (7) must be <= --max-queued-requests (6)",
+        ),
+        ("--max-choices-per-request 600", "--max-choices-per-request (600) must be <= --max-queued-requests (512)"),
+        ("--max-queued-requests -1", "--max-queued-requests must be an int >= 0"),
+        ("--max-logit-bias 0", "--max-logit-bias must be an int >= 1"),
+        ("--port 70000", "--port must be in [0, 65535]"),
+        ("--grace-period -1", "--grace-period must be >= 0"),
+        ("--engine-in-process --dp 2", "--engine-in-process runs one engine: not with --dp"),
+        ("--engine-step-timeout 0", "--engine-step-timeout must be > 0"),
+        ("--router-balance-rel-threshold 0.5", "--router-balance-rel-threshold must be >= 1"),
+        ("--record x.json --record-interval 0", "--record-interval must be > 0"),
+    ],
+)
+def test_bad_serve_options_are_one_line_errors_naming_the_flag(argv, message, capsys):
+    from minisched.cli import main
+
+    assert main(["serve", "--model", "dummy:tiny", *argv.split()]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("minisched: error:") and message in err and "\n" not in err, err

@@ -5,7 +5,7 @@ a handle only through `EngineLoop` publishing to `RequestHandle.deliver` with
 `call_soon_threadsafe`), so nothing needs a lock.
 
 Admission, in order: draining -> 503; the request's bounds (limits.py) and prompt and sampling
-checks (`prepare`) -> 400; more than `max_queued_requests` requests queued with this call's
+checks (`prepare`) -> 400; more than `limits.max_queued_requests` requests queued with this call's
 choices (prompts x n) -> 429 with Retry-After. A choice counts as queued from its admission
 until its first token (or its end); one that already streams does not. Each admitted request is in `live` until its finish arrives from the engine.
 """
@@ -132,11 +132,8 @@ class ServerState:
         *,
         model_name: str,
         api_key: Optional[str] = None,
-        max_queued_requests: int = 512,
         limits: ServerLimits = ServerLimits(),
     ):
-        if max_queued_requests < 0:
-            raise ValueError("max_queued_requests must be >= 0")
         self.engine_loop = engine_loop
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.cfg.vocab_size
@@ -144,7 +141,6 @@ class ServerState:
         self.max_context_len = cfg.max_context_len
         self.pool_tokens = cfg.num_pages * cfg.page_size
         self.model_name, self.api_key = model_name, api_key
-        self.max_queued_requests = max_queued_requests
         self.limits = limits
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: engine_loop.stats)
@@ -209,12 +205,12 @@ class ServerState:
         if not self.engine_loop.is_alive():
             raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
         choices = len(prompts) * n
-        if self.queued + choices > self.max_queued_requests:  # each choice is a request in the engine
+        if self.queued + choices > self.limits.max_queued_requests:  # each choice is a request in the engine
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(
                 429,
                 f"too many queued requests ({self.queued} queued, this request adds {choices}, "
-                f"at most {self.max_queued_requests}); retry later",
+                f"at most {self.limits.max_queued_requests}); retry later",
                 type="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after())},

@@ -14,6 +14,7 @@ from helpers.serve import running_server
 from minisched.engine import Engine
 from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.engine_loop import EngineLoop
+from minisched.serve.limits import ServerLimits
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -146,7 +147,7 @@ def test_api_key():
 
 def test_queue_limit_gives_429_with_retry_after():
     engine = Engine("dummy:tiny", num_pages=64)
-    with running_server(engine, max_queued_requests=2) as live:
+    with running_server(engine, limits=ServerLimits(max_queued_requests=2)) as live:
         gate = threading.Event()
         blocked = live.loop.call(lambda e: gate.wait(30))  # hold the engine thread: requests stay queued
         results = []

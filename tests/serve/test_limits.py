@@ -163,13 +163,13 @@ def hold_engine(live) -> tuple[threading.Event, object]:
 
 
 def test_the_queue_limit_counts_choices():
-    with running_server(Engine("dummy:tiny", num_pages=128), max_queued_requests=4) as live:
+    with running_server(Engine("dummy:tiny", num_pages=128), limits=ServerLimits(max_queued_requests=4)) as live:
         gate, blocked = hold_engine(live)
         try:
             with httpx.Client(base_url=live.url, timeout=10) as c:
-                r = c.post("/v1/completions", json=completion(prompt=["a", "b", "c"], n=2))  # 6 choices > 4
-                err = error_of(r, 429)
-                assert err["code"] == "queue_full" and "adds 6" in err["message"]
+                # 6 choices > the queue of 4: never admissible, so the choice bound (following the queue) says so
+                err = error_of(c.post("/v1/completions", json=completion(prompt=["a", "b", "c"], n=2)), 400)
+                assert "--max-choices-per-request" in err["message"] and "at most 4" in err["message"], err
                 assert live.state.queued == 0 and not live.state.live
                 done = []
                 t = threading.Thread(target=lambda: done.append(c.post("/v1/completions", json=completion(n=3))))
