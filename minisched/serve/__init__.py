@@ -3,7 +3,8 @@
     from minisched.serve import create_app, run
     run(create_app(Engine("smollm2"), model_name="smollm2"), port=30000)
 
-Files: protocol (OpenAI request/response/error bodies), sglang_protocol (SGLang's /generate body), completions,
+Files: protocol (OpenAI request/response/error bodies), sglang_protocol (SGLang's /generate body), entry
+(one body -> SamplingParams path for every route, each surface's defaults, the bounds checked), completions,
 chat, generate, sglang_api (the routes), state (the HTTP side's per-request state, admission, drain),
 responses (what the routes share: collecting, server-sent events, usage), app (FastAPI), server (uvicorn
 with a graceful drain), limits (the bounds: options) and request_body (a body's bytes), errors, request_id,

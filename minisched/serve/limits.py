@@ -1,5 +1,5 @@
 """The server's bounds: the queue, and one request's; each a `minisched serve` option (its field's flag),
-each a clear 4xx naming it (`check`).
+each a clear 4xx naming it (serve/entry.py checks them, for every route alike).
 
     limits = ServerLimits(max_queued_requests=64)     # create_app(..., limits=limits)
 
@@ -19,12 +19,10 @@ choices per request; given both, a choice bound above the queue is refused (no r
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional
 
 from minisched.base.flags import OWN, byte_size, flag
-from minisched.serve import protocol as p
 
 MIB = 1 << 20
 MAX_CHOICES = 256  # --max-choices-per-request when the queue allows as many
@@ -68,60 +66,3 @@ class ServerLimits:
         if self.max_choices_per_request is not None:
             return self.max_choices_per_request
         return min(MAX_CHOICES, max(1, self.max_queued_requests))
-
-    def check(self, body, vocab_size: int) -> None:
-        """APIError(400) for the first bound `body` (a completion or chat request) exceeds."""
-        choices = body.n * (num_prompts(body.prompt) if isinstance(body, p.CompletionRequest) else 1)
-        if choices > self.choices:
-            what = "prompts x n" if isinstance(body, p.CompletionRequest) else "n"
-            raise _limit(
-                f"this request asks for {choices} choices ({what}); at most {self.choices} per request",
-                "n",
-                "--max-choices-per-request",
-            )
-        if isinstance(body, p.ChatCompletionRequest) and len(body.messages) > self.max_messages:
-            raise _limit(f"{len(body.messages)} messages; at most {self.max_messages}", "messages", "--max-messages")
-        longest = max(map(len, body.stop_list()), default=0)
-        if longest > self.max_stop_chars:
-            raise _limit(
-                f"a stop sequence of {longest} characters; at most {self.max_stop_chars}", "stop", "--max-stop-chars"
-            )
-        bias = body.logit_bias or {}
-        if len(bias) > self.max_logit_bias:
-            raise _limit(
-                f"{len(bias)} logit_bias entries; at most {self.max_logit_bias}", "logit_bias", "--max-logit-bias"
-            )
-        bad = next((k for k in bias if int(k) >= vocab_size), None)
-        if bad is not None:
-            raise p.APIError(
-                400, f"logit_bias: token id {bad} is outside the vocabulary ({vocab_size})", param="logit_bias"
-            )
-        bad = next((t for t in body.stop_token_ids or () if t >= vocab_size), None)
-        if bad is not None:
-            raise p.APIError(
-                400, f"stop_token_ids: token id {bad} is outside the vocabulary ({vocab_size})", param="stop_token_ids"
-            )
-        for param, spec in (("regex", body.regex), ("ebnf", body.ebnf), ("response_format", _schema_text(body))):
-            size = len(spec.encode("utf-8", "replace")) if spec else 0
-            if size > self.max_grammar_bytes:
-                raise _limit(
-                    f"a grammar of {size} bytes; at most {self.max_grammar_bytes}", param, "--max-grammar-bytes"
-                )
-
-
-def num_prompts(prompt) -> int:
-    """Prompts in a completion request's `prompt` (a string or token ids: one)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return len(prompt)
-    return 1
-
-
-def _schema_text(body) -> str:
-    rf = body.response_format
-    if rf is None or rf.json_schema is None:
-        return ""
-    return json.dumps(rf.json_schema.schema_)
-
-
-def _limit(message: str, param: str, option: str) -> p.APIError:
-    return p.APIError(400, f"{param}: {message} (the server's {option})", param=param, code="limit_exceeded")

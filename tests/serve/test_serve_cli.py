@@ -50,6 +50,8 @@ def test_max_queued_requests_alone_serves_and_bounds_choices_by_it():
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200  # 6 choices: fit
         r = httpx.post(url + "/v1/completions", json={**body, "n": 3}, timeout=60)  # 9 choices > the queue
         assert r.status_code == 400 and "--max-choices-per-request" in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/generate", json={"text": ["a"] * 7, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and "at most 6" in r.json()["error"]["message"], r.text
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
