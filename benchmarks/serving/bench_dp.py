@@ -35,6 +35,7 @@ from minisched.engine import Engine
 from minisched.observe.http_bench import run_http_bench
 from minisched.observe.workloads import BenchRequest, make_shared_prefix
 from minisched.serve import create_app, make_server
+from minisched.serve.limits import ServerLimits
 from minisched.serve.pool import EnginePool
 from minisched.serve.router import RouterConfig
 
@@ -43,7 +44,7 @@ POLICIES = ("cache-aware", "round-robin")
 
 
 def serve(pool: EnginePool):
-    app = create_app(pool.info, model_name="bench", engine_loop=pool, max_queued_requests=4096)
+    app = create_app(pool.info, model_name="bench", engine_loop=pool, limits=ServerLimits(max_queued_requests=4096))
     server = make_server(app, grace_period=1.0, log_level="warning")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

@@ -40,12 +40,13 @@ def serve_only(args) -> None:
     """The server subprocess: `minisched serve`, optionally with static batching."""
     from minisched.engine import Engine
     from minisched.serve import EngineLoop, create_app, run
+    from minisched.serve.limits import ServerLimits
 
     engine = Engine(
         args.model, num_pages=args.num_pages, enable_radix_cache=not args.static_batch, max_running_requests=64
     )
     loop = EngineLoop(engine, static_batch=args.static_batch or None)
-    app = create_app(engine, model_name="bench", engine_loop=loop, max_queued_requests=4096)
+    app = create_app(engine, model_name="bench", engine_loop=loop, limits=ServerLimits(max_queued_requests=4096))
     run(app, port=args.port, log_level="warning", grace_period=1.0)
 
 

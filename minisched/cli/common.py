@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from minisched.base.flags import add_flags, flag_names, flag_values
+from minisched.base.flags import Flag, add_flags, flag_names, flag_values, given_flag_values, name_fields
 from minisched.observe.paths import unwritable
 from minisched.sched.sampling_params import SamplingParams
 
@@ -52,20 +52,26 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         default="default",
         choices=list(PRESETS),
         help="a scheduler profile (SchedulerConfig.preset): 'sglang' makes SGLang 0.5.23's decisions; "
-        "scheduling flags given with a value other than their default override it",
+        "scheduling flags given override it",
     )
     add_flags(group, config.scheduler)
 
 
+# `generate` and `chat`'s sampling options: SamplingParams' fields, whose defaults they are (the Python API's,
+# greedy; the HTTP routes' defaults are serve/entry.py's), in --help's order
+SAMPLING_FLAGS = {
+    "max_new_tokens": Flag("tokens to generate at most per request"),
+    "temperature": Flag("0 is greedy"),
+    "top_k": Flag("sample from the k most likely tokens (-1: all)"),
+    "top_p": Flag("nucleus sampling mass, in (0, 1]"),
+    "seed": Flag("per-request sampling seed, in [0, 2**64)", type=int),
+    "stop": Flag("stop string (repeatable)", type=str),
+    "ignore_eos": Flag("keep generating past the end-of-sequence token"),
+}
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most per request")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens (-1: all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed, in [0, 2**64)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    add_flags(p.add_argument_group("sampling"), SamplingParams(), flags=SAMPLING_FLAGS)
 
 
 def check_output_path(path: str | None, what: str) -> None:
@@ -76,45 +82,28 @@ def check_output_path(path: str | None, what: str) -> None:
 
 
 def engine_config(args):
-    """The one EngineConfig of a command, from its engine options (CLIError on a bad value)."""
+    """The one EngineConfig of a command, from its engine options (CLIError on a bad value). A profile's
+    values stand where the user typed no flag: the defaults, then the profile, then what was typed."""
     from minisched.engine.config import EngineConfig
     from minisched.sched.config import PRESETS, SchedulerConfig
 
-    sched = flag_values(args, SchedulerConfig)
-    profile = getattr(args, "sched_profile", "default")
-    if profile != "default":  # the profile's values, except where a flag was set to something else
-        defaults = flag_values(parser_defaults(args), SchedulerConfig)
-        sched = {
-            **sched,
-            **{k: v for k, v in PRESETS[profile].items() if sched.get(k, defaults.get(k)) == defaults.get(k)},
-        }
+    profile = PRESETS[getattr(args, "sched_profile", "default")]
+    sched = {**flag_values(args, SchedulerConfig), **profile, **given_flag_values(args, SchedulerConfig)}
     try:
         return EngineConfig().with_options(**flag_values(args, EngineConfig), **sched)
     except ValueError as exc:
         raise CLIError(name_flags(str(exc))) from exc
 
 
-def parser_defaults(args):
-    """The namespace the engine options would give with no flag set (their defaults)."""
-    import argparse
-
-    p = argparse.ArgumentParser()
-    engine_args(p)
-    return argparse.Namespace(**{**vars(args), **vars(p.parse_args([]))})
-
-
 def name_flags(message: str) -> str:
     """A config's error message with its field names replaced by the flags that set them."""
-    import re
-
     from minisched.engine.config import EngineConfig
     from minisched.sched.config import SchedulerConfig
 
     # field names that are not also plain words of the messages ("model", "device", "backend", ...)
     flags = {k: v for k, v in flag_names(EngineConfig, SchedulerConfig).items() if "_" in k or k in ("tp", "quantize")}
     flags["tensor parallelism"] = "--tp"
-    message = message.removeprefix("SchedulerConfig: ")
-    return re.sub(r"\b(" + "|".join(map(re.escape, flags)) + r")\b", lambda m: flags[m.group(1)], message)
+    return name_fields(message.removeprefix("SchedulerConfig: "), flags)
 
 
 def make_engine(config):
@@ -152,17 +141,7 @@ def run_tp_worker(args):
 
 
 def sampling_from(args, overrides: dict | None = None) -> SamplingParams:
-    base = dict(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
-    base.update(overrides or {})
     try:
-        return SamplingParams(**base)
+        return SamplingParams(**{**flag_values(args, SamplingParams, flags=SAMPLING_FLAGS), **(overrides or {})})
     except ValueError as exc:
         raise CLIError(str(exc)) from exc

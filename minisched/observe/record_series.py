@@ -33,7 +33,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
+from minisched.base.flags import byte_size, flag
 from minisched.observe.run_record import (
     RunRecord,
     dump,
@@ -58,15 +60,27 @@ STAMP = r"\d{8}T\d{6}\.\d{3}Z"
 
 @dataclass(frozen=True)
 class RecordOptions:
-    """Where and how much `serve --record` writes (the base path's folder must exist)."""
+    """Where and how much `serve --record` writes (the base path's folder must exist; no path: no recording).
+    The flags: `minisched serve --record PATH --record-max-bytes ...` (cli/serve.py's ServeConfig)."""
 
-    path: str
-    max_bytes: int = DEFAULT_MAX_BYTES
-    keep: int = DEFAULT_KEEP
-    interval: float = DEFAULT_INTERVAL
+    path: Optional[str] = flag(
+        None,
+        "write each engine process's scheduler journal and events to PATH's series of run files: "
+        "runs/serve.json -> runs/serve.r<replica>.<start>.p<pid>.<segment>.json",
+        name="--record",
+        metavar="PATH",
+        type=str,
+    )
+    max_bytes: int = flag(
+        DEFAULT_MAX_BYTES, f"bytes of one record file ({byte_size(DEFAULT_MAX_BYTES)}); past them the next file starts"
+    )
+    keep: int = flag(DEFAULT_KEEP, "record files kept per replica, the oldest deleted")
+    interval: float = flag(
+        DEFAULT_INTERVAL, "seconds between writes of what is new (the files lag the engine by about this much)"
+    )
 
     def __post_init__(self) -> None:
-        if not self.path:
+        if self.path == "":
             raise ValueError("record: the path is empty")
         if self.max_bytes < MIN_MAX_BYTES:
             raise ValueError(f"record_max_bytes must be >= {MIN_MAX_BYTES}, got {self.max_bytes}")
@@ -78,6 +92,8 @@ class RecordOptions:
     @property
     def base(self) -> tuple[Path, str, str]:
         """(folder, stem, suffix) of the base path; no suffix: .json."""
+        if self.path is None:
+            raise ValueError("record: no path (not recording)")
         p = Path(self.path)
         return p.parent, p.stem if p.suffix else p.name, p.suffix or ".json"
 

@@ -1,7 +1,7 @@
 """The FastAPI app: the routes (completions.py, chat.py hold the two generation routes; errors.py
 the error bodies and the API key).
 
-    app = create_app(engine, model_name="smollm2", api_key=None, max_queued_requests=512, limits=ServerLimits())
+    app = create_app(engine, model_name="smollm2", api_key=None, limits=ServerLimits(max_queued_requests=64))
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming with `stream: true`),
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /debug/requests/{id} (debug.py); SGLang's native routes (POST
@@ -49,14 +49,11 @@ def create_app(
     *,
     model_name: str,
     api_key: Optional[str] = None,
-    max_queued_requests: int = 512,
     engine_loop: Optional[ServingLoop] = None,
     limits: ServerLimits = ServerLimits(),
 ) -> FastAPI:
     loop: ServingLoop = engine_loop or EngineLoop(engine)
-    state = ServerState(
-        engine, loop, model_name=model_name, api_key=api_key, max_queued_requests=max_queued_requests, limits=limits
-    )
+    state = ServerState(engine, loop, model_name=model_name, api_key=api_key, limits=limits)
     for collector in loop.collectors():  # --dp: per-replica gauges
         state.metrics.registry.register(collector)
 

@@ -13,29 +13,18 @@ from fastapi.responses import JSONResponse, Response
 
 from minisched.model.detokenize import IncrementalDetokenizer
 from minisched.serve import protocol as p
+from minisched.serve.entry import CHAT, Ask, ChatPrompt, prepare
 from minisched.serve.logprob_format import LogprobFormatter
-from minisched.serve.responses import (
-    EngineStream,
-    check_common,
-    collect,
-    finish_of,
-    sampling_fields,
-    sse,
-    sse_error,
-    usage_of,
-)
+from minisched.serve.responses import EngineStream, check_openai, collect, finish_of, sse, sse_error, usage_of
 from minisched.serve.state import Call, ServerState
 
 
 async def chat(state: ServerState, body: p.ChatCompletionRequest, request: Request) -> Response:
-    check_common(state, body)
-    try:
-        ids = state.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-    except Exception as exc:  # the template's raise_exception (ValueError) or a jinja2 TemplateError
-        raise p.APIError(400, f"messages: {exc}", param="messages") from exc
+    check_openai(state, body)
+    messages = ChatPrompt([{"role": m.role, "content": m.text()} for m in body.messages])
     k = (body.top_logprobs or 0) if body.logprobs else None
-    fields = sampling_fields(body, logprobs=k, prompt_logprobs=None)
-    prepared = state.prepare(ids, fields, max_tokens=body.max_new_tokens(), default_max_tokens=None, param="messages")
+    ask = Ask(messages, body.to_sampling(logprobs=k), body.max_new_tokens())
+    (prepared,) = prepare(state, [ask], body.n, CHAT, "messages")
     sp, n = prepared.sampling, body.n
     detoks = [
         IncrementalDetokenizer(
@@ -47,7 +36,7 @@ async def chat(state: ServerState, body: p.ChatCompletionRequest, request: Reque
         for _ in range(n)
     ]
     fmt = LogprobFormatter(state.tokenizer)
-    call = state.admit([prepared], "chatcmpl", n)
+    call = state.admit([prepared], CHAT.kind, n)
     if body.stream:
         return EngineStream(_chunks(state, body, call, detoks, fmt), call)
     got = await collect(call, request)

@@ -7,34 +7,24 @@ prefill) and every choice's tokens.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from minisched.model.detokenize import IncrementalDetokenizer
 from minisched.serve import protocol as p
+from minisched.serve.entry import COMPLETIONS, Ask, prepare
 from minisched.serve.logprob_format import LogprobFormatter, merge_completion
-from minisched.serve.responses import (
-    EngineStream,
-    check_common,
-    collect,
-    finish_of,
-    sampling_fields,
-    sse,
-    sse_error,
-    usage_of,
-)
-from minisched.serve.state import DEFAULT_COMPLETION_TOKENS, Call, Prepared, ServerState
+from minisched.serve.responses import EngineStream, check_openai, collect, finish_of, sse, sse_error, usage_of
+from minisched.serve.state import Call, Prepared, ServerState
 
 
-def prompts_of(state: ServerState, prompt) -> list[tuple[list[int], Optional[str]]]:
-    """(token ids, original text or None) per prompt."""
-    if isinstance(prompt, str):
-        return [(state.tokenizer.encode(prompt), prompt)]
-    if prompt and isinstance(prompt[0], (str, list)):
-        return [item for x in prompt for item in prompts_of(state, x)]
-    return [(list(prompt), None)]
+def prompts_of(prompt) -> list[Union[str, list[int]]]:
+    """The prompts of a body's `prompt`: a string or token ids is one, a list of them several."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
 
 
 class _Choice:
@@ -83,19 +73,16 @@ class _Choice:
 
 
 async def completions(state: ServerState, body: p.CompletionRequest, request: Request) -> Response:
-    check_common(state, body)
-    items = prompts_of(state, body.prompt)
+    check_openai(state, body)
+    prompts = prompts_of(body.prompt)
     echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
-    fields = sampling_fields(body, logprobs=body.logprobs, prompt_logprobs=echo_lp)
-    prepared = [
-        state.prepare(
-            ids, fields, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_COMPLETION_TOKENS, param="prompt"
-        )
-        for ids, _ in items
-    ]
+    sampling = body.to_sampling(logprobs=body.logprobs, prompt_logprobs=echo_lp)
+    asks = [Ask(x, sampling, body.max_tokens) for x in prompts]
+    prepared = prepare(state, asks, body.n, COMPLETIONS, "prompt")
     n, fmt = body.n, LogprobFormatter(state.tokenizer)
-    choices = [_Choice(state, prep, text, body.echo, fmt) for prep, (_, text) in zip(prepared, items) for _ in range(n)]
-    call = state.admit(prepared, "cmpl", n)  # from here on the requests are in the engine
+    texts = [x if isinstance(x, str) else None for x in prompts]
+    choices = [_Choice(state, prep, text, body.echo, fmt) for prep, text in zip(prepared, texts) for _ in range(n)]
+    call = state.admit(prepared, COMPLETIONS.kind, n)  # from here on the requests are in the engine
     if body.stream:
         return EngineStream(_chunks(state, body, call, choices), call)
     got = await collect(call, request)

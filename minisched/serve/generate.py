@@ -1,4 +1,5 @@
-"""POST /generate: SGLang's native generation API, on the OpenAI routes' admission path.
+"""POST /generate: SGLang's native generation API, through the entry every route shares (entry.py: the
+same bounds, checks and defaults' table as the OpenAI routes) and their admission path.
 
 A body has `text` (a string, or a list: a batch) or `input_ids` (a list of ids, or a list of id
 lists), `sampling_params` (one dict, or one per prompt), `stream`, `rid`, `return_logprob`,
@@ -33,14 +34,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from minisched.model.detokenize import IncrementalDetokenizer
-from minisched.sched.sampling_params import Grammar
 from minisched.serve import request_id
+from minisched.serve.entry import GENERATE, Ask, prepare
 from minisched.serve.logprob_format import LogprobFormatter
 from minisched.serve.protocol import APIError
 from minisched.serve.responses import EngineStream, collect, engine_error, sse
-from minisched.serve.sglang_protocol import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, SGLangSampling
+from minisched.serve.sglang_protocol import GenerateRequest, SGLangSampling
 from minisched.serve.state import Call, Prepared, RequestHandle, ServerState
-from minisched.serve.structured import check_grammar
 
 
 def sglang_error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
@@ -68,40 +68,6 @@ async def generate(state: ServerState, request: Request) -> Response:
         return await _generate(state, body, request)
     except APIError as exc:
         return sglang_error(exc.status, exc.info.message, exc.headers)
-
-
-def _fields(sp: SGLangSampling, priority: int, logprobs: Optional[int], prompt_logprobs: Optional[int], start: int):
-    """SamplingParams' fields from SGLang's sampling_params (None: the default, filled by `prepare`)."""
-    grammar = sp.grammar()
-    if grammar is not None:
-        check_grammar(*grammar)
-    try:
-        bias = {int(k): v for k, v in (sp.logit_bias or {}).items()}
-    except ValueError as exc:
-        raise APIError(400, f"logit_bias keys must be token ids ({exc})") from exc
-    stops = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
-    return dict(
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        seed=sp.sampling_seed,
-        stop=stops,
-        stop_token_ids=tuple(sp.stop_token_ids or ()),
-        ignore_eos=sp.ignore_eos,
-        min_tokens=sp.min_new_tokens,
-        priority=priority,
-        repetition_penalty=sp.repetition_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty,
-        logit_bias=bias,
-        skip_special_tokens=sp.skip_special_tokens,
-        include_stop_str_in_output=sp.no_stop_trim,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        prompt_logprob_start=start,
-        grammar=None if grammar is None else Grammar(*grammar),
-    )
 
 
 class _Output:
@@ -199,26 +165,29 @@ async def _generate(state: ServerState, body: GenerateRequest, request: Request)
     if count == 1:
         request_id.adopt(rids[0])  # SGLang's rid names the request in the logs (unless X-Request-Id did)
     param = "text" if body.text is not None else "input_ids"
-    prepared, lps = [], []
-    for prompt, sp, lp, start, top in zip(prompts, sps, want_lp, starts, tops):
-        ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if lp and start >= len(ids):
-            raise APIError(400, f"logprob_start_len ({start}) must be less than the prompt's {len(ids)} tokens")
-        fields = _fields(
-            sp,
-            body.priority,
-            logprobs=top if lp else None,
-            prompt_logprobs=top if lp and start >= 0 else None,
-            start=max(start, 0),
+    asks = [
+        Ask(
+            prompt,
+            sp.to_sampling(
+                priority=body.priority,
+                logprobs=top if lp else None,
+                prompt_logprobs=top if lp and start >= 0 else None,
+                start=max(start, 0),
+            ),
+            sp.max_new_tokens,
         )
-        prepared.append(
-            state.prepare(
-                ids, fields, max_tokens=sp.max_new_tokens, default_max_tokens=DEFAULT_MAX_NEW_TOKENS, param=param
+        for prompt, sp, lp, start, top in zip(prompts, sps, want_lp, starts, tops)
+    ]
+    prepared = prepare(state, asks, n, GENERATE, param)  # the bounds and checks of every route (entry.py)
+    lps = []
+    for prep, lp, start, top in zip(prepared, want_lp, starts, tops):
+        if lp and start >= len(prep.prompt_ids):
+            raise APIError(
+                400, f"logprob_start_len ({start}) must be less than the prompt's {len(prep.prompt_ids)} tokens"
             )
-        )
         lps.append((top, start, body.return_text_in_logprobs) if lp else None)
     fmt = LogprobFormatter(state.tokenizer)
-    call = state.admit(prepared, "gen", n)
+    call = state.admit(prepared, GENERATE.kind, n)
     outs = []
     for i, h in enumerate(call.handles):
         p, j = divmod(i, n)

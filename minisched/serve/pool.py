@@ -40,22 +40,32 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from minisched.base.flags import flag
 from minisched.serve.cache_admin import flush_engine_cache
 from minisched.serve.loop import LoopHealth, publish
 from minisched.serve.messages import Stats, Update
-from minisched.serve.replica import EngineInfo, Group, ReplicaClient, ReplicaStartError
+from minisched.serve.replica import BEAT_INTERVAL, EngineInfo, Group, ReplicaClient, ReplicaStartError
 from minisched.serve.router import NoReplicaError, Router, RouterConfig
 
 log = logging.getLogger("minisched.serve")
 MONITOR_INTERVAL = 0.25
+RESTART_WINDOW = 600.0  # seconds: Supervision.restart_window's default
 
 
 @dataclass(frozen=True)
 class Supervision:
-    heartbeat_timeout: float = 10.0  # no message from a replica for this long: hung (BEAT_INTERVAL is 0.5 s)
-    step_timeout: float = 300.0  # one engine step running this long: hung (SGLang's watchdog default)
-    max_restarts: int = 5  # within restart_window seconds; then the replica is given up
-    restart_window: float = 600.0
+    # the flags: `minisched serve --engine-heartbeat-timeout ...`
+    heartbeat_timeout: float = flag(
+        10.0, f"seconds without a heartbeat (sent every {BEAT_INTERVAL:g} s) before an engine process counts as hung"
+    )
+    step_timeout: float = flag(  # SGLang's watchdog default
+        300.0, "seconds one engine step may run before the process counts as hung"
+    )
+    max_restarts: int = flag(
+        5,
+        f"restarts of an engine process within {RESTART_WINDOW / 60:g} minutes before it is given up (0: never restart)",
+    )
+    restart_window: float = RESTART_WINDOW
     retry_wait: float = 120.0  # how long a request to retry waits for a replica to serve it
     restart: bool = True
 

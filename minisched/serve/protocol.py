@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from minisched.sched.sampling_params import Grammar
 
 MAX_STOP = 4  # as OpenAI
 MAX_N = 64  # choices per prompt (each is a request in the engine)
@@ -30,7 +32,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     """A top-level request body: unknown (vendor) fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -62,36 +64,26 @@ class ResponseFormat(_Body):
     json_schema: Optional[JSONSchema] = None
 
 
-class _GenerationFields(_Lenient):
-    """The fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(Lenient):
+    """The sampling fields OpenAI's bodies and SGLang's `sampling_params` share, with one set of bounds (the
+    OpenAI routes'; SGLang's own server only asks for a finite temperature >= 0). `shared_sampling` maps them to
+    SamplingParams' fields (serve/entry.py); None: the surface's default."""
 
-    model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
-    seed: Optional[int] = Field(None, ge=0, lt=2**64)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=10, allow_inf_nan=False)
     logit_bias: Optional[dict[str, float]] = None
-    min_tokens: int = Field(0, ge=0)
-    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM / SGLang: lower = more urgent (vLLM's order)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    response_format: Optional[ResponseFormat] = None
     regex: Optional[str] = None  # SGLang: constrain the output to this regex
     ebnf: Optional[str] = None  # SGLang: ... or to this EBNF grammar
-    user: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
 
     @field_validator("stop")
     @classmethod
@@ -130,22 +122,78 @@ class _GenerationFields(_Lenient):
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def grammar(self) -> Optional[tuple[str, str]]:
-        """(kind, spec) of the structured output asked for, or None; a 400 for two at once."""
-        asked = []
-        if self.response_format is not None and self.response_format.type == "json_object":
-            asked.append(("json_object", ""))
-        if self.response_format is not None and self.response_format.type == "json_schema":
-            if self.response_format.json_schema is None:
-                raise APIError(400, "response_format json_schema needs a json_schema", param="response_format")
-            asked.append(("json_schema", json.dumps(self.response_format.json_schema.schema_)))
-        if self.regex is not None:
-            asked.append(("regex", self.regex))
-        if self.ebnf is not None:
-            asked.append(("ebnf", self.ebnf))
+    def grammar(self) -> Optional[Grammar]:
+        """The structured output asked for, or None; a 400 for two at once."""
+        asked = [*self._schema_grammars()]
+        for kind, spec in (("regex", self.regex), ("ebnf", self.ebnf)):
+            if spec is not None:
+                if not spec:
+                    raise APIError(400, f"{kind}: an empty grammar", param=kind, code="invalid_grammar")
+                asked.append(Grammar(kind, spec))
         if len(asked) > 1:
-            raise APIError(400, "give one of response_format, regex and ebnf", param="response_format")
+            raise APIError(400, self.ONE_GRAMMAR, param="response_format")
         return asked[0] if asked else None
+
+    ONE_GRAMMAR: ClassVar[str] = "give one of response_format, regex and ebnf"
+
+    def _schema_grammars(self) -> list[Grammar]:
+        return []
+
+    def shared_sampling(self) -> dict[str, Any]:
+        """SamplingParams' fields from the shared fields (the routes add their own)."""
+        return dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=self.stop_list(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            skip_special_tokens=self.skip_special_tokens,
+            grammar=self.grammar(),
+        )
+
+
+class _GenerationFields(SamplingFields):
+    """The fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    seed: Optional[int] = Field(None, ge=0, lt=2**64)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    min_tokens: int = Field(0, ge=0)
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM / SGLang: lower = more urgent (vLLM's order)
+    include_stop_str_in_output: bool = False
+    response_format: Optional[ResponseFormat] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+
+    def _schema_grammars(self) -> list[Grammar]:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return []
+        if rf.type == "json_object":
+            return [Grammar("json_object", "")]
+        if rf.json_schema is None:
+            raise APIError(400, "response_format json_schema needs a json_schema", param="response_format")
+        return [Grammar("json_schema", json.dumps(rf.json_schema.schema_))]
+
+    def to_sampling(self, *, logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> dict:
+        return dict(
+            self.shared_sampling(),
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            priority=self.priority,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first valid field set to what this server cannot do."""

@@ -1,5 +1,5 @@
-"""What the completion and chat routes share: a body's sampling fields, collecting a call's choices,
-server-sent events, usage and engine errors."""
+"""What the generation routes share after the entry (entry.py): collecting a call's choices, server-sent
+events, usage and engine errors; and the OpenAI routes' own checks."""
 
 from __future__ import annotations
 
@@ -10,48 +10,19 @@ from typing import Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minisched.sched.sampling_params import Grammar
 from minisched.serve import protocol as p
 from minisched.serve.messages import Update
 from minisched.serve.state import OPENAI_FINISH, Call, RequestHandle, ServerState
-from minisched.serve.structured import check_grammar
 
 
-def check_common(state: ServerState, body) -> None:
+def check_openai(state: ServerState, body) -> None:
+    """What only the OpenAI routes check: the model named, the fields this server cannot honour (a 400), the
+    vendor extras ignored (logged once). The rest is every route's: entry.py."""
     state.check_model(body.model)
-    state.limits.check(body, state.vocab_size)
     bad = body.unsupported()
     if bad is not None:
         raise p.APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
     body.ignored_fields()
-
-
-def sampling_fields(body, *, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> dict:
-    """SamplingParams' fields from a request body (None: the OpenAI default, filled by `prepare`)."""
-    grammar = body.grammar()
-    if grammar is not None:
-        check_grammar(*grammar)  # a 400 now, never unconstrained output later
-    return dict(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
-        stop=body.stop_list(),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens,
-        priority=body.priority,
-        repetition_penalty=body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        grammar=None if grammar is None else Grammar(*grammar),
-    )
 
 
 def final_of(handle: RequestHandle) -> Update:

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from minisched.base.flags import flag
+
 POLICIES = ("cache-aware", "round-robin")
 
 
@@ -40,11 +42,20 @@ class NoReplicaError(RuntimeError):
 
 @dataclass(frozen=True)
 class RouterConfig:
-    # Defaults: SGLang's CacheAwareConfig (sgl-router policies/mod.rs).
-    policy: str = "cache-aware"
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.1
+    # Defaults: SGLang's CacheAwareConfig (sgl-router policies/mod.rs). The flags: `minisched serve --router ...`
+    policy: str = flag(
+        "cache-aware",
+        "how --dp routes a request: to the replica caching its longest prefix, or in turn",
+        name="--router",
+        choices=POLICIES,
+    )
+    cache_threshold: float = flag(
+        0.5, "cache-aware: the prefix match (share of the prompt) above which it wins over a fresh replica"
+    )
+    balance_abs_threshold: int = flag(
+        32, "cache-aware: route by load when max - min in-flight requests exceeds this ..."
+    )
+    balance_rel_threshold: float = flag(1.1, "... and max exceeds this times min")
 
     def __post_init__(self):
         if self.policy not in POLICIES:

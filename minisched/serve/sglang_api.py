@@ -66,7 +66,7 @@ def server_info(state: ServerState, loop: ServingLoop) -> dict:
         "max_running_requests": cfg.max_running_requests,
         "max_prefill_tokens": cfg.max_prefill_tokens,
         "chunked_prefill_size": cfg.chunk_size if cfg.chunk_size is not None else -1,
-        "max_queued_requests": state.max_queued_requests,
+        "max_queued_requests": state.limits.max_queued_requests,
         "schedule_policy": cfg.policy,
         "disable_radix_cache": not cfg.enable_radix_cache,
         "chat_template": state.tokenizer.chat_template,  # the model's own (SGLang's field names an override)

@@ -1,8 +1,8 @@
 """SGLang's native /generate body as pydantic models (SGLang's `GenerateReqInput` and the
 `sampling_params` it documents, docs/basic_usage/sampling_params.md in sgl-project/sglang).
 
-Known fields are strict and range checked, as on the OpenAI routes; unknown ones are accepted and
-ignored (sglang-router re-sends the body with fields of its own: `"model": null`, `log_metrics`,
+Known fields are strict and range checked with the OpenAI routes' bounds (the sampling fields both
+share are protocol.py's `SamplingFields`); unknown ones are accepted and ignored (sglang-router re-sends the body with fields of its own: `"model": null`, `log_metrics`,
 `return_hidden_states`, `background`, `no_logs`, ...). A per-prompt field may be one value or a
 list, one per prompt (`rid`, `sampling_params`, `return_logprob`, `logprob_start_len`,
 `top_logprobs_num`), as SGLang's.
@@ -11,82 +11,51 @@ list, one per prompt (`rid`, `sampling_params`, `return_logprob`, `logprob_start
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field
 
-from minisched.sched.sampling_params import MAX_LOGPROBS
-from minisched.serve.protocol import MAX_N, MAX_STOP, APIError
-
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
+from minisched.sched.sampling_params import MAX_LOGPROBS, Grammar
+from minisched.serve.protocol import APIError, Lenient, SamplingFields
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class SGLangSampling(SamplingFields):
+    """SGLang's `sampling_params`: the shared fields (protocol.py's SamplingFields, their bounds) and SGLang's
+    names for the rest."""
 
-
-class SGLangSampling(_Lenient):
     max_new_tokens: Optional[int] = Field(default=None, ge=0)  # 0: prefill only (prompt logprobs)
-    temperature: Optional[float] = Field(default=None, ge=0, le=100, allow_inf_nan=False)
-    top_p: Optional[float] = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    top_k: Optional[int] = Field(default=None, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=10, allow_inf_nan=False)
     min_new_tokens: int = Field(default=0, ge=0)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # accepted: byte-level BPE adds no spaces anyway
     no_stop_trim: bool = False  # keep the stop string in the text
     json_schema: Optional[Union[str, dict[str, Any]]] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    logit_bias: Optional[dict[str, float]] = None
     sampling_seed: Optional[int] = Field(default=None, ge=0, lt=2**64)
 
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        return v
+    ONE_GRAMMAR: ClassVar[str] = "Only one of regex, json_schema, or ebnf can be set."
 
-    @field_validator("top_k")
-    @classmethod
-    def _check_top_k(cls, v):
-        if v == 0:
-            raise ValueError("top_k must be -1 (disable), or at least 1")
-        return v
+    def _schema_grammars(self) -> list[Grammar]:
+        if self.json_schema is None:
+            return []
+        spec = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+        if not spec:
+            raise APIError(400, "json_schema: an empty schema", param="json_schema", code="invalid_grammar")
+        return [Grammar("json_schema", spec)]
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _check_stop_ids(cls, v):
-        if any(t < 0 for t in v or ()):
-            raise ValueError("stop_token_ids must be >= 0")
-        return v
-
-    def grammar(self) -> Optional[tuple[str, str]]:
-        asked = []
-        if self.json_schema is not None:
-            spec = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
-            asked.append(("json_schema", spec))
-        if self.regex is not None:
-            asked.append(("regex", self.regex))
-        if self.ebnf is not None:
-            asked.append(("ebnf", self.ebnf))
-        if len(asked) > 1:
-            raise APIError(400, "Only one of regex, json_schema, or ebnf can be set.")
-        return asked[0] if asked else None
+    def to_sampling(
+        self, *, priority: int, logprobs: Optional[int], prompt_logprobs: Optional[int], start: int
+    ) -> dict[str, Any]:
+        return dict(
+            self.shared_sampling(),
+            seed=self.sampling_seed,
+            min_tokens=self.min_new_tokens,
+            priority=priority,
+            include_stop_str_in_output=self.no_stop_trim,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            prompt_logprob_start=start,
+        )
 
 
-class GenerateRequest(_Lenient):
+class GenerateRequest(Lenient):
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
     sampling_params: Optional[Union[SGLangSampling, list[SGLangSampling]]] = None

@@ -4,9 +4,9 @@ Everything here is touched only by the server's asyncio event loop (the engine t
 a handle only through `EngineLoop` publishing to `RequestHandle.deliver` with
 `call_soon_threadsafe`), so nothing needs a lock.
 
-Admission, in order: draining -> 503; the request's bounds (limits.py) and prompt and sampling
-checks (`prepare`) -> 400; more than `max_queued_requests` requests queued with this call's
-choices (prompts x n) -> 429 with Retry-After. A choice counts as queued from its admission
+Admission, in order: the request's bounds (limits.py) and prompt and sampling checks (entry.py,
+before `admit`) -> 400; then in `admit`: draining -> 503; more than `limits.max_queued_requests`
+requests queued with this call's choices (prompts x n) -> 429 with Retry-After. A choice counts as queued from its admission
 until its first token (or its end); one that already streams does not. Each admitted request is in `live` until its finish arrives from the engine.
 """
 
@@ -21,9 +21,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from minisched.sched.sampling_params import InvalidRequest, SamplingParams
+from minisched.sched.sampling_params import SamplingParams
 from minisched.serve import request_id
 from minisched.serve.limits import ServerLimits
 from minisched.serve.loop import ServingLoop
@@ -39,7 +39,6 @@ OPENAI_FINISH = {
     "abort": "abort",
     "error": "error",
 }
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 log = logging.getLogger("minisched.serve")
 RECENT_IDS = 4096  # client request ids remembered for /debug/requests/{id}
 
@@ -132,11 +131,8 @@ class ServerState:
         *,
         model_name: str,
         api_key: Optional[str] = None,
-        max_queued_requests: int = 512,
         limits: ServerLimits = ServerLimits(),
     ):
-        if max_queued_requests < 0:
-            raise ValueError("max_queued_requests must be >= 0")
         self.engine_loop = engine_loop
         self.tokenizer = engine.tokenizer
         self.model_config = engine.cfg  # the model's family and shapes (/model_info); frozen
@@ -145,7 +141,6 @@ class ServerState:
         self.max_context_len = cfg.max_context_len
         self.pool_tokens = cfg.num_pages * cfg.page_size
         self.model_name, self.api_key = model_name, api_key
-        self.max_queued_requests = max_queued_requests
         self.limits = limits
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: engine_loop.stats)
@@ -167,41 +162,6 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def prepare(
-        self,
-        prompt_ids: list[int],
-        fields: dict,
-        *,
-        max_tokens: Optional[int],
-        default_max_tokens: Optional[int],
-        param: str,
-    ) -> Prepared:
-        """Check a tokenized prompt and build its SamplingParams from the request's sampling `fields`
-        (SamplingParams' names; None: the OpenAI default); APIError(400) names the problem."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise APIError(400, f"{param} is empty", param=param)
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range (vocabulary of {self.vocab_size})", param=param)
-        room = min(self.max_context_len, self.pool_tokens + 1) - n
-        if room < 1:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_context_len} tokens; the prompt "
-                f"has {n} tokens and leaves no room to generate.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        want = max_tokens if max_tokens is not None else (default_max_tokens or room)
-        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
-        given: dict[str, Any] = {k: (defaults[k] if v is None and k in defaults else v) for k, v in fields.items()}
-        try:
-            sampling = SamplingParams(max_new_tokens=min(want, room), **given)
-        except (InvalidRequest, ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from exc
-        return Prepared(prompt_ids, sampling)
-
     def admit(self, prompts: list[Prepared], kind: str, n: int = 1) -> Call:
         """Hand a call's prompts (x n choices each) to the engine: one request per choice, ids
         `<call id>-<index>`, index = prompt * n + choice (the response's order)."""
@@ -210,12 +170,12 @@ class ServerState:
         if not self.engine_loop.is_alive():
             raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
         choices = len(prompts) * n
-        if self.queued + choices > self.max_queued_requests:  # each choice is a request in the engine
+        if self.queued + choices > self.limits.max_queued_requests:  # each choice is a request in the engine
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(
                 429,
                 f"too many queued requests ({self.queued} queued, this request adds {choices}, "
-                f"at most {self.max_queued_requests}); retry later",
+                f"at most {self.limits.max_queued_requests}); retry later",
                 type="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after())},

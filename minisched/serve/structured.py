@@ -10,14 +10,13 @@ import json
 
 from minisched.serve.protocol import APIError
 
-PARAM = {"json_schema": "response_format", "json_object": "response_format", "regex": "regex", "ebnf": "ebnf"}
 
-
-def check_grammar(kind: str, spec: str) -> None:
+def check_grammar(kind: str, spec: str, param: str) -> None:
+    """APIError(400) naming the body's field `param` for a grammar that does not parse."""
     try:
         import xgrammar as xgr
     except ImportError as exc:
-        raise APIError(400, f"structured outputs need the xgrammar package ({exc})", param=PARAM[kind]) from exc
+        raise APIError(400, f"structured outputs need the xgrammar package ({exc})", param=param) from exc
     try:
         if kind == "json_schema":
             json.loads(spec)
@@ -29,4 +28,4 @@ def check_grammar(kind: str, spec: str) -> None:
     except (RuntimeError, ValueError) as exc:
         why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         why = why.split(": ", 1)[-1] if why.startswith("[") else why  # drop xgrammar's "[time] file:line:" prefix
-        raise APIError(400, f"invalid {kind} grammar: {why}", param=PARAM[kind], code="invalid_grammar") from exc
+        raise APIError(400, f"{param}: invalid {kind} grammar: {why}", param=param, code="invalid_grammar") from exc

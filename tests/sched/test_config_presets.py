@@ -66,7 +66,8 @@ def test_cli_sched_profile_sets_the_preset_and_flags_override_it():
     cfg = engine_config(p.parse_args(["--sched-profile", "sglang", "--page-size", "1"])).scheduler
     assert cfg == SchedulerConfig.preset("sglang", page_size=1, num_pages=None, max_context_len=None)
     cfg = engine_config(p.parse_args(["--sched-profile", "sglang", "--retraction-rule", "minisched"])).scheduler
-    assert (cfg.retraction_rule, cfg.admission_budget) == ("sglang", "sglang")  # a flag at its default: the profile's
+    # what the user typed wins, even the default value; the rest is the profile's
+    assert (cfg.retraction_rule, cfg.admission_budget) == ("minisched", "sglang")
     cfg = engine_config(p.parse_args(["--sched-profile", "sglang", "--chunk-size", "64"])).scheduler
     assert (cfg.chunk_size, cfg.retracted_to_tail) == (64, True)
     assert engine_config(p.parse_args([])).scheduler == SchedulerConfig(num_pages=None, max_context_len=None)

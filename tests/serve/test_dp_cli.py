@@ -26,7 +26,7 @@ LAUNCH = (
     "argv, message",
     [
         (["--dp", "0"], "--dp must be >= 1"),
-        (["--dp", "2", "--router-cache-threshold", "2"], "cache_threshold"),
+        (["--dp", "2", "--router-cache-threshold", "2"], "--router-cache-threshold must be in [0, 1]"),
         (["--dp", "2", "--tp", "2"], "--dp with --tp"),
     ],
 )

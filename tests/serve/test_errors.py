@@ -1,5 +1,7 @@
 """Bad input, the API key, overload and a failing engine step: each gets OpenAI's error body with
-the right status, and the server (and the other requests) carry on."""
+the right status, and the server (and the other requests) carry on. Every bad body is tried on every
+generation route that can say it (/v1/completions, /v1/chat/completions, SGLang's /generate with SGLang's
+error body): one request entry, one set of bounds (serve/entry.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import httpx
 import openai
 import pytest
 
-from helpers.serve import running_server
+from helpers.serve import PATHS, route_body, route_cases, route_error, route_param, running_server
 from minisched.engine import Engine
 from minisched.sched.sampling_params import SamplingParams
 from minisched.serve.engine_loop import EngineLoop
+from minisched.serve.limits import ServerLimits
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -40,6 +43,7 @@ BAD_COMPLETIONS = [  # (id, body, status, param)
     ("seed-negative", {"seed": -1}, 400, "seed"),
     ("seed-too-big", {"seed": 2**64}, 400, "seed"),
     ("too-many-stops", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("ten-thousand-stops", {"stop": [f"s{i}" for i in range(10_000)]}, 400, "stop"),
     ("empty-stop", {"stop": [""]}, 400, "stop"),
     ("empty-prompt", {"prompt": ""}, 400, "prompt"),
     ("empty-token-prompt", {"prompt": []}, 400, "prompt"),
@@ -74,12 +78,21 @@ BAD_COMPLETIONS = [  # (id, body, status, param)
 ]
 
 
-@pytest.mark.parametrize("patch,status,param", [c[1:] for c in BAD_COMPLETIONS], ids=[c[0] for c in BAD_COMPLETIONS])
-def test_bad_completion_requests(tiny_server, patch, status, param):
-    body = {k: v for k, v in {"model": "tiny", "prompt": "hello", "max_tokens": 4, **patch}.items() if v is not None}
+BASE = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+COMPLETIONS_ONLY = {"logprobs-above-five": ("completions",)}  # chat's top_logprobs and SGLang's go to 20
+
+
+@pytest.mark.parametrize("route,patch,status,param", route_cases(BAD_COMPLETIONS, BASE, only=COMPLETIONS_ONLY))
+def test_bad_requests_on_every_route(tiny_server, route, patch, status, param):
+    full = {k: v for k, v in {**BASE, **patch}.items() if v is not None}
+    body = route_body(route, full)
     with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
-        err = error_of(c.post("/v1/completions", json=body), status)
-    assert err["param"] == param
+        err = route_error(c.post(PATHS[route], json=body), status, route)
+    if route == "generate":  # SGLang's body has no param: the message names the field as the client spelled it
+        want = "context length" if patch.get("prompt") == "x" * 2048 else route_param(route, param, full)
+        assert want in err["message"], err
+        return
+    assert err["param"] == ("messages" if route == "chat" and param == "prompt" else param)
     assert err["type"] == "invalid_request_error"
     if patch.get("prompt") == "x" * 2048:
         assert err["code"] == "context_length_exceeded"
@@ -146,7 +159,7 @@ def test_api_key():
 
 def test_queue_limit_gives_429_with_retry_after():
     engine = Engine("dummy:tiny", num_pages=64)
-    with running_server(engine, max_queued_requests=2) as live:
+    with running_server(engine, limits=ServerLimits(max_queued_requests=2)) as live:
         gate = threading.Event()
         blocked = live.loop.call(lambda e: gate.wait(30))  # hold the engine thread: requests stay queued
         results = []

@@ -2,7 +2,9 @@
 limit is a 413 before it is read whole, prompts x n is bounded and counted by the queue, a
 disconnect aborts every choice (also a shared prefill), token ids outside the vocabulary, long
 stop strings, many logit_bias entries, messages or a large grammar are a 400 naming the option,
-and a lone surrogate in a string is no 500. Each error is OpenAI's body; the server serves on."""
+and a lone surrogate in a string is no 500. Each error is OpenAI's body (SGLang's on /generate); the
+server serves on. Every bound holds on every generation route: /v1/completions, /v1/chat/completions and
+SGLang's /generate share one entry (serve/entry.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from helpers.serve import running_server
+from helpers.serve import PATHS, ROUTES, route_body, route_cases, route_error, route_param, running_server
 from minisched.engine import Engine
 from minisched.sched.req import ReqStatus
 from minisched.serve.limits import ServerLimits
@@ -54,6 +56,8 @@ def test_body_over_the_limit_is_413_before_it_is_read(small_server):
         err = error_of(c.post("/v1/completions", json=big), 413)
         assert "--max-request-body-bytes" in err["message"] and err["code"] == "request_too_large"
         assert c.post("/v1/completions", json=completion()).status_code == 200
+        r = c.post("/generate", json=route_body("generate", big))  # the bound is the server's, on every route
+        assert r.status_code == 413 and "--max-request-body-bytes" in r.text, r.text
     # A chunked body never says its size: the answer must come at the first bytes past the limit,
     # while the client is still sending (it never sends the last chunk here).
     host, port = small_server.url.removeprefix("http://").split(":")
@@ -79,30 +83,42 @@ def test_body_over_the_limit_is_413_before_it_is_read(small_server):
     assert httpx.get(small_server.url + "/health", timeout=5).status_code == 200
 
 
-@pytest.mark.parametrize(
-    "patch,param,option",
-    [
-        ({"prompt": ["a", "b", "c", "d", "e"], "n": 2}, "n", "--max-choices-per-request"),
-        ({"prompt": [[5, 6]] * 9}, "n", "--max-choices-per-request"),
-        ({"n": 9}, "n", "--max-choices-per-request"),
-        ({"stop": ["x" * 17]}, "stop", "--max-stop-chars"),
-        ({"logit_bias": {str(i): 1.0 for i in range(5)}}, "logit_bias", "--max-logit-bias"),
-        ({"regex": "a" * 3000}, "regex", "--max-grammar-bytes"),
-        ({"ebnf": 'root ::= "' + "a" * 3000 + '"'}, "ebnf", "--max-grammar-bytes"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["a" * 3000]}}}},
-            "response_format",
-            "--max-grammar-bytes",
-        ),
-    ],
-    ids=["prompts-x-n", "token-prompts", "n", "stop-chars", "logit-bias", "regex", "ebnf", "json-schema"],
-)
-def test_bounds_are_a_400_naming_the_option(small_server, patch, param, option):
+BOUNDS = [  # (id, patch of a completion body, param, option)
+    ("prompts-x-n", {"prompt": ["a", "b", "c", "d", "e"], "n": 2}, "n", "--max-choices-per-request"),
+    ("token-prompts", {"prompt": [[5, 6]] * 9}, "n", "--max-choices-per-request"),
+    ("n", {"n": 9}, "n", "--max-choices-per-request"),
+    ("stop-chars", {"stop": ["x" * 17]}, "stop", "--max-stop-chars"),
+    ("logit-bias", {"logit_bias": {str(i): 1.0 for i in range(5)}}, "logit_bias", "--max-logit-bias"),
+    ("regex", {"regex": "a" * 3000}, "regex", "--max-grammar-bytes"),
+    ("ebnf", {"ebnf": 'root ::= "' + "a" * 3000 + '"'}, "ebnf", "--max-grammar-bytes"),
+    (
+        "json-schema",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["a" * 3000]}}}},
+        "response_format",
+        "--max-grammar-bytes",
+    ),
+]
+BASE = completion()
+
+
+def check_bound(err: dict, route: str, param: str, option: str, body: dict) -> None:
+    assert option in err["message"], err
+    if route == "generate":
+        assert route_param(route, param, body) in err["message"], err
+    else:
+        assert err["param"] == param and err["code"] == "limit_exceeded", err
+
+
+@pytest.mark.parametrize("route,patch,param,option", route_cases(BOUNDS, BASE))
+def test_bounds_are_a_400_naming_the_option(small_server, route, patch, param, option):
+    full = {**BASE, **patch}
     with httpx.Client(base_url=small_server.url, timeout=10) as c:
-        err = error_of(c.post("/v1/completions", json=completion(**patch)), 400)
-        assert err["param"] == param and option in err["message"] and err["code"] == "limit_exceeded", err
-        ok = completion(prompt=["a", "b"], n=4, stop=["x" * 16], logit_bias={str(i): 1.0 for i in range(4)})
-        assert c.post("/v1/completions", json=ok).status_code == 200  # at the bounds: served
+        err = route_error(c.post(PATHS[route], json=route_body(route, full)), 400, route)
+        check_bound(err, route, param, option, full)
+        at = {"n": 4, "stop": ["x" * 16], "logit_bias": {str(i): 1.0 for i in range(4)}}
+        ok = completion(**({"prompt": ["a", "b"]} if route != "chat" else {}), **at)
+        r = c.post(PATHS[route], json=route_body(route, ok))
+        assert r.status_code == 200, r.text  # at the bounds: served
 
 
 def test_messages_are_bounded(small_server):
@@ -115,28 +131,41 @@ def test_messages_are_bounded(small_server):
         assert r.status_code == 200
 
 
-@pytest.mark.parametrize(
-    "patch,param",
-    [
-        ({"logit_bias": {"99999999": 5.0}}, "logit_bias"),
-        ({"logit_bias": {"512": 5.0}}, "logit_bias"),  # dummy:tiny's vocabulary is 512
-        ({"logit_bias": {"²": 5.0}}, "logit_bias"),  # a digit to str.isdigit, not to int()
-        ({"stop_token_ids": [1000000000]}, "stop_token_ids"),
-        ({"stop_token_ids": [3, 512]}, "stop_token_ids"),
-    ],
-    ids=["bias-huge-id", "bias-vocab-size", "bias-superscript", "stop-id-huge", "stop-id-vocab-size"],
-)
-def test_token_ids_outside_the_vocabulary_are_a_400(tiny_server, patch, param):
+OUT_OF_VOCABULARY = [
+    ("bias-huge-id", {"logit_bias": {"99999999": 5.0}}, "logit_bias"),
+    ("bias-vocab-size", {"logit_bias": {"512": 5.0}}, "logit_bias"),  # dummy:tiny's vocabulary is 512
+    ("bias-superscript", {"logit_bias": {"²": 5.0}}, "logit_bias"),  # a digit to str.isdigit, not to int()
+    ("stop-id-huge", {"stop_token_ids": [1000000000]}, "stop_token_ids"),
+    ("stop-id-vocab-size", {"stop_token_ids": [3, 512]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("route,patch,param", route_cases(OUT_OF_VOCABULARY, BASE))
+def test_token_ids_outside_the_vocabulary_are_a_400(tiny_server, route, patch, param):
+    full = completion(**patch)
     with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
-        err = error_of(c.post("/v1/completions", json=completion(**patch)), 400)
-        assert err["param"] == param
+        err = route_error(c.post(PATHS[route], json=route_body(route, full)), 400, route)
+        if route == "generate":
+            assert route_param(route, param, full) in err["message"], err
+        else:
+            assert err["param"] == param
 
 
-def test_many_logit_bias_entries_are_a_400(tiny_server):
-    bias = {str(i): 1.0 for i in range(200_000)}
+@pytest.mark.parametrize("route", ROUTES)
+def test_many_logit_bias_entries_are_a_400(tiny_server, route):
+    body = route_body(route, completion(logit_bias={str(i): 1.0 for i in range(200_000)}))
     with httpx.Client(base_url=tiny_server.url, timeout=30) as c:
-        err = error_of(c.post("/v1/completions", json=completion(logit_bias=bias)), 400)
-        assert err["param"] == "logit_bias" and "--max-logit-bias" in err["message"]
+        err = route_error(c.post(PATHS[route], json=body), 400, route)
+        assert "logit_bias" in err["message"] and "--max-logit-bias" in err["message"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_long_stop_string_is_a_400_at_the_default_bound(tiny_server, route):
+    """10,000 characters against the default --max-stop-chars (256)."""
+    body = route_body(route, completion(stop=["y" * 10_000]))
+    with httpx.Client(base_url=tiny_server.url, timeout=10) as c:
+        err = route_error(c.post(PATHS[route], json=body), 400, route)
+        assert "--max-stop-chars" in err["message"], err
 
 
 def test_a_lone_surrogate_is_no_500(tiny_server):
@@ -163,13 +192,15 @@ def hold_engine(live) -> tuple[threading.Event, object]:
 
 
 def test_the_queue_limit_counts_choices():
-    with running_server(Engine("dummy:tiny", num_pages=128), max_queued_requests=4) as live:
+    with running_server(Engine("dummy:tiny", num_pages=128), limits=ServerLimits(max_queued_requests=4)) as live:
         gate, blocked = hold_engine(live)
         try:
             with httpx.Client(base_url=live.url, timeout=10) as c:
-                r = c.post("/v1/completions", json=completion(prompt=["a", "b", "c"], n=2))  # 6 choices > 4
-                err = error_of(r, 429)
-                assert err["code"] == "queue_full" and "adds 6" in err["message"]
+                # 6 choices > the queue of 4: never admissible, so the choice bound (following the queue) says so
+                for route in ("completions", "generate"):
+                    body = route_body(route, completion(prompt=["a", "b", "c"], n=2))
+                    err = route_error(c.post(PATHS[route], json=body), 400, route)
+                    assert "--max-choices-per-request" in err["message"] and "at most 4" in err["message"], err
                 assert live.state.queued == 0 and not live.state.live
                 done = []
                 t = threading.Thread(target=lambda: done.append(c.post("/v1/completions", json=completion(n=3))))
@@ -180,6 +211,8 @@ def test_the_queue_limit_counts_choices():
                 assert live.state.queued == 3
                 with httpx.Client(base_url=live.url, timeout=10) as c2:
                     error_of(c2.post("/v1/completions", json=completion(n=2)), 429)  # 3 + 2 > 4
+                    r = c2.post("/generate", json=route_body("generate", completion(n=2)))
+                    assert "too many queued requests" in route_error(r, 429, "generate")["message"]
                     gate.set()
                     blocked.result(10)
                     t.join(30)
@@ -218,11 +251,24 @@ def test_a_disconnect_aborts_every_choice_and_their_shared_prefill():
         assert sum(st is ReqStatus.ABORTED for st in last.values()) == 2 + 6
 
 
-def test_a_json_body_of_many_prompts_is_answered_quickly_when_refused(small_server):
-    body = json.dumps(completion(prompt=[[5]] * 5000)).encode()  # under the byte limit, over the choices one
+def refused_quickly(live, route: str, prompt) -> None:
+    """Under the byte limit, over the choices one: a 400 naming it, before anything is tokenized or queued."""
+    body = json.dumps(route_body(route, completion(prompt=prompt))).encode()
     t0 = time.monotonic()
-    r = httpx.post(small_server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
-    assert error_of(r, 400)["param"] == "n" and time.monotonic() - t0 < 5
+    r = httpx.post(live.url + PATHS[route], content=body, headers={"content-type": "application/json"})
+    err = route_error(r, 400, route)
+    assert "--max-choices-per-request" in err["message"] and time.monotonic() - t0 < 5, err
+    assert live.state.queued == 0 and not live.state.live
+
+
+@pytest.mark.parametrize("route", ["completions", "generate"])
+def test_a_json_body_of_many_prompts_is_answered_quickly_when_refused(small_server, route):
+    refused_quickly(small_server, route, [[5]] * 5000)
+
+
+@pytest.mark.parametrize("route", ["completions", "generate"])
+def test_twenty_thousand_texts_are_a_400_at_the_default_bounds(tiny_server, route):
+    refused_quickly(tiny_server, route, ["a"] * 20_000)  # 256 choices at most, by default
 
 
 def test_a_slow_grammar_is_a_400_and_does_not_stall_the_others():

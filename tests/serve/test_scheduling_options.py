@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from helpers.serve import TINY, running_server
+from helpers.serve import PATHS, ROUTES, TINY, route_body, running_server
 from minisched.engine import Engine
 
 
@@ -18,11 +18,16 @@ def complete(live, **body) -> httpx.Response:
     return httpx.post(live.v1 + "/completions", json=body, timeout=30)
 
 
-def test_priority_field_is_refused_without_priority_scheduling(tiny_server):
-    assert complete(tiny_server, priority=0).status_code == 200
-    r = complete(tiny_server, priority=2)
+@pytest.mark.parametrize("route", ROUTES)
+def test_priority_field_is_refused_without_priority_scheduling(tiny_server, route):
+    def post(priority) -> httpx.Response:
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 4, "temperature": 0, "priority": priority}
+        return httpx.post(tiny_server.url + PATHS[route], json=route_body(route, body), timeout=30)
+
+    assert post(0).status_code == 200
+    r = post(2)
     assert r.status_code == 400 and "priority scheduling is not enabled" in r.json()["error"]["message"]
-    assert complete(tiny_server, priority=1.5).status_code == 400
+    assert post(1.5).status_code == 400
 
 
 @pytest.fixture(scope="module")
