@@ -215,17 +215,8 @@ def make_app(role: str, served_model_name: str) -> FastAPI:
 def start_fake(role: str, tmp: Path, served_model_name: str = "tiny") -> Proc:
     port = free_port()
     # -I: the script's folder (tests/helpers/: serve.py, model.py, ...) stays off sys.path
-    argv = [
-        sys.executable,
-        "-I",
-        __file__,
-        "--role",
-        role,
-        "--port",
-        str(port),
-        "--served-model-name",
-        served_model_name,
-    ]
+    argv = [sys.executable, "-I", __file__, "--role", role, "--port", str(port)]
+    argv += ["--served-model-name", served_model_name]
     return spawn(f"fake-{role}", argv, port, tmp)
 
 
