@@ -449,6 +449,9 @@ def test_misuse_is_a_clear_error(ends):
     assert poll_until(p, 1).kind == EventKind.READY
     with pytest.raises(ValueError, match="0 \\+ 3 pages > the 2 the decode side reserved"):
         p.send_pages(1, [0, 1, 2])
+    with pytest.raises(IndexError, match="gather_kv_pages"):
+        p.send_pages(1, [0, NUM_PAGES])  # not a page of the pool: nothing is sent, nothing counted
+    assert p.state(1) == PrefillState.READY and p.stats().pages == 0
     with pytest.raises(TypeError):
         p.finish(1, {"not json": object()})
     assert p.finish(1, {})

@@ -230,7 +230,9 @@ class DecodeTransfer:
         cfg = self.config
         link: Optional[Link] = None
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(peer.host, peer.port), cfg.connect_timeout)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(peer.host, peer.port, limit=wire.STREAM_LIMIT), cfg.connect_timeout
+            )
             link = Link(self._net, reader, writer, cfg.send_timeout, lambda lk, why: self._lost(peer, why))
             hello = {"version": wire.VERSION, "layout": self.layout.to_wire(), "max_frame_bytes": cfg.max_frame_bytes}
             link.send(wire.Kind.HELLO, 0, hello)

@@ -30,7 +30,10 @@ class LoopThread:
         self._thread.start()
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run coro on the loop; an exception it ends with is logged (a bug: the waits it kept are gone)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future.add_done_callback(_log_failure)
+        return future
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """fn(*args) on the loop's thread, in the order of the calls; dropped once the loop is stopped."""
@@ -58,6 +61,11 @@ class LoopThread:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+def _log_failure(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("kv transfer: a network task failed", exc_info=future.exception())
 
 
 Frame = Optional[tuple[bytes, Optional[memoryview], Optional[Callable[[], None]]]]  # None: close after the rest

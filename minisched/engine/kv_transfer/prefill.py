@@ -77,7 +77,10 @@ class PrefillTransfer:
         self._closed = False
         self._net = LoopThread("kv-transfer-prefill")
         try:  # a port in use fails here (OSError), in the caller's thread
-            self._server = self._net.submit(asyncio.start_server(self._serve, host, port)).result(30)
+            start = asyncio.run_coroutine_threadsafe(
+                asyncio.start_server(self._serve, host, port, limit=wire.STREAM_LIMIT), self._net.loop
+            )
+            self._server = start.result(30)
         except BaseException:
             self._net.stop()
             raise
@@ -118,23 +121,23 @@ class PrefillTransfer:
                     f"room {room}: {rec.sent} + {len(pages)} pages > the {rec.pages} the decode side reserved"
                 )
             start, link = rec.sent, rec.link
-            rec.sent += len(pages)
-            rec.state = PrefillState.TRANSFERRING
         assert link is not None
         limit = min(self.config.max_frame_bytes, link.peer_max_frame_bytes)
         per_frame = max(1, limit // self.layout.bytes_per_page)
-        for i in range(0, len(pages), per_frame):
-            batch = list(pages[i : i + per_frame])
-            link.send(wire.Kind.PAGES, room, {"start": start + i, "n": len(batch)}, payload=self._gather(batch))
+        batches = [list(pages[i : i + per_frame]) for i in range(0, len(pages), per_frame)]
+        buffers = [self._gather(batch) for batch in batches]  # a bad page id raises here: nothing has changed
         with self._lock:
-            n, nbytes = len(pages), len(pages) * self.layout.bytes_per_page
-            frames = -(-n // per_frame)
-            self._stats = replace(
-                self._stats,
-                pages=self._stats.pages + n,
-                bytes=self._stats.bytes + nbytes,
-                frames=self._stats.frames + frames,
-            )
+            if self._live(room) is not rec:  # the network thread ended it meanwhile
+                return False
+            rec.sent += len(pages)
+            rec.state = PrefillState.TRANSFERRING
+            s = self._stats
+            nbytes = len(pages) * self.layout.bytes_per_page
+            self._stats = replace(s, pages=s.pages + len(pages), bytes=s.bytes + nbytes, frames=s.frames + len(batches))
+        offset = start
+        for batch, buf in zip(batches, buffers):
+            link.send(wire.Kind.PAGES, room, {"start": offset, "n": len(batch)}, payload=buf)
+            offset += len(batch)
         return True
 
     def finish(self, room: int, metadata: Optional[dict[str, Any]] = None) -> bool:

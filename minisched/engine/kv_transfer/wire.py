@@ -30,6 +30,9 @@ from typing import Any
 VERSION = 1
 MAGIC = b"MSKV"
 HEADER = struct.Struct("!4sBQIQ")
+# the stream reader's buffer limit: asyncio pauses reading at twice this; its 64 KiB default made a
+# page batch of megabytes arrive in hundreds of pause/resume turns of the loop
+STREAM_LIMIT = 4 << 20
 
 
 class Kind(enum.IntEnum):
@@ -91,7 +94,7 @@ async def read_payload(reader: asyncio.StreamReader, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        chunk = await reader.read(min(n - got, 1 << 20))
+        chunk = await reader.read(min(n - got, STREAM_LIMIT))
         if not chunk:
             raise asyncio.IncompleteReadError(bytes(view[:got]), n)
         view[got : got + len(chunk)] = chunk
