@@ -14,7 +14,7 @@ visible in what the client gets.
 GET /_recorded answers the requests recorded so far ([{"method", "path", "body"}], oldest first);
 DELETE /_recorded forgets them. POST /_control sets how it answers the generation routes from then on:
 `{"fail_status": 503, "fail_count": 1}` answers the next fail_count of them with that status (an SGLang
-error body), `{"stream_as_json": true}` answers a streamed request with one JSON body instead of SSE
+error body), `{"delay": 1.0}` answers each after that many seconds, `{"stream_as_json": true}` answers a streamed request with one JSON body instead of SSE
 (what a prefill worker may do: the router reads the prefill side's answer whole). Run it with the main
 venv's python (fastapi, uvicorn).
 
@@ -25,6 +25,7 @@ decode, tmp)` the real router in PD mode in front of them (tests/serve/test_pd_p
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -125,7 +126,7 @@ def _completion_chunks(role: str, body: dict, chat: bool) -> list[dict]:
 def make_app(role: str, served_model_name: str) -> FastAPI:
     app = FastAPI()
     recorded: list[dict] = []
-    control: dict[str, Any] = {"fail_status": 0, "fail_count": 0, "stream_as_json": False}
+    control: dict[str, Any] = {"fail_status": 0, "fail_count": 0, "stream_as_json": False, "delay": 0.0}
 
     def failing() -> JSONResponse | None:
         if control["fail_count"] <= 0:
@@ -187,6 +188,7 @@ def make_app(role: str, served_model_name: str) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         body = await request.json()
+        await asyncio.sleep(control["delay"])
         n, batched = _prompts(body)
         outs = [_generate_one(role, i, body) for i in range(n)]
         if (error := failing()) is not None:
@@ -197,6 +199,7 @@ def make_app(role: str, served_model_name: str) -> FastAPI:
 
     async def openai(request: Request, chat: bool):
         body = await request.json()
+        await asyncio.sleep(control["delay"])
         if (error := failing()) is not None:
             return error
         return _sse(_completion_chunks(role, body, chat)) if streamed(body) else _completion(role, body, chat)

@@ -9,6 +9,7 @@ The tests run in file order on one router (module fixture); the one that kills t
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -165,6 +166,7 @@ def test_generate_logprobs_prefill_rows_first(pd):
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
     assert meta["input_token_logprobs"] == PREFILL_ROWS + [DECODE_MARK]
+    assert r.headers["content-type"] == "application/octet-stream"  # the merged body loses its JSON type
     assert meta["output_token_logprobs"] == [[-0.25, 200, None]]  # the decode side's, untouched
     sent, _ = both_sides(pd, "/generate")
     assert sent["return_logprob"] is True
@@ -197,6 +199,31 @@ def test_openai_logprobs_are_not_merged(pd):
     assert r.json()["choices"][0] == {"index": 0, "text": "decode:0", "finish_reason": "length", "logprobs": None}
     sent, _ = both_sides(pd, "/v1/completions")
     assert sent["logprobs"] == 1 and sent["echo"] is True
+
+
+def test_the_router_waits_for_both_answers(pd):
+    """It sends both requests at once and reads both answers before it answers: a non-streamed request
+    ends no sooner than the decode side's answer, even when the prefill side failed at once; a streamed
+    one starts no sooner than the prefill side's whole answer."""
+    control(pd["decode"], delay=1.0)
+    control(pd["prefill"], fail_status=400, fail_count=1)
+    t0 = time.monotonic()
+    r = httpx.post(pd["router"].url + "/generate", json={"text": "slow decode"}, timeout=20)
+    waited = time.monotonic() - t0
+    control(pd["decode"], delay=0.0)
+    assert r.status_code == 400 and waited >= 1.0, (r.status_code, waited)
+    control(pd["prefill"], delay=1.0)
+    try:
+        body = {"model": "tiny", "prompt": "slow prefill", "max_tokens": 2, "stream": True}
+        t0 = time.monotonic()
+        with httpx.stream("POST", pd["router"].url + "/v1/completions", json=body, timeout=20) as s:
+            first = next(line for line in s.iter_lines() if line.startswith("data: "))
+            waited = time.monotonic() - t0
+    finally:
+        control(pd["prefill"], delay=0.0)
+    assert "decode:" in first and waited >= 1.0, (first, waited)
+    recorded(pd["prefill"])
+    recorded(pd["decode"])
 
 
 def test_a_failed_prefill_is_retried_with_a_new_room_on_both_sides(pd):
