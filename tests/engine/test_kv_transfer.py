@@ -268,6 +268,21 @@ def test_the_decode_side_aborts(ends, state):
     assert p.send_pages(8, src_pages[:1]) is False and p.finish(8) is False  # ended: the caller stops
 
 
+def test_an_abort_after_an_unpolled_end_replaces_it(ends):
+    """The room failed on the network thread, the caller aborts it before polling: it ends once, by
+    the caller's abort (its FAILED event is dropped), so its pages are given back once."""
+    p, d, _, _ = ends
+    p_pool, d_pool = PagePool(NUM_PAGES), PagePool(NUM_PAGES)
+    handshake(p, d, p_pool, d_pool, 13, 2)
+    p.abort(13, "first")
+    p_pool.release(13)
+    wait_state(d, 13, DecodeState.FAILED)
+    d.abort(13, "second")
+    d_pool.release(13)
+    assert quiet_for(d, 0.2) == [] and quiet_for(p, 0.1) == []
+    assert p_pool.clean and d_pool.clean
+
+
 def test_the_decode_side_aborts_while_connecting():
     """Aborted before the handshake finished: once connected, the decode side announces nothing and
     tells the prefill worker (which may hold the request) to abort."""

@@ -223,9 +223,12 @@ def start_fake(role: str, tmp: Path, served_model_name: str = "tiny") -> Proc:
     return spawn(f"fake-{role}", argv, port, tmp)
 
 
-def start_pd_router(py: str, prefill: Proc, bootstrap_port: Optional[int], decode: Proc, tmp: Path) -> Proc:
+def start_pd_router(
+    py: str, prefill: Proc, bootstrap_port: Optional[int], decode: Proc, tmp: Path, *extra: str, name: str = "router-pd"
+) -> Proc:
     """sglang-router in PD mode (`--prefill URL [BOOTSTRAP_PORT] --decode URL`), fast health checks,
-    short retry backoffs (a retried request shows up on the fakes within milliseconds)."""
+    short retry backoffs (a retried request shows up on the fakes within milliseconds); `extra`: more
+    router options (a later one overrides the same option here)."""
     port = free_port()
     argv = [py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--pd-disaggregation", "--prefill", prefill.url, *([str(bootstrap_port)] if bootstrap_port else [])]
@@ -235,7 +238,7 @@ def start_pd_router(py: str, prefill: Proc, bootstrap_port: Optional[int], decod
     argv += ["--worker-startup-timeout-secs", "60", "--worker-startup-check-interval", "1", "--log-level", "warn"]
     argv += ["--retry-initial-backoff-ms", "10", "--retry-max-backoff-ms", "50"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    return spawn("router-pd", argv, port, tmp)
+    return spawn(name, [*argv, *extra], port, tmp)
 
 
 def main() -> None:

@@ -39,10 +39,15 @@ def pd(tmp_path_factory):
         for w in (prefill, decode):
             wait_healthy(w, 30)
         router = start_pd_router(ROUTER_PY, prefill, BOOTSTRAP_PORT, decode, tmp)
-        procs.append(router)
-        wait_healthy(router, 30, "/liveness")
-        wait_registered(router, [prefill.url, decode.url], 30)
-        yield {"prefill": prefill, "decode": decode, "router": router}
+        # health checks once an hour: a dead worker stays in its rotation (the last test)
+        blind = start_pd_router(
+            ROUTER_PY, prefill, BOOTSTRAP_PORT, decode, tmp, "--health-check-interval-secs", "3600", name="blind"
+        )
+        procs += [router, blind]
+        for r in (router, blind):
+            wait_healthy(r, 30, "/liveness")
+            wait_registered(r, [prefill.url, decode.url], 30)
+        yield {"prefill": prefill, "decode": decode, "router": router, "blind": blind}
     finally:
         for p in procs:
             p.kill()
@@ -266,9 +271,9 @@ def test_what_the_router_answers_itself(pd):
 
 def test_a_dead_prefill_worker(pd):
     """Killed: the router's sends fail (502, retried on the same pair: the decode side gets every try's
-    room), then its health check drops the prefill worker and requests fail fast with 503."""
+    room) until its health check drops the prefill worker; then requests fail fast with 503."""
     pd["prefill"].kill()
-    r = httpx.post(pd["router"].url + "/generate", json={"text": "anyone?"}, timeout=20)
+    r = httpx.post(pd["blind"].url + "/generate", json={"text": "anyone?"}, timeout=20)
     assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_server_error"
     tries = recorded(pd["decode"], "/generate")
     assert len(tries) >= 2 and len({t["body"]["bootstrap_room"] for t in tries}) == len(tries)
