@@ -307,6 +307,7 @@ def test_the_decode_side_aborts_while_connecting():
 # -- a peer that dies ----------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(180)  # a process that imports torch: slow on a loaded machine
 def test_a_prefill_worker_killed_mid_transfer(ends):
     _, d, _, _ = ends
     peer = PeerProcess("prefill", "--room", "21", "--pages", "8", "--send", "3")
@@ -328,6 +329,8 @@ def test_a_prefill_worker_killed_mid_transfer(ends):
         peer.kill()
 
 
+@pytest.mark.timeout(180)  # a process that imports torch: slow on a loaded machine
+@pytest.mark.parametrize("ends", [(16, torch.float32, dataclasses.replace(FAST, bootstrap_timeout=120))], indirect=True)
 def test_a_decode_worker_killed_mid_transfer(ends):
     p, _, _, _ = ends
     p_pool = PagePool(NUM_PAGES)
@@ -335,7 +338,7 @@ def test_a_decode_worker_killed_mid_transfer(ends):
     pages = p_pool.reserve(31, 8)
     peer = PeerProcess("decode", "--port", str(p.port), "--room", "31", "--pages", "8")
     try:
-        assert poll_until(p, 31, timeout=60).kind == EventKind.READY
+        assert poll_until(p, 31, timeout=120).kind == EventKind.READY
         p.send_pages(31, pages[:3])
         peer.line("state receiving")
         peer.kill()

@@ -192,7 +192,7 @@ class PeerProcess:
         self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self.output: list[str] = []
 
-    def line(self, prefix: str, timeout: float = 60.0) -> str:
+    def line(self, prefix: str, timeout: float = 120.0) -> str:
         assert self.popen.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
